@@ -1,0 +1,21 @@
+"""megatron.fsdp: fully-sharded data parallelism for any ``nn.Module`` (torch only).
+
+See docs/engine.md for the design. Public API::
+
+    model = fully_shard(module, strategy="optim_grads_params", unit_modules=(Block,))
+    optimizer = FullyShardedOptimizer(model, torch.optim.AdamW, lr=1e-3, clip_grad=1.0)
+"""
+
+from .comm import Ledger, LedgerEvent
+from .layout import FlatLayout, ParamSpec, build_layout
+from .mixed_precision import MixedPrecision
+from .module import FullyShardedModule, PersistentMemory, fully_shard, megatron_no_weight_decay
+from .optimizer import FullyShardedOptimizer
+from .strategy import STRATEGIES, ShardingStrategy, parse_strategy
+from .unit import FSDPUnit, UnitState
+
+__all__ = [
+    "FSDPUnit", "FlatLayout", "FullyShardedModule", "FullyShardedOptimizer", "Ledger", "LedgerEvent",
+    "MixedPrecision", "ParamSpec", "PersistentMemory", "STRATEGIES", "ShardingStrategy", "UnitState",
+    "build_layout", "fully_shard", "megatron_no_weight_decay", "parse_strategy",
+]

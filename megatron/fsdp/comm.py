@@ -1,0 +1,128 @@
+"""Collectives of one data-parallel axis, and the ledger that counts them.
+
+Every collective the engine issues goes through a ``CommAxis`` so the ledger
+sees all traffic: tests prove the schedule with it (how many gathers per unit,
+how many bytes per step) and benchmarks compare it with the theoretical
+minimum. On an axis of one rank nothing is sent and nothing is recorded.
+
+Bytes recorded are the size of the full (unsharded) buffer a collective works
+on: the all-gather output, the reduce-scatter input, the all-reduce tensor.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+# torch 2.13 renamed the flat-tensor collectives; the old names warn on every call.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class LedgerEvent:
+    kind: str
+    axis: str
+    nbytes: int
+    tag: str
+
+
+class Ledger:
+    """Counts calls and bytes per (collective kind, axis); optionally keeps every event."""
+
+    def __init__(self):
+        self.trace = False
+        self.reset()
+
+    def reset(self) -> None:
+        self._calls: Dict[Tuple[str, str], int] = collections.defaultdict(int)
+        self._bytes: Dict[Tuple[str, str], int] = collections.defaultdict(int)
+        self.events: List[LedgerEvent] = []
+
+    def record(self, kind: str, axis: str, nbytes: int, tag: str) -> None:
+        self._calls[(kind, axis)] += 1
+        self._bytes[(kind, axis)] += nbytes
+        if self.trace:
+            self.events.append(LedgerEvent(kind, axis, nbytes, tag))
+
+    def _sum(self, table, kind, axis) -> int:
+        return sum(v for (k, a), v in table.items() if kind in (None, k) and axis in (None, a))
+
+    def calls(self, kind: Optional[str] = None, axis: Optional[str] = None) -> int:
+        return self._sum(self._calls, kind, axis)
+
+    def bytes(self, kind: Optional[str] = None, axis: Optional[str] = None) -> int:
+        return self._sum(self._bytes, kind, axis)
+
+    def summary(self) -> Dict[Tuple[str, str], Tuple[int, int]]:
+        """``{(kind, axis): (calls, bytes)}`` in first-seen order."""
+        return {key: (self._calls[key], self._bytes[key]) for key in self._calls}
+
+
+class Handle:
+    """An in-flight collective plus what to run once it has landed."""
+
+    __slots__ = ("_work", "_then", "_keep")
+
+    def __init__(self, work=None, then=None, keep=()):
+        self._work = work
+        self._then = then
+        self._keep = keep  # tensors the collective reads or writes: alive until it lands
+
+    def wait(self) -> None:
+        if self._work is not None:
+            work = self._work
+            self._work = None
+            work.wait()
+        self._keep = ()
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+
+
+class CommAxis:
+    """One data-parallel axis: a process group, its name, and the ledger."""
+
+    def __init__(self, name: str, group, ledger: Ledger):
+        self.name = name
+        self.group = group
+        self.ledger = ledger
+        if dist.is_available() and dist.is_initialized():
+            self.size = dist.get_world_size(group)
+            self.rank = dist.get_rank(group)
+        elif group is None:
+            self.size, self.rank = 1, 0
+        else:
+            raise RuntimeError("a process group was given but torch.distributed is not initialised")
+
+    def _record(self, kind: str, tensor: torch.Tensor, tag: str) -> None:
+        self.ledger.record(kind, self.name, tensor.numel() * tensor.element_size(), tag)
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, tag: str = "") -> Handle:
+        """Gather equal shards into ``output``; ``shard`` may be this rank's slice of it."""
+        if self.size == 1:
+            if output.data_ptr() != shard.data_ptr():
+                output.copy_(shard)
+            return Handle()
+        self._record("all_gather", output, tag)
+        return Handle(_ALL_GATHER(output, shard, group=self.group, async_op=True))
+
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, tag: str = "") -> Handle:
+        """Sum ``full`` over ranks and leave this rank's slice in ``output``."""
+        if self.size == 1:
+            output.copy_(full)
+            return Handle()
+        self._record("reduce_scatter", full, tag)
+        return Handle(_REDUCE_SCATTER(output, full, group=self.group, async_op=True))
+
+    def all_reduce(self, tensor: torch.Tensor, tag: str = "") -> Handle:
+        """Sum ``tensor`` over ranks, in place."""
+        if self.size == 1:
+            return Handle()
+        self._record("all_reduce", tensor, tag)
+        return Handle(dist.all_reduce(tensor, group=self.group, async_op=True))

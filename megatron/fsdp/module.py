@@ -1,0 +1,284 @@
+"""``fully_shard``: find the units, lay out their buffers, install the hooks."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map
+
+from .buffers import UnitStorage
+from .comm import CommAxis, Ledger
+from .layout import ParamSpec, build_layout
+from .mixed_precision import MixedPrecision
+from .runtime import Runtime
+from .strategy import ShardingStrategy, parse_strategy
+from .unit import FSDPUnit
+from .validation import check_same_module_on_all_ranks, module_signature
+
+ALIGN_BYTES = 16
+
+
+def megatron_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
+    """Megatron's default: no weight decay on biases and on 1-D parameters (norms)."""
+    return name.endswith(".bias") or name == "bias" or param.dim() <= 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PersistentMemory:
+    """Bytes this rank keeps between steps, by kind."""
+
+    compute_weights: int
+    main_weights: int
+    main_grads: int
+    optimizer_state: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.compute_weights + self.main_weights + self.main_grads + self.optimizer_state
+
+
+def _nbytes(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.untyped_storage().nbytes()
+
+
+class FullyShardedModule(torch.nn.Module):
+    """The wrapped model: call it like the original; its parameters live in flat unit buffers."""
+
+    def __init__(self, module: torch.nn.Module, runtime: Runtime, units: List[FSDPUnit], axis: CommAxis,
+                 strategy: ShardingStrategy, mixed_precision: MixedPrecision, no_weight_decay: Callable):
+        super().__init__()
+        self.module = module
+        self._runtime = runtime
+        self._units = units
+        self._axis = axis
+        self.strategy = strategy
+        self.mixed_precision = mixed_precision
+        self.no_weight_decay = no_weight_decay
+
+    # ------------------------------------------------------------------ use
+    def forward(self, *args, **kwargs):
+        mp = self.mixed_precision
+        if mp.param_dtype is not None and mp.cast_forward_inputs:
+            cast = lambda t: t.to(mp.param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+            args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+        self._runtime.root_pre_forward()
+        return self._runtime.root_post_forward(self.module(*args, **kwargs))
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally; the reduction happens on the first backward outside.
+
+        Under ``optim_grads`` and ``optim_grads_params`` gradients are sharded, so
+        they are still reduce-scattered every micro-batch; ``no_sync`` changes
+        nothing there. If a step is taken while still inside, ``optimizer.step()``
+        performs the pending reduction itself, so no gradient is ever skipped.
+        """
+        previous = self._runtime.sync_grads
+        self._runtime.sync_grads = False
+        try:
+            yield
+        finally:
+            self._runtime.sync_grads = previous
+
+    # ------------------------------------------------------------ inspection
+    @property
+    def units(self) -> List[FSDPUnit]:
+        return list(self._units)
+
+    @property
+    def ledger(self) -> Ledger:
+        return self._axis.ledger
+
+    @property
+    def process_group(self):
+        return self._axis.group
+
+    def finish_grad_sync(self) -> None:
+        self._runtime.finish_grad_sync()
+
+    def memory_report(self, optimizer=None) -> PersistentMemory:
+        compute = main = grads = 0
+        for unit in self._units:
+            s = unit.storage
+            compute += _nbytes(s.shard) if s.strategy.shard_params else _nbytes(s.full)
+            main += 0 if s.shares_main else _nbytes(s.main)
+            grads += _nbytes(s.grad_accum)
+        state = optimizer.state_bytes() if optimizer is not None else 0
+        return PersistentMemory(compute, main, grads, state)
+
+    # ------------------------------------------------------------ state dict
+    def state_dict(self, *args, **kwargs) -> Dict[str, torch.Tensor]:
+        """Full, unsharded tensors by parameter name (main precision for trainable ones).
+
+        A collective on sharded levels: every rank must call it. Buffers of the
+        module are included as they are.
+        """
+        self._runtime.wait_weights()
+        out: Dict[str, torch.Tensor] = {}
+        for unit in self._units:
+            s = unit.storage
+            flat = self._gathered_main(s)
+            for name, slot in zip(unit.param_names, s.layout.slots):
+                out[name] = flat[slot.start:slot.end].view(slot.spec.shape).clone()
+        for name, buf in self.module.named_buffers():
+            out[name] = buf.detach().clone()
+        return out
+
+    def _gathered_main(self, s: UnitStorage) -> torch.Tensor:
+        flat = torch.zeros(s.layout.padded_size, dtype=s.main_dtype, device=s.full.device)
+        if s.strategy.shard_params or s.strategy.shard_optim:
+            lo, hi = s.lo, s.hi
+            compute = s.shard if s.strategy.shard_params else s.full[lo:hi]
+            flat[lo:hi].copy_(compute)
+            flat[s.a:s.b].copy_(s.main)
+            if s.axis.size > 1:
+                s.axis.all_reduce(flat, tag="state_dict").wait()
+        else:
+            flat.copy_(s.full)
+            flat[s.a:s.b].copy_(s.main)
+        return flat
+
+    def load_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True):
+        """Load full tensors (as produced by ``state_dict``); every rank takes its own piece."""
+        names = [n for unit in self._units for n in unit.param_names]
+        missing = [n for n in names if n not in state_dict]
+        buffers = dict(self.module.named_buffers())
+        unexpected = [k for k in state_dict if k not in names and k not in buffers]
+        if strict and (missing or unexpected):
+            raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        self._runtime.wait_weights()
+        with torch.no_grad():
+            for unit in self._units:
+                s = unit.storage
+                flat = self._gathered_main(s)
+                for name, slot in zip(unit.param_names, s.layout.slots):
+                    if name in state_dict:
+                        value = state_dict[name]
+                        if tuple(value.shape) != slot.spec.shape:
+                            raise ValueError(f"{name}: shape {tuple(value.shape)} in the state dict, {slot.spec.shape} in the model")
+                        flat[slot.start:slot.end].copy_(value.reshape(-1))
+                if not s.shares_main:
+                    s.main.copy_(flat[s.a:s.b])
+                if s.strategy.shard_params:
+                    s.shard.copy_(flat[s.lo:s.hi])
+                else:
+                    s.full.copy_(flat)
+            for name, buf in buffers.items():
+                if name in state_dict:
+                    buf.copy_(state_dict[name])
+
+
+def _unit_classes(unit_modules) -> Tuple[Type[torch.nn.Module], ...]:
+    if unit_modules is None:
+        return ()
+    if isinstance(unit_modules, type):
+        return (unit_modules,)
+    classes = tuple(unit_modules)
+    for c in classes:
+        if not (isinstance(c, type) and issubclass(c, torch.nn.Module)):
+            raise TypeError(f"unit_modules must be nn.Module classes, got {c!r}")
+    return classes
+
+
+def _assign_params(module: torch.nn.Module, unit_names: List[str]):
+    """Map each parameter to the innermost unit containing every module that holds it.
+
+    A tied parameter (e.g. embedding and output head) lands in the lowest common
+    unit of its holders, so it is resident whenever any holder runs.
+    """
+    def chain(module_name: str) -> List[str]:
+        return [u for u in unit_names if u == "" or module_name == u or module_name.startswith(u + ".")]
+
+    canonical: Dict[int, str] = {}
+    owner: Dict[int, List[str]] = {}
+    params: Dict[int, torch.nn.Parameter] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        c = chain(name.rpartition(".")[0])
+        if id(p) not in canonical:
+            canonical[id(p)], owner[id(p)], params[id(p)] = name, c, p
+        else:
+            prev = owner[id(p)]
+            k = 0
+            while k < min(len(prev), len(c)) and prev[k] == c[k]:
+                k += 1
+            owner[id(p)] = prev[:k]
+    by_unit: Dict[str, List[Tuple[str, torch.nn.Parameter]]] = {u: [] for u in unit_names}
+    for pid, name in canonical.items():
+        by_unit[owner[pid][-1]].append((name, params[pid]))
+    return by_unit
+
+
+def fully_shard(
+    module: torch.nn.Module,
+    strategy="optim_grads_params",
+    unit_modules: Optional[Iterable[Type[torch.nn.Module]]] = None,
+    process_group=None,
+    mixed_precision: Optional[MixedPrecision] = None,
+    no_weight_decay: Callable[[str, torch.nn.Parameter], bool] = megatron_no_weight_decay,
+) -> FullyShardedModule:
+    """Shard ``module``'s parameters, gradients and optimizer state over ``process_group``.
+
+    Every check that can fail runs before the first collective; the one
+    collective here (a digest of parameter names, shapes and dtypes) makes all
+    ranks fail together when the models differ.
+    """
+    level = parse_strategy(strategy)
+    mp = mixed_precision if mixed_precision is not None else MixedPrecision()
+    if not isinstance(mp, MixedPrecision):
+        raise TypeError(f"mixed_precision must be a megatron.fsdp.MixedPrecision, got {type(mp).__name__}")
+    if isinstance(module, FullyShardedModule):
+        raise ValueError("module is already wrapped by fully_shard")
+    classes = _unit_classes(unit_modules)
+    unit_names = [""] + [n for n, m in module.named_modules() if n and isinstance(m, classes)]
+    if classes and len(unit_names) == 1:
+        present = sorted({type(m).__name__ for m in module.modules()})
+        raise ValueError(
+            f"unit_modules {[c.__name__ for c in classes]} matched no submodule of {type(module).__name__}; "
+            f"module classes present: {', '.join(present)}")
+    named = list(module.named_parameters())
+    devices = sorted({str(p.device) for _, p in named})
+    if len(devices) > 1:
+        raise ValueError(f"all parameters must be on one device before fully_shard, found {devices}")
+    device = torch.device(devices[0]) if devices else torch.device("cpu")
+    for name, p in named:
+        if not p.is_floating_point():
+            raise TypeError(f"parameter {name!r} has non-floating dtype {p.dtype}; only floating parameters can be sharded")
+    if process_group is None and dist.is_available() and dist.is_initialized():
+        process_group = dist.group.WORLD
+    axis = CommAxis("dp", process_group, Ledger())
+    by_unit = _assign_params(module, unit_names)
+    for uname, plist in by_unit.items():
+        dtypes = sorted({str(mp.compute_dtype(p.dtype)) for _, p in plist})
+        if len(dtypes) > 1:
+            raise TypeError(f"FSDP unit {uname or '<root>'} mixes compute dtypes {dtypes}; "
+                            "pass mixed_precision=MixedPrecision(param_dtype=...) or make them uniform")
+    check_same_module_on_all_ranks(axis, module_signature(named), device)
+
+    units: List[FSDPUnit] = []
+    modules = dict(module.named_modules())
+    for uname in unit_names:
+        plist = by_unit[uname]
+        if not plist:
+            continue
+        specs = [ParamSpec(n, tuple(p.shape), p.requires_grad, no_weight_decay(n, p)) for n, p in plist]
+        compute_dtype = mp.compute_dtype(plist[0][1].dtype)
+        layout = build_layout(specs, axis.size, align=max(1, ALIGN_BYTES // compute_dtype.itemsize))
+        by_name = dict(plist)
+        ordered = [by_name[s.spec.name] for s in layout.slots]
+        storage = UnitStorage(layout, ordered, level, axis, compute_dtype, mp.main_dtype,
+                              mp.reduce_dtype(compute_dtype), device)
+        units.append(FSDPUnit(len(units), uname, [modules[uname]], storage, [s.spec.name for s in layout.slots]))
+    root = units[0] if units and units[0].name == "<root>" else None
+    runtime = Runtime(units, root, level)
+    for unit in units:
+        if unit is not root:
+            for m in unit.modules:
+                m.register_forward_pre_hook(lambda _m, _a, u=unit: runtime.pre_forward(u))
+                m.register_forward_hook(lambda _m, _a, out, u=unit: runtime.post_forward(u, out))
+        for i, p in unit.storage.trainable_params:
+            p.register_post_accumulate_grad_hook(lambda _p, u=unit, i=i: runtime.on_grad(u, i))
+    return FullyShardedModule(module, runtime, units, axis, level, mp, no_weight_decay)

@@ -1,0 +1,115 @@
+"""One FSDP unit: its parameters' storage and the explicit state machine of its life cycle.
+
+::
+
+    IDLE --unshard--> UNSHARDING --wait--> FORWARD --release--> IDLE
+      |                    |                  |
+      +-------------------------------------> BACKWARD --post-backward--> IDLE
+
+``IDLE``: between uses; under ZeRO-3 only the shard exists, other levels keep
+the full weights resident. ``UNSHARDING``: an all-gather is in flight (a
+prefetch, or an on-demand gather about to be waited). ``FORWARD``/``BACKWARD``:
+weights resident and in use. Any transition not in the table is a bug in the
+runtime and raises at once instead of corrupting a collective schedule.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import List, Optional
+
+import torch
+
+from .buffers import UnitStorage
+from .comm import Handle
+
+
+class UnitState(enum.Enum):
+    IDLE = "idle"
+    UNSHARDING = "unsharding"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+_TRANSITIONS = {
+    UnitState.IDLE: (UnitState.UNSHARDING, UnitState.FORWARD, UnitState.BACKWARD),
+    UnitState.UNSHARDING: (UnitState.FORWARD, UnitState.BACKWARD, UnitState.IDLE),
+    UnitState.FORWARD: (UnitState.IDLE, UnitState.BACKWARD),
+    UnitState.BACKWARD: (UnitState.IDLE,),
+}
+
+
+class FSDPUnit:
+    """A group of parameters gathered, released and reduced together."""
+
+    def __init__(self, index: int, name: str, modules: List[torch.nn.Module], storage: UnitStorage, param_names: List[str]):
+        self.index = index
+        self.name = name or "<root>"
+        self.modules = modules
+        self.storage = storage
+        self.param_names = param_names
+        self.state = UnitState.IDLE
+        self._pending: Optional[Handle] = None  # in-flight all-gather of the compute weights
+        trainable = [i for i, _ in storage.trainable_params]
+        self.trainable_index = {i: k for k, i in enumerate(trainable)}
+        self._grad_ready = [False] * len(trainable)
+        self._ready_count = 0
+        self.reduced_this_step = False  # full-grad levels: the once-per-step reduction has run
+        self.grads_touched = False      # received gradients since the last reduction
+
+    @property
+    def num_trainable(self) -> int:
+        return len(self._grad_ready)
+
+    def transition(self, new: UnitState) -> None:
+        if new not in _TRANSITIONS[self.state]:
+            raise RuntimeError(f"FSDP unit {self.name}: illegal transition {self.state.value} -> {new.value}")
+        self.state = new
+
+    # -------------------------------------------------------------- gather
+    def start_unshard(self) -> None:
+        """Issue the all-gather without waiting (prefetch)."""
+        self.transition(UnitState.UNSHARDING)
+        self._gather()
+
+    def activate(self, state: UnitState) -> None:
+        """Make the weights usable and enter FORWARD or BACKWARD."""
+        if self.state is UnitState.IDLE:
+            self._gather()
+        self.wait_weights()
+        self.transition(state)
+
+    def _gather(self) -> None:
+        if self.storage.resident:
+            return  # nothing to gather; an install-gather after the step may be pending
+        self.wait_weights()
+        self._pending = self.storage.unshard(tag=self.name)
+
+    def wait_weights(self) -> None:
+        if self._pending is not None:
+            handle, self._pending = self._pending, None
+            handle.wait()
+
+    def set_pending(self, handle: Handle) -> None:
+        """An install-gather after the optimizer step; waited before the next use."""
+        self.wait_weights()
+        self._pending = handle
+
+    def release(self) -> None:
+        self.wait_weights()
+        self.storage.reshard()
+        self.transition(UnitState.IDLE)
+
+    # ------------------------------------------------------------ gradients
+    def begin_backward(self) -> None:
+        self._grad_ready = [False] * self.num_trainable
+        self._ready_count = 0
+        self.storage.begin_grads()
+
+    def mark_ready(self, param_index: int) -> bool:
+        """Record that a parameter's grad has been accumulated; True when all have."""
+        k = self.trainable_index[param_index]
+        if not self._grad_ready[k]:
+            self._grad_ready[k] = True
+            self._ready_count += 1
+        return self._ready_count == self.num_trainable
