@@ -29,7 +29,7 @@ class Block(nn.Module):
         self.heads = heads
         self.recompute = recompute
         self.norm1 = nn.LayerNorm(hidden)
-        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)  # a key bias has a zero gradient in exact math: Adam would amplify noise
         self.proj = nn.Linear(hidden, hidden)
         self.norm2 = nn.LayerNorm(hidden)
         self.mlp = MLP(hidden)
@@ -63,7 +63,7 @@ class TinyLM(nn.Module):
         x = self.embed(tokens) + self.pos[: tokens.shape[1]]
         for block in self.blocks:
             x = block(x)
-        x = self.norm(x) * self.frozen_scale + self.causal_offset
+        x = self.norm(x) * self.frozen_scale + self.causal_offset.to(x.dtype)
         logits = F.linear(x, self.embed.weight)  # tied with the embedding
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 

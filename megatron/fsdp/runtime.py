@@ -32,16 +32,21 @@ class Runtime:
         self.strategy = strategy
         self.sync_grads = True
         self.backwards_since_step = 0
-        self._order: List[FSDPUnit] = []          # forward order of this pass
+        self._order: List[FSDPUnit] = []           # forward order of this pass
+        self._bwd_order: List[FSDPUnit] = []       # backward order of this pass
         self._last_next: Dict[int, FSDPUnit] = {}  # forward prefetch map from the previous pass
+        self._last_bwd_next: Dict[int, FSDPUnit] = {}
         self._bwd_next: Optional[Dict[int, FSDPUnit]] = None
+        # How each gather was satisfied, per phase: "prefetched" (issued before the
+        # unit was needed) or "on_demand" (the unit had to wait for its own gather).
+        self.gather_stats = {p: {"prefetched": 0, "on_demand": 0} for p in ("forward", "backward")}
         self._reductions: Deque[Handle] = collections.deque()
         self._callback_queued = False
 
     # ---------------------------------------------------------------- forward
     def root_pre_forward(self) -> None:
         if self._order:
-            self._last_next = {u.index: v for u, v in zip(self._order, self._order[1:])}
+            self._last_next = self._next_map(self._order)
         self._order = []
         self._bwd_next = None
         if self.root is not None and self.root.state in (UnitState.IDLE, UnitState.UNSHARDING):
@@ -60,6 +65,7 @@ class Runtime:
         if _in_backward():
             self._enter_backward(unit)
             return
+        self._count_gather(unit, "forward")
         unit.activate(UnitState.FORWARD)
         self._order.append(unit)
         self._prefetch(self._last_next.get(unit.index))
@@ -71,6 +77,15 @@ class Runtime:
         if torch.is_grad_enabled():
             self._register_pre_backward(unit, output)
         return output
+
+    def _count_gather(self, unit: FSDPUnit, phase: str) -> None:
+        if unit.state is UnitState.UNSHARDING:
+            self.gather_stats[phase]["prefetched"] += 1
+        elif not unit.storage.resident:
+            self.gather_stats[phase]["on_demand"] += 1
+
+    def _next_map(self, order: List[FSDPUnit]) -> Dict[int, FSDPUnit]:
+        return {u.index: v for u, v in zip(order, order[1:])}
 
     def _prefetch(self, unit: Optional[FSDPUnit]) -> None:
         if unit is not None and unit.state is UnitState.IDLE and not unit.storage.resident:
@@ -88,10 +103,15 @@ class Runtime:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if unit is None or unit.state is UnitState.BACKWARD:
             return
+        if unit is not self.root:
+            self._count_gather(unit, "backward")
         self._enter_backward(unit)
-        if self._bwd_next is None:
-            order = self._order[::-1]
-            self._bwd_next = {u.index: v for u, v in zip(order, order[1:])}
+        if unit is self.root:
+            return
+        if self._bwd_next is None:  # the previous backward's order, or reversed forward order at first
+            self._bwd_next = self._last_bwd_next or self._next_map(self._order[::-1])
+            self._bwd_order = []
+        self._bwd_order.append(unit)
         self._prefetch(self._bwd_next.get(unit.index))
 
     def _enter_backward(self, unit: FSDPUnit) -> None:
@@ -146,6 +166,8 @@ class Runtime:
         if self.sync_grads:
             self._reduce_unreduced()
         self._drain()
+        if self._bwd_order:
+            self._last_bwd_next = self._next_map(self._bwd_order)
         self.backwards_since_step += 1
 
     def _release_all(self) -> None:

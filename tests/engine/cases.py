@@ -1,0 +1,176 @@
+"""Cases that run inside the gloo worker pool: schedule, memory and error checks.
+
+Each returns plain data; the assertions live in the test modules, so a failure
+reads as a normal pytest failure in the parent process.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import torch
+
+import megatron.fsdp as mfsdp
+from tests.engine.training import GLOBAL_MICRO_BATCH, RunConfig, build_model, train_step, wrap
+from tests.models import MLP, Block, make_batches
+
+GRAD_KINDS = ("reduce_scatter", "all_reduce")
+
+
+def gather_schedule(ctx, micro_batches: int, recompute: bool, steps: int = 2):
+    """ZeRO-3: all-gathers per unit tag, per micro-batch of the last step; prefetch statistics."""
+    cfg = RunConfig(strategy="optim_grads_params", micro_batches=micro_batches, recompute=recompute, steps=steps)
+    fsdp, opt = wrap(ctx, cfg)
+    fsdp.ledger.trace = True
+    per_micro_batch = []
+
+    def snapshot(_k):
+        counts = collections.Counter(e.tag for e in fsdp.ledger.events if e.kind == "all_gather")
+        per_micro_batch.append(dict(counts))
+        fsdp.ledger.reset()
+
+    batches = make_batches(cfg.steps, cfg.micro_batches, GLOBAL_MICRO_BATCH)
+    for i, step in enumerate(batches):
+        if i == len(batches) - 1:
+            fsdp.ledger.reset()
+            for phase in fsdp._runtime.gather_stats.values():
+                phase.update(prefetched=0, on_demand=0)
+            train_step(ctx, fsdp, opt, step, cfg, after_micro_batch=snapshot)
+        else:
+            train_step(ctx, fsdp, opt, step, cfg)
+    resident = [u.name for u in fsdp.units if u.storage.resident or u.storage.full.untyped_storage().nbytes()]
+    transient_grads = [u.name for u in fsdp.units if u.storage.grad_full is not None]
+    return {
+        "per_micro_batch": per_micro_batch,
+        "units": [u.name for u in fsdp.units],
+        "gather_stats": fsdp._runtime.gather_stats,
+        "resident_after_step": resident,
+        "transient_grads_after_step": transient_grads,
+    }
+
+
+def max_resident_units(ctx, steps: int = 2):
+    """Largest number of units holding full ZeRO-3 weights at any forward or backward hook."""
+    cfg = RunConfig(strategy="optim_grads_params", micro_batches=1, steps=steps)
+    model = build_model(cfg)
+    peak = [0]
+    holder = {}
+
+    def observe(*_args):
+        if "fsdp" in holder:
+            peak[0] = max(peak[0], sum(u.storage.resident for u in holder["fsdp"].units))
+
+    for m in model.modules():
+        if isinstance(m, (Block, MLP)):
+            m.register_forward_pre_hook(lambda *a: observe())
+            m.register_forward_hook(lambda *a: observe())
+            m.register_full_backward_pre_hook(lambda *a: observe())
+    fsdp = mfsdp.fully_shard(model, strategy=cfg.strategy, unit_modules=(Block, MLP), process_group=ctx.group)
+    holder["fsdp"] = fsdp
+    opt = mfsdp.FullyShardedOptimizer(fsdp, torch.optim.AdamW, lr=1e-3)
+    for step in make_batches(cfg.steps, 1, GLOBAL_MICRO_BATCH):
+        train_step(ctx, fsdp, opt, step, cfg)
+    return {"peak": peak[0], "units": len(fsdp.units)}
+
+
+def grad_traffic(ctx, strategy: str, micro_batches: int):
+    """Gradient-reduction calls after each micro-batch and bytes per step, against theory."""
+    cfg = RunConfig(strategy=strategy, micro_batches=micro_batches, steps=1, hidden=64)
+    fsdp, opt = wrap(ctx, cfg)
+    calls_after = []
+    fsdp.ledger.reset()
+
+    def snapshot(_k):
+        calls_after.append(sum(fsdp.ledger.calls(kind) for kind in GRAD_KINDS))
+
+    step = make_batches(1, micro_batches, GLOBAL_MICRO_BATCH)[0]
+    train_step(ctx, fsdp, opt, step, cfg, after_micro_batch=snapshot)
+    ledger = fsdp.ledger
+    events = dict(ledger.summary())
+    grad_bytes = sum(b for (kind, _axis), (_c, b) in events.items() if kind in GRAD_KINDS)
+    norm_bytes = 0 if ctx.size == 1 or not fsdp.strategy.shard_optim else 4  # one fp32 scalar
+    trainable = sum(p.numel() for p in build_model(cfg).parameters() if p.requires_grad)
+    reductions = micro_batches if fsdp.strategy.shard_grads else 1
+    return {
+        "calls_after_micro_batch": calls_after,
+        "grad_bytes": grad_bytes - norm_bytes,
+        "theory_bytes": 4 * trainable * reductions,
+    }
+
+
+def memory(ctx, strategy: str, bf16: bool):
+    """Persistent bytes per rank against the closed-form amount for the level."""
+    cfg = RunConfig(strategy=strategy, bf16=bf16, steps=1, hidden=64, micro_batches=1)
+    fsdp, opt = wrap(ctx, cfg)
+    step = make_batches(1, 1, GLOBAL_MICRO_BATCH)[0]
+    train_step(ctx, fsdp, opt, step, cfg)  # optimizer state exists after the first step
+    report = fsdp.memory_report(opt)
+    model = build_model(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n, level = ctx.size, fsdp.strategy
+    compute_bytes = 2 if bf16 else 4
+    theory = mfsdp.PersistentMemory(
+        compute_weights=compute_bytes * total / (n if level.shard_params else 1),
+        main_weights=(4 * trainable / (n if level.shard_optim else 1)) if bf16 else 0,
+        main_grads=4 * (trainable / n if level.shard_grads else total),
+        optimizer_state=8 * trainable / (n if level.shard_optim else 1),
+    )
+    return {"report": dataclasses.asdict(report), "theory": dataclasses.asdict(theory)}
+
+
+def mismatched_models(ctx):
+    """Rank 1 builds a wider MLP: every rank must raise the same error, and nobody hangs."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8 if ctx.rank != 1 else 9), torch.nn.Linear(8 if ctx.rank != 1 else 9, 4))
+    try:
+        mfsdp.fully_shard(model, strategy="optim_grads_params", process_group=ctx.group)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def error_before_collective(ctx, case: str):
+    """Errors that every rank detects locally; returns the message (None if nothing was raised)."""
+    model = build_model(RunConfig())
+    try:
+        if case == "strategy":
+            mfsdp.fully_shard(model, strategy="zero3", unit_modules=(Block,), process_group=ctx.group)
+        elif case == "units":
+            mfsdp.fully_shard(model, unit_modules=(torch.nn.GRU,), process_group=ctx.group)
+        elif case == "step_without_backward":
+            fsdp = mfsdp.fully_shard(model, unit_modules=(Block,), process_group=ctx.group)
+            opt = mfsdp.FullyShardedOptimizer(fsdp, torch.optim.AdamW, lr=1e-3)
+            opt.step()
+        elif case == "grad_outside_unit":
+            fsdp = mfsdp.fully_shard(model, strategy="optim_grads", unit_modules=(Block,), process_group=ctx.group)
+            x = torch.randn(2, 8, 32)
+            fsdp.module.blocks[0].mlp(x).sum().backward()  # a submodule called without its unit
+        else:
+            raise AssertionError(case)
+    except (ValueError, RuntimeError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def forgotten_no_sync(ctx, strategy: str):
+    """Every micro-batch inside no_sync: optimizer.step() still reduces the gradients."""
+    from tests.engine.training import local_slice
+
+    cfg = RunConfig(strategy=strategy, micro_batches=2, steps=3)
+    fsdp, opt = wrap(ctx, cfg)
+    losses, norms = [], []
+    for step in make_batches(cfg.steps, cfg.micro_batches, GLOBAL_MICRO_BATCH):
+        total = torch.zeros(1, dtype=torch.float64)
+        with fsdp.no_sync():
+            for tokens, targets in step:
+                loss = fsdp(local_slice(ctx, tokens), local_slice(ctx, targets)) / cfg.micro_batches
+                loss.backward()
+                total += loss.item()
+        torch.distributed.all_reduce(total, group=ctx.group)
+        losses.append(total.item() / ctx.size)
+        norms.append(opt.step())
+        opt.zero_grad()
+    params = fsdp.state_dict()  # a collective: every rank calls it
+    return {"losses": losses, "grad_norms": norms, "params": params if ctx.rank == 0 else None}

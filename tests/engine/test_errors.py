@@ -1,0 +1,48 @@
+"""Bad input fails with a message that names the fix, before any collective can hang."""
+
+import pytest
+import torch
+
+import megatron.fsdp as mfsdp
+
+CASES = "tests.engine.cases:"
+HANG_TIMEOUT = 60
+
+
+def test_unknown_strategy_lists_valid_ones():
+    with pytest.raises(ValueError, match="no_shard.*optim.*optim_grads.*optim_grads_params"):
+        mfsdp.fully_shard(torch.nn.Linear(2, 2), strategy="zero3")
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("strategy", r"ValueError: unknown sharding strategy 'zero3'; valid strategies are 'no_shard'"),
+    ("units", r"ValueError: unit_modules \['GRU'\] matched no submodule of TinyLM; module classes present: .*Block"),
+    ("step_without_backward", r"RuntimeError: optimizer.step\(\) called without a backward pass"),
+    ("grad_outside_unit", r"RuntimeError: .*received a gradient outside that unit's backward"),
+])
+def test_errors_raise_on_every_rank_without_hanging(pool, case, pattern):
+    messages = pool.run(CASES + "error_before_collective", size=3, timeout=HANG_TIMEOUT, case=case)
+    for message in messages:
+        assert message is not None, f"{case}: nothing was raised"
+        assert __import__("re").search(pattern, message), message
+
+
+def test_modules_that_differ_across_ranks_are_named(pool):
+    messages = pool.run(CASES + "mismatched_models", size=3, timeout=HANG_TIMEOUT)
+    for message in messages:
+        assert message is not None
+        assert "differs across data-parallel ranks" in message
+        assert "'0.weight'" in message and "(8, 8) vs (9, 8)" in message, message
+
+
+def test_mixed_dtypes_in_one_unit_need_a_policy():
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).double())
+    with pytest.raises(TypeError, match="mixes compute dtypes"):
+        mfsdp.fully_shard(module)
+    mfsdp.fully_shard(module, mixed_precision=mfsdp.MixedPrecision(param_dtype=torch.float32))
+
+
+def test_rewrapping_is_rejected():
+    model = mfsdp.fully_shard(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="already wrapped"):
+        mfsdp.fully_shard(model)

@@ -1,0 +1,28 @@
+"""Persistent memory per rank equals the closed-form amount of each level."""
+
+import pytest
+
+from tests.engine.test_parity import LEVELS
+
+CASES = "tests.engine.cases:"
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("strategy", LEVELS)
+def test_persistent_bytes_match_theory(pool, strategy, world_size, bf16):
+    results = pool.run(CASES + "memory", size=world_size, strategy=strategy, bf16=bf16)
+    for rank, result in enumerate(results):
+        report, theory = result["report"], result["theory"]
+        for kind, expected in theory.items():
+            got = report[kind]
+            if expected == 0:
+                assert got == 0, (rank, kind, report)
+            else:
+                assert abs(got / expected - 1) < 0.01, f"rank {rank} {kind}: {got} bytes vs theory {expected:.0f}"
+
+
+def test_no_full_parameters_remain_after_zero3_backward(pool):
+    result = pool.run(CASES + "gather_schedule", size=3, micro_batches=2, recompute=True)[0]
+    assert result["resident_after_step"] == []
+    assert result["transient_grads_after_step"] == []

@@ -1,0 +1,67 @@
+"""The collective schedule, read from the ledger: what is gathered and reduced, when, and how much."""
+
+import pytest
+
+from tests.engine.test_parity import LEVELS, assert_parity, reference
+from tests.engine.training import RunConfig
+
+CASES = "tests.engine.cases:"
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_zero3_gathers_each_unit_once_per_forward_and_backward(pool, micro_batches, recompute):
+    result = pool.run(CASES + "gather_schedule", size=2, micro_batches=micro_batches, recompute=recompute)[0]
+    assert len(result["per_micro_batch"]) == micro_batches
+    for counts in result["per_micro_batch"]:
+        for unit in result["units"]:
+            # The root stays gathered from its forward through its backward: one gather.
+            expected = 1 if unit == "<root>" else 2
+            assert counts.get(unit, 0) == expected, (unit, counts)
+        assert set(counts) == set(result["units"]), counts
+    assert result["resident_after_step"] == []  # nothing stays gathered between steps
+    assert result["transient_grads_after_step"] == []
+
+
+def test_prefetch_overlaps_every_gather_but_the_first(pool):
+    """Steady state: in each direction only the first unit waits for its own gather."""
+    result = pool.run(CASES + "gather_schedule", size=2, micro_batches=1, recompute=False, steps=3)[0]
+    non_root = len(result["units"]) - 1
+    for phase in ("forward", "backward"):
+        stats = result["gather_stats"][phase]
+        assert stats == {"prefetched": non_root - 1, "on_demand": 1}, (phase, stats)
+
+
+def test_gathered_units_are_bounded(pool):
+    """Root + a block + its nested MLP + one prefetched unit at most; never the whole model."""
+    result = pool.run(CASES + "max_resident_units", size=2)[0]
+    assert result["units"] == 5
+    assert result["peak"] <= 4
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("strategy", LEVELS)
+def test_gradient_traffic_equals_theory_plus_padding(pool, strategy, world_size):
+    micro_batches = 3
+    result = pool.run(CASES + "grad_traffic", size=world_size, strategy=strategy, micro_batches=micro_batches)[0]
+    overhead = result["grad_bytes"] / result["theory_bytes"] - 1
+    assert 0 <= overhead < 0.01, result
+    calls = result["calls_after_micro_batch"]
+    if strategy in ("no_shard", "optim"):
+        assert calls[:-1] == [0] * (micro_batches - 1), f"grad collective before the last micro-batch: {calls}"
+        assert calls[-1] > 0
+    else:
+        assert all(c > 0 for c in calls), calls  # reduce-scattered every micro-batch
+
+
+def test_single_rank_issues_no_collective(pool):
+    result = pool.run(CASES + "grad_traffic", size=1, strategy="optim_grads_params", micro_batches=2)[0]
+    assert result["calls_after_micro_batch"] == [0, 0]
+    assert result["grad_bytes"] == 0
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
+def test_forgotten_no_sync_is_reduced_at_step(pool, strategy):
+    cfg = RunConfig(strategy=strategy, micro_batches=2, steps=3)
+    result = pool.run(CASES + "forgotten_no_sync", size=3, strategy=strategy)[0]
+    assert_parity(result, reference(cfg), 1e-5, 1e-5)

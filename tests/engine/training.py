@@ -1,0 +1,128 @@
+"""The same training loop twice: unsharded in one process (the reference) and under fully_shard.
+
+Both see the same global batch. A sharded rank takes its contiguous slice of
+every micro-batch, divides its loss by the number of micro-batches (as
+Megatron does) and lets the engine average gradients over ranks; the reported
+loss is the mean over ranks, which equals the global mean because every rank's
+slice has the same size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+import megatron.fsdp as mfsdp
+from tests.models import MLP, Block, TinyLM, make_batches
+
+GLOBAL_MICRO_BATCH = 12  # divisible by every world size the pool offers (1..4)
+
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)),
+    "adam": (torch.optim.Adam, dict(lr=1e-2, weight_decay=0.0)),
+    "sgd": (torch.optim.SGD, dict(lr=5e-2, momentum=0.9, weight_decay=0.01)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    strategy: str = "optim_grads_params"
+    steps: int = 5
+    micro_batches: int = 1
+    recompute: bool = False
+    bf16: bool = False
+    optimizer: str = "adamw"
+    clip_grad: float = 1.0
+    hidden: int = 32
+    layers: int = 2
+    seed: int = 0
+
+
+def build_model(cfg: RunConfig) -> TinyLM:
+    torch.manual_seed(cfg.seed)
+    return TinyLM(hidden=cfg.hidden, layers=cfg.layers, recompute=cfg.recompute)
+
+
+def _optimizer_groups(model: torch.nn.Module, weight_decay: float):
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if mfsdp.megatron_no_weight_decay(name, p) else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def reference_run(cfg: RunConfig) -> Dict[str, object]:
+    """Plain single-process training on the whole global batch."""
+    model = build_model(cfg)
+    cls, kwargs = OPTIMIZERS[cfg.optimizer]
+    opt = cls(_optimizer_groups(model, kwargs.get("weight_decay", 0.0)), **kwargs)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    losses, norms = [], []
+    for step in make_batches(cfg.steps, cfg.micro_batches, GLOBAL_MICRO_BATCH):
+        total = 0.0
+        for tokens, targets in step:
+            loss = model(tokens, targets) / cfg.micro_batches
+            loss.backward()
+            total += loss.item()
+        for p in trainable:  # the engine's rule: a parameter without a gradient has a zero gradient
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.clip_grad if cfg.clip_grad > 0 else float("inf"))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+        norms.append(norm.item())
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "grad_norms": norms, "params": params}
+
+
+def wrap(ctx, cfg: RunConfig):
+    model = build_model(cfg)
+    mp = mfsdp.MixedPrecision(param_dtype=torch.bfloat16) if cfg.bf16 else None
+    fsdp = mfsdp.fully_shard(model, strategy=cfg.strategy, unit_modules=(Block, MLP),
+                             process_group=ctx.group, mixed_precision=mp)
+    cls, kwargs = OPTIMIZERS[cfg.optimizer]
+    opt = mfsdp.FullyShardedOptimizer(fsdp, cls, clip_grad=cfg.clip_grad, **kwargs)
+    return fsdp, opt
+
+
+def local_slice(ctx, tensor: torch.Tensor) -> torch.Tensor:
+    per = tensor.shape[0] // ctx.size
+    return tensor[ctx.rank * per:(ctx.rank + 1) * per]
+
+
+def train_step(ctx, fsdp, opt, step, cfg: RunConfig, after_micro_batch=None) -> (float, float):
+    total = 0.0
+    for k, (tokens, targets) in enumerate(step):
+        last = k == len(step) - 1
+        with (contextlib.nullcontext() if last else fsdp.no_sync()):
+            loss = fsdp(local_slice(ctx, tokens), local_slice(ctx, targets)) / cfg.micro_batches
+            loss.backward()
+        total += loss.item()
+        if after_micro_batch is not None:
+            after_micro_batch(k)
+    if ctx.size > 1:
+        mean = torch.tensor([total], dtype=torch.float64)
+        dist.all_reduce(mean, group=ctx.group)
+        total = mean.item() / ctx.size
+    norm = opt.step()
+    opt.zero_grad()
+    return total, norm
+
+
+def sharded_run(ctx, cfg: Optional[RunConfig] = None, **overrides) -> Dict[str, object]:
+    """Worker side: train under fully_shard; rank 0 also returns the full parameters."""
+    cfg = dataclasses.replace(cfg or RunConfig(), **overrides)
+    fsdp, opt = wrap(ctx, cfg)
+    losses: List[float] = []
+    norms: List[float] = []
+    for step in make_batches(cfg.steps, cfg.micro_batches, GLOBAL_MICRO_BATCH):
+        loss, norm = train_step(ctx, fsdp, opt, step, cfg)
+        losses.append(loss)
+        norms.append(norm)
+    params = fsdp.state_dict()
+    return {"losses": losses, "grad_norms": norms, "params": params if ctx.rank == 0 else None}

@@ -1,0 +1,138 @@
+"""Start N gloo ranks once; run many test cases in them.
+
+Starting ``torch`` in a fresh process costs seconds; a suite that launched
+torchrun per assertion would not fit in its time budget. The pool keeps N
+processes with an initialised default group plus one subgroup per size
+``1..N``, so a case can run on the first ``k`` ranks. A case is a function
+``fn(ctx, **kwargs)`` named by ``"module:function"``; ``ctx`` carries the rank,
+the group and its size. Results come back pickled, one per rank.
+
+A case that does not finish within its timeout is treated as a hang: the pool
+is killed (the next case gets a fresh one) and ``WorkerTimeout`` is raised, so
+a test that must "fail before a hang" can assert it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+from typing import Any, List, Optional
+
+
+class WorkerTimeout(RuntimeError):
+    pass
+
+
+class RankError(RuntimeError):
+    """A case raised on at least one rank; ``errors[rank]`` is ``(type name, message, traceback)``."""
+
+    def __init__(self, errors):
+        self.errors = errors
+        first = next(e for e in errors if e is not None)
+        super().__init__(f"case failed on ranks {[r for r, e in enumerate(errors) if e]}:\n{first[2]}")
+
+
+@dataclasses.dataclass
+class RankContext:
+    rank: int
+    size: int
+    group: Any
+
+
+def _worker_main(rank: int, world: int, init_file: str, conn) -> None:
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    import torch
+    import torch.distributed as dist
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    groups = {k: dist.new_group(list(range(k))) for k in range(1, world + 1)}
+    conn.send(("ready", None))
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        target, size, kwargs = msg
+        if rank >= size:
+            conn.send(("idle", None))
+            continue
+        try:
+            module, _, name = target.partition(":")
+            fn = getattr(importlib.import_module(module), name)
+            conn.send(("ok", fn(RankContext(rank, size, groups[size]), **kwargs)))
+        except BaseException as exc:  # noqa: BLE001 - report everything back to the test
+            conn.send(("err", (type(exc).__name__, str(exc), traceback.format_exc())))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    def __init__(self, world_size: int, start_timeout: float = 120.0):
+        self.world_size = world_size
+        self._dir = tempfile.mkdtemp(prefix="mfsdp-pool-")
+        ctx = mp.get_context("spawn")
+        self._conns, self._procs = [], []
+        init_file = os.path.join(self._dir, "rendezvous")
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(rank, world_size, init_file, child), daemon=True)
+            proc.start()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self._collect([self._conns[r] for r in range(world_size)], start_timeout, "start")
+        self.alive = True
+
+    def _collect(self, conns, timeout: float, what: str) -> List[Any]:
+        deadline = time.monotonic() + timeout
+        out: List[Optional[tuple]] = [None] * len(conns)
+        pending = set(range(len(conns)))
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.close(kill=True)
+                raise WorkerTimeout(f"{what}: ranks {sorted(pending)} did not answer within {timeout:.0f}s (hang)")
+            for r in sorted(pending):
+                if conns[r].poll(min(0.05, max(remaining, 0.0))):
+                    try:
+                        out[r] = conns[r].recv()
+                    except EOFError:
+                        self.close(kill=True)
+                        raise RuntimeError(f"{what}: rank {r} died (exit code {self._procs[r].exitcode})")
+                    pending.discard(r)
+        return out
+
+    def run(self, target: str, size: Optional[int] = None, timeout: float = 120.0, **kwargs) -> List[Any]:
+        """Run ``target`` on ranks ``0..size-1``; return their results or raise ``RankError``."""
+        size = self.world_size if size is None else size
+        if not 1 <= size <= self.world_size:
+            raise ValueError(f"size {size} outside 1..{self.world_size}")
+        for conn in self._conns:
+            conn.send((target, size, kwargs))
+        replies = self._collect(self._conns, timeout, target)[:size]
+        errors = [payload if status == "err" else None for status, payload in replies]
+        if any(errors):
+            raise RankError(errors)
+        return [payload for _, payload in replies]
+
+    def close(self, kill: bool = False) -> None:
+        if not getattr(self, "alive", True):
+            return
+        self.alive = False
+        for conn, proc in zip(self._conns, self._procs):
+            if kill:
+                proc.kill()
+            else:
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    proc.kill()
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
