@@ -174,3 +174,21 @@ def forgotten_no_sync(ctx, strategy: str):
         opt.zero_grad()
     params = fsdp.state_dict()  # a collective: every rank calls it
     return {"losses": losses, "grad_norms": norms, "params": params if ctx.rank == 0 else None}
+
+
+def eval_forward(ctx, strategy: str):
+    """A forward under no_grad between steps: the same loss as with grad, nothing left gathered."""
+    from tests.engine.training import local_slice
+
+    cfg = RunConfig(strategy=strategy, micro_batches=1, steps=2)
+    fsdp, opt = wrap(ctx, cfg)
+    batches = make_batches(cfg.steps, 1, GLOBAL_MICRO_BATCH)
+    train_step(ctx, fsdp, opt, batches[0], cfg)
+    tokens, targets = batches[1][0]
+    with torch.no_grad():
+        eval_loss = fsdp(local_slice(ctx, tokens), local_slice(ctx, targets)).item()
+    resident = [u.name for u in fsdp.units if fsdp.strategy.shard_params and u.storage.resident]
+    train_loss = fsdp(local_slice(ctx, tokens), local_slice(ctx, targets))
+    train_loss.backward()
+    opt.step()
+    return {"eval": eval_loss, "train": train_loss.item(), "resident_after_eval": resident}

@@ -65,3 +65,10 @@ def test_forgotten_no_sync_is_reduced_at_step(pool, strategy):
     cfg = RunConfig(strategy=strategy, micro_batches=2, steps=3)
     result = pool.run(CASES + "forgotten_no_sync", size=3, strategy=strategy)[0]
     assert_parity(result, reference(cfg), 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize("strategy", LEVELS)
+def test_no_grad_forward_between_steps(pool, strategy):
+    for result in pool.run(CASES + "eval_forward", size=2, strategy=strategy):
+        assert result["eval"] == result["train"]
+        assert result["resident_after_eval"] == []
