@@ -8,13 +8,15 @@ See docs/engine.md for the design. Public API::
 
 from .comm import Ledger, LedgerEvent
 from .layout import FlatLayout, ParamSpec, build_layout
+from .mesh import DataParallelMesh, build_mesh
 from .mixed_precision import MixedPrecision
 from .module import FullyShardedModule, PersistentMemory, fully_shard, megatron_no_weight_decay
 from .optimizer import FullyShardedOptimizer
-from .strategy import STRATEGIES, ShardingStrategy, parse_strategy
+from .strategy import STRATEGIES, MeshStrategy, ShardingStrategy, parse_mesh_strategy, parse_strategy, valid_pairs
 from .unit import FSDPUnit, UnitState
 
 __all__ = [
+    "DataParallelMesh", "MeshStrategy", "build_mesh", "parse_mesh_strategy", "valid_pairs",
     "FSDPUnit", "FlatLayout", "FullyShardedModule", "FullyShardedOptimizer", "Ledger", "LedgerEvent",
     "MixedPrecision", "ParamSpec", "PersistentMemory", "STRATEGIES", "ShardingStrategy", "UnitState",
     "build_layout", "fully_shard", "megatron_no_weight_decay", "parse_strategy",

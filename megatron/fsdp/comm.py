@@ -86,17 +86,17 @@ class Handle:
 
 
 class CommAxis:
-    """One data-parallel axis: a process group, its name, and the ledger."""
+    """One data-parallel axis: a process group (``None``: an axis of one rank), its name, the ledger."""
 
     def __init__(self, name: str, group, ledger: Ledger):
         self.name = name
         self.group = group
         self.ledger = ledger
-        if dist.is_available() and dist.is_initialized():
+        if group is None:  # an absent axis: one rank, nothing is ever sent
+            self.size, self.rank = 1, 0
+        elif dist.is_available() and dist.is_initialized():
             self.size = dist.get_world_size(group)
             self.rank = dist.get_rank(group)
-        elif group is None:
-            self.size, self.rank = 1, 0
         else:
             raise RuntimeError("a process group was given but torch.distributed is not initialised")
 

@@ -98,7 +98,10 @@ class FlatLayout:
 
     def pieces(self, rank: int) -> Tuple[ShardPiece, ...]:
         """The parameter pieces inside ``rank``'s shard, in buffer order."""
-        lo, hi = self.shard_range(rank)
+        return self.pieces_in(*self.shard_range(rank))
+
+    def pieces_in(self, lo: int, hi: int) -> Tuple[ShardPiece, ...]:
+        """The parameter pieces inside buffer range ``[lo, hi)``; offsets relative to ``lo``."""
         out = []
         for i, slot in enumerate(self.slots):
             a, b = max(lo, slot.start), min(hi, slot.end)
@@ -136,13 +139,16 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def build_layout(specs: Sequence[ParamSpec], world_size: int, align: int = 1) -> FlatLayout:
+def build_layout(specs: Sequence[ParamSpec], world_size: int, align: int = 1, sub_shards: int = 1) -> FlatLayout:
     """Pack ``specs`` (stably reordered by trainable/decay class) for ``world_size`` ranks.
 
     ``align`` (elements) applies to every parameter's start and to the shard
     size, so each view and each shard starts on an aligned address when the
-    buffer itself is aligned.
+    buffer itself is aligned. ``sub_shards`` (the outer axis size of a
+    two-axis mesh) splits every shard again into equal aligned pieces.
     """
+    if sub_shards < 1:
+        raise ValueError(f"sub_shards must be >= 1, got {sub_shards}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if align < 1:
@@ -158,5 +164,5 @@ def build_layout(specs: Sequence[ParamSpec], world_size: int, align: int = 1) ->
         offset += spec.numel
     used_end = offset
     trainable_end = used_end if trainable_end is None else trainable_end
-    shard_size = _round_up(max(1, -(-used_end // world_size)), align)
+    shard_size = _round_up(max(1, -(-used_end // world_size)), align * sub_shards)
     return FlatLayout(tuple(slots), world_size, shard_size, trainable_end, used_end)

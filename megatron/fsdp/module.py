@@ -13,9 +13,10 @@ from torch.utils._pytree import tree_map
 from .buffers import UnitStorage
 from .comm import CommAxis, Ledger
 from .layout import ParamSpec, build_layout
+from .mesh import DataParallelMesh
 from .mixed_precision import MixedPrecision
 from .runtime import Runtime
-from .strategy import ShardingStrategy, parse_strategy
+from .strategy import MeshStrategy, ShardingStrategy, parse_mesh_strategy
 from .unit import FSDPUnit
 from .validation import check_same_module_on_all_ranks, module_signature
 
@@ -48,14 +49,16 @@ def _nbytes(t: Optional[torch.Tensor]) -> int:
 class FullyShardedModule(torch.nn.Module):
     """The wrapped model: call it like the original; its parameters live in flat unit buffers."""
 
-    def __init__(self, module: torch.nn.Module, runtime: Runtime, units: List[FSDPUnit], axis: CommAxis,
-                 strategy: ShardingStrategy, mixed_precision: MixedPrecision, no_weight_decay: Callable):
+    def __init__(self, module: torch.nn.Module, runtime: Runtime, units: List[FSDPUnit], inner: CommAxis,
+                 outer: CommAxis, levels: MeshStrategy, mixed_precision: MixedPrecision, no_weight_decay: Callable):
         super().__init__()
         self.module = module
         self._runtime = runtime
         self._units = units
-        self._axis = axis
-        self.strategy = strategy
+        self.inner_axis = inner
+        self.outer_axis = outer
+        self.levels = levels
+        self.strategy: ShardingStrategy = levels.inner
         self.mixed_precision = mixed_precision
         self.no_weight_decay = no_weight_decay
 
@@ -91,11 +94,11 @@ class FullyShardedModule(torch.nn.Module):
 
     @property
     def ledger(self) -> Ledger:
-        return self._axis.ledger
+        return self.inner_axis.ledger
 
     @property
     def process_group(self):
-        return self._axis.group
+        return self.inner_axis.group
 
     def finish_grad_sync(self) -> None:
         self._runtime.finish_grad_sync()
@@ -104,7 +107,7 @@ class FullyShardedModule(torch.nn.Module):
         compute = main = grads = 0
         for unit in self._units:
             s = unit.storage
-            compute += _nbytes(s.shard) if s.strategy.shard_params else _nbytes(s.full)
+            compute += _nbytes(s.shard) if s.shard is not None else _nbytes(s.full)
             main += 0 if s.shares_main else _nbytes(s.main)
             grads += _nbytes(s.grad_accum)
         state = optimizer.state_bytes() if optimizer is not None else 0
@@ -128,18 +131,26 @@ class FullyShardedModule(torch.nn.Module):
             out[name] = buf.detach().clone()
         return out
 
-    def _gathered_main(self, s: UnitStorage) -> torch.Tensor:
+    @staticmethod
+    def _gathered_main(s: UnitStorage) -> torch.Tensor:
+        """The full buffer in main dtype: main weights where trainable, compute weights where frozen.
+
+        Summed over each axis whose level shards optimizer state; there every
+        trainable element has exactly one owner, and frozen elements are
+        contributed by one rank unless the level also shards parameters.
+        """
+        R = s.regions
         flat = torch.zeros(s.layout.padded_size, dtype=s.main_dtype, device=s.full.device)
-        if s.strategy.shard_params or s.strategy.shard_optim:
-            lo, hi = s.lo, s.hi
-            compute = s.shard if s.strategy.shard_params else s.full[lo:hi]
-            flat[lo:hi].copy_(compute)
-            flat[s.a:s.b].copy_(s.main)
-            if s.axis.size > 1:
-                s.axis.all_reduce(flat, tag="state_dict").wait()
-        else:
-            flat.copy_(s.full)
-            flat[s.a:s.b].copy_(s.main)
+        axes = [(ax, lvl) for ax, lvl in ((s.inner, s.levels.inner), (s.outer, s.levels.outer))
+                if lvl.shard_optim and ax.size > 1]
+        if all(lvl.shard_params or ax.rank == 0 for ax, lvl in axes):
+            f0, f1 = max(R.compute[0], s.layout.trainable_end), R.compute[1]
+            if f0 < f1:
+                flat[f0:f1].copy_(s._compute_slice(f0, f1))
+        a, b = R.main
+        flat[a:b].copy_(s.main)
+        for ax, _ in axes:
+            ax.all_reduce(flat, tag="state_dict").wait()
         return flat
 
     def load_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True):
@@ -161,11 +172,12 @@ class FullyShardedModule(torch.nn.Module):
                         if tuple(value.shape) != slot.spec.shape:
                             raise ValueError(f"{name}: shape {tuple(value.shape)} in the state dict, {slot.spec.shape} in the model")
                         flat[slot.start:slot.end].copy_(value.reshape(-1))
+                a, b = s.regions.main
                 if not s.shares_main:
-                    s.main.copy_(flat[s.a:s.b])
-                if s.strategy.shard_params:
-                    s.shard.copy_(flat[s.lo:s.hi])
-                else:
+                    s.main.copy_(flat[a:b])
+                if s.shard is not None:
+                    s.shard.copy_(flat[s.regions.compute[0]:s.regions.compute[1]])
+                if s.resident:
                     s.full.copy_(flat)
             for name, buf in buffers.items():
                 if name in state_dict:
@@ -219,14 +231,20 @@ def fully_shard(
     process_group=None,
     mixed_precision: Optional[MixedPrecision] = None,
     no_weight_decay: Callable[[str, torch.nn.Parameter], bool] = megatron_no_weight_decay,
+    mesh: Optional[DataParallelMesh] = None,
+    outer_strategy=None,
 ) -> FullyShardedModule:
-    """Shard ``module``'s parameters, gradients and optimizer state over ``process_group``.
+    """Shard ``module``'s parameters, gradients and optimizer state over the data-parallel ranks.
 
+    ``process_group`` gives a flat mesh; ``mesh`` a two-axis one, with
+    ``strategy`` the inner level and ``outer_strategy`` the outer level.
     Every check that can fail runs before the first collective; the one
     collective here (a digest of parameter names, shapes and dtypes) makes all
     ranks fail together when the models differ.
     """
-    level = parse_strategy(strategy)
+    if mesh is not None and process_group is not None:
+        raise ValueError("pass either process_group (a flat mesh) or mesh (two axes), not both")
+    levels = parse_mesh_strategy(strategy, outer_strategy, mesh is not None and mesh.has_outer)
     mp = mixed_precision if mixed_precision is not None else MixedPrecision()
     if not isinstance(mp, MixedPrecision):
         raise TypeError(f"mixed_precision must be a megatron.fsdp.MixedPrecision, got {type(mp).__name__}")
@@ -247,16 +265,21 @@ def fully_shard(
     for name, p in named:
         if not p.is_floating_point():
             raise TypeError(f"parameter {name!r} has non-floating dtype {p.dtype}; only floating parameters can be sharded")
-    if process_group is None and dist.is_available() and dist.is_initialized():
-        process_group = dist.group.WORLD
-    axis = CommAxis("dp", process_group, Ledger())
+    if mesh is None:
+        if process_group is None and dist.is_available() and dist.is_initialized():
+            process_group = dist.group.WORLD
+        mesh = DataParallelMesh(process_group, None)
+    ledger = Ledger()
+    inner = CommAxis("dp_shard", mesh.inner_group, ledger)
+    outer = CommAxis("dp_outer", mesh.outer_group, ledger)
     by_unit = _assign_params(module, unit_names)
     for uname, plist in by_unit.items():
         dtypes = sorted({str(mp.compute_dtype(p.dtype)) for _, p in plist})
         if len(dtypes) > 1:
             raise TypeError(f"FSDP unit {uname or '<root>'} mixes compute dtypes {dtypes}; "
                             "pass mixed_precision=MixedPrecision(param_dtype=...) or make them uniform")
-    check_same_module_on_all_ranks(axis, module_signature(named), device)
+    check_same_module_on_all_ranks(inner, module_signature(named), device)
+    check_same_module_on_all_ranks(outer, module_signature(named), device)
 
     units: List[FSDPUnit] = []
     modules = dict(module.named_modules())
@@ -266,14 +289,15 @@ def fully_shard(
             continue
         specs = [ParamSpec(n, tuple(p.shape), p.requires_grad, no_weight_decay(n, p)) for n, p in plist]
         compute_dtype = mp.compute_dtype(plist[0][1].dtype)
-        layout = build_layout(specs, axis.size, align=max(1, ALIGN_BYTES // compute_dtype.itemsize))
+        layout = build_layout(specs, inner.size, align=max(1, ALIGN_BYTES // compute_dtype.itemsize),
+                              sub_shards=outer.size)
         by_name = dict(plist)
         ordered = [by_name[s.spec.name] for s in layout.slots]
-        storage = UnitStorage(layout, ordered, level, axis, compute_dtype, mp.main_dtype,
+        storage = UnitStorage(layout, ordered, levels, inner, outer, compute_dtype, mp.main_dtype,
                               mp.reduce_dtype(compute_dtype), device)
         units.append(FSDPUnit(len(units), uname, [modules[uname]], storage, [s.spec.name for s in layout.slots]))
     root = units[0] if units and units[0].name == "<root>" else None
-    runtime = Runtime(units, root, level)
+    runtime = Runtime(units, root, levels)
     for unit in units:
         if unit is not root:
             for m in unit.modules:
@@ -281,4 +305,4 @@ def fully_shard(
                 m.register_forward_hook(lambda _m, _a, out, u=unit: runtime.post_forward(u, out))
         for i, p in unit.storage.trainable_params:
             p.register_post_accumulate_grad_hook(lambda _p, u=unit, i=i: runtime.on_grad(u, i))
-    return FullyShardedModule(module, runtime, units, axis, level, mp, no_weight_decay)
+    return FullyShardedModule(module, runtime, units, inner, outer, levels, mp, no_weight_decay)

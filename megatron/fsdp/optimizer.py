@@ -30,9 +30,10 @@ class FullyShardedOptimizer:
         for unit in model.units:
             s = unit.storage
             flags = [self._no_decay(no_weight_decay, slot.spec) for slot in s.layout.slots]
-            for a, b, nwd in s.layout.runs(s.a, s.b, flags):
-                weight = s.main[a - s.a:b - s.a]
-                weight.grad = s.main_grad[a - s.a:b - s.a]
+            lo, hi = s.regions.main
+            for a, b, nwd in s.layout.runs(lo, hi, flags):
+                weight = s.main[a - lo:b - lo]
+                weight.grad = s.main_grad[a - lo:b - lo]
                 groups[nwd].append(weight)
                 self._grads.append(weight.grad)
         device = model.units[0].storage.full.device if model.units else torch.device("cpu")
@@ -45,7 +46,6 @@ class FullyShardedOptimizer:
                 params = [empty]
             param_groups.append({"params": params, "weight_decay": 0.0 if nwd else weight_decay})
         self.optimizer = optimizer_cls(param_groups, **optimizer_kwargs)
-        self._axis = model._axis
 
     @staticmethod
     def _no_decay(rule: Optional[Callable], spec) -> bool:
@@ -73,8 +73,12 @@ class FullyShardedOptimizer:
             sq = torch.stack([g.float().pow(2).sum() for g in self._grads]).sum().reshape(1)
         else:
             sq = torch.zeros(1)
-        if self.model.strategy.shard_optim:
-            self._axis.all_reduce(sq, tag="grad_norm").wait()
+        # Sum over the axes whose level shards optimizer state; replicas along the
+        # other axes hold identical gradients and must not be counted twice.
+        if self.model.levels.inner.shard_optim:
+            self.model.inner_axis.all_reduce(sq, tag="grad_norm").wait()
+        if self.model.levels.outer.shard_optim:
+            self.model.outer_axis.all_reduce(sq, tag="grad_norm").wait()
         return math.sqrt(float(sq.item()))
 
     @torch.no_grad()

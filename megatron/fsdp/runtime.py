@@ -26,10 +26,10 @@ def _in_backward() -> bool:
 
 
 class Runtime:
-    def __init__(self, units: List[FSDPUnit], root: Optional[FSDPUnit], strategy):
+    def __init__(self, units: List[FSDPUnit], root: Optional[FSDPUnit], levels):
         self.units = units          # registration order; root first when it has parameters
         self.root = root            # None when every parameter sits in some unit
-        self.strategy = strategy
+        self.levels = levels
         self.sync_grads = True
         self.backwards_since_step = 0
         self._order: List[FSDPUnit] = []           # forward order of this pass
@@ -132,19 +132,20 @@ class Runtime:
 
     def _post_backward(self, unit: FSDPUnit) -> None:
         storage = unit.storage
-        if self.strategy.keeps_full_grads:
-            storage.accumulate_local()
-            storage.end_grads()
-            if self.sync_grads and unit.num_trainable:
-                self._reduce_full(unit)
-        else:
-            if unit.num_trainable:
-                self._enqueue(storage.reduce_scatter_microbatch(tag=unit.name))
-            storage.end_grads()
+        if unit.num_trainable:
+            if self.levels.inner.keeps_full_grads:
+                storage.accumulate_local()
+                if self.sync_grads:
+                    self._reduce_step(unit)
+            else:
+                with_step = self.sync_grads and storage.has_step_stage
+                self._enqueue(storage.reduce_microbatch(tag=unit.name, then_step=with_step))
+                unit.reduced_this_step |= with_step
+        storage.end_grads()
         unit.release()
 
-    def _reduce_full(self, unit: FSDPUnit) -> None:
-        self._enqueue(unit.storage.reduce_full(tag=unit.name))
+    def _reduce_step(self, unit: FSDPUnit) -> None:
+        self._enqueue(unit.storage.reduce_step(tag=unit.name))
         unit.reduced_this_step = True
 
     def _enqueue(self, handle: Handle) -> None:
@@ -176,11 +177,10 @@ class Runtime:
                 unit.release()
 
     def _reduce_unreduced(self) -> None:
-        """Full-grad levels: reduce every unit the last micro-batch did not (deterministic order)."""
-        if self.strategy.keeps_full_grads:
-            for unit in self.units:
-                if unit.num_trainable and not unit.reduced_this_step:
-                    self._reduce_full(unit)
+        """Run the once-per-step stage of every unit the last micro-batch did not (deterministic order)."""
+        for unit in self.units:
+            if unit.num_trainable and unit.storage.has_step_stage and not unit.reduced_this_step:
+                self._reduce_step(unit)
 
     # ------------------------------------------------------------ step hooks
     def finish_grad_sync(self) -> None:

@@ -54,8 +54,7 @@ class FSDPUnit:
         self.trainable_index = {i: k for k, i in enumerate(trainable)}
         self._grad_ready = [False] * len(trainable)
         self._ready_count = 0
-        self.reduced_this_step = False  # full-grad levels: the once-per-step reduction has run
-        self.grads_touched = False      # received gradients since the last reduction
+        self.reduced_this_step = False  # the once-per-step reduction stage has run
 
     @property
     def num_trainable(self) -> int:

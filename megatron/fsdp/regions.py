@@ -1,0 +1,60 @@
+"""Which buffer ranges a rank keeps, per kind of state: a pure function of layout, levels and ranks.
+
+With an inner axis of ``N`` ranks and an outer axis of ``M`` ranks, the buffer of
+``P = N * S`` elements is cut into inner shards ``[i*S, (i+1)*S)`` and each
+inner shard again into ``M`` outer pieces of ``S / M``. Each kind of state
+lives on the finest range its levels allow:
+
+* compute weights: the outer piece if the outer level shards params, else the
+  inner shard if the inner level does, else the whole buffer;
+* gradient accumulator: the same rule with "shards grads";
+* main weights and optimizer state: the same rule with "shards optimizer
+  state", clipped to the trainable prefix ``[0, trainable_end)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Tuple
+
+from .layout import FlatLayout
+from .strategy import MeshStrategy
+
+Range = Tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitRegions:
+    inner: Range    # inner shard, or the whole buffer when the inner level shards nothing
+    piece: Range    # this rank's outer piece of ``inner``
+    compute: Range  # persistent compute weights
+    accum: Range    # gradient accumulator between micro-batches
+    main: Range     # main weights / optimizer state (trainable elements only; may be empty)
+
+    @staticmethod
+    def size(r: Range) -> int:
+        return r[1] - r[0]
+
+
+def unit_regions(layout: FlatLayout, levels: MeshStrategy, inner_rank: int, outer_rank: int, outer_size: int) -> UnitRegions:
+    inner = layout.shard_range(inner_rank) if levels.inner.shard_optim else (0, layout.padded_size)
+    width = (inner[1] - inner[0]) // outer_size
+    if width * outer_size != inner[1] - inner[0]:
+        raise ValueError(f"inner range {inner} does not split into {outer_size} outer pieces; "
+                         "build the layout with sub_shards equal to the outer axis size")
+    piece = (inner[0] + outer_rank * width, inner[0] + (outer_rank + 1) * width)
+
+    def finest(outer_flag: bool, inner_flag: bool) -> Range:
+        if outer_flag:
+            return piece
+        return inner if inner_flag else (0, layout.padded_size)
+
+    owned = finest(levels.outer.shard_optim, levels.inner.shard_optim)
+    a, b = owned[0], min(owned[1], layout.trainable_end)
+    return UnitRegions(
+        inner=inner,
+        piece=piece,
+        compute=finest(levels.outer.shard_params, levels.inner.shard_params),
+        accum=finest(levels.outer.shard_grads, levels.inner.shard_grads),
+        main=(a, b) if a < b else (a, a),
+    )
