@@ -6,7 +6,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 from tests.harness import WorkerPool  # noqa: E402
 
-POOL_SIZE = 4
+POOL_SIZE = 6  # 2 x 3 and 3 x 2 meshes need six ranks
 _pool = None
 
 

@@ -74,34 +74,50 @@ def max_resident_units(ctx, steps: int = 2):
     return {"peak": peak[0], "units": len(fsdp.units)}
 
 
-def grad_traffic(ctx, strategy: str, micro_batches: int):
-    """Gradient-reduction calls after each micro-batch and bytes per step, against theory."""
-    cfg = RunConfig(strategy=strategy, micro_batches=micro_batches, steps=1, hidden=64)
+def grad_traffic(ctx, strategy: str, micro_batches: int, mesh=None, outer_strategy=None):
+    """Per axis: gradient-reduction calls after each micro-batch, bytes per step, and theory."""
+    cfg = RunConfig(strategy=strategy, micro_batches=micro_batches, steps=1, hidden=64,
+                    mesh=mesh, outer_strategy=outer_strategy)
     fsdp, opt = wrap(ctx, cfg)
-    calls_after = []
+    fsdp.ledger.trace = True
     fsdp.ledger.reset()
+    calls_after = {"dp_shard": [], "dp_outer": []}
+
+    def grad_events(axis):
+        return [e for e in fsdp.ledger.events if e.axis == axis and e.kind in GRAD_KINDS and e.tag != "grad_norm"]
 
     def snapshot(_k):
-        calls_after.append(sum(fsdp.ledger.calls(kind) for kind in GRAD_KINDS))
+        for axis in calls_after:
+            calls_after[axis].append(len(grad_events(axis)))
 
     step = make_batches(1, micro_batches, GLOBAL_MICRO_BATCH)[0]
     train_step(ctx, fsdp, opt, step, cfg, after_micro_batch=snapshot)
-    ledger = fsdp.ledger
-    events = dict(ledger.summary())
-    grad_bytes = sum(b for (kind, _axis), (_c, b) in events.items() if kind in GRAD_KINDS)
-    norm_bytes = 0 if ctx.size == 1 or not fsdp.strategy.shard_optim else 4  # one fp32 scalar
+    units_with_grads = sum(1 for u in fsdp.units if u.num_trainable)
     trainable = sum(p.numel() for p in build_model(cfg).parameters() if p.requires_grad)
-    reductions = micro_batches if fsdp.strategy.shard_grads else 1
+    n, m = fsdp.inner_axis.size, fsdp.outer_axis.size
+    inner, outer = fsdp.levels.inner, fsdp.levels.outer
+    # Theory: the inner axis reduces the whole gradient (every micro-batch if it
+    # shards grads); the outer axis reduces what the inner level left on this
+    # rank (1/N of it if the inner level shards), every micro-batch if it shards grads.
+    theory = {
+        "dp_shard": 4 * trainable * (micro_batches if inner.shard_grads else 1) if n > 1 else 0,
+        "dp_outer": (4 * trainable / (n if inner.shard_optim else 1) * (micro_batches if outer.shard_grads else 1))
+        if m > 1 else 0,
+    }
     return {
         "calls_after_micro_batch": calls_after,
-        "grad_bytes": grad_bytes - norm_bytes,
-        "theory_bytes": 4 * trainable * reductions,
+        "grad_bytes": {axis: sum(e.nbytes for e in grad_events(axis)) for axis in calls_after},
+        "theory_bytes": theory,
+        "units_with_grads": units_with_grads,
+        "outer_gathers": [e.tag for e in fsdp.ledger.events if e.axis == "dp_outer" and e.kind == "all_gather"],
+        "units": [u.name for u in fsdp.units],
     }
 
 
-def memory(ctx, strategy: str, bf16: bool):
-    """Persistent bytes per rank against the closed-form amount for the level."""
-    cfg = RunConfig(strategy=strategy, bf16=bf16, steps=1, hidden=64, micro_batches=1)
+def memory(ctx, strategy: str, bf16: bool, mesh=None, outer_strategy=None):
+    """Persistent bytes per rank against the closed-form amount for the levels."""
+    cfg = RunConfig(strategy=strategy, bf16=bf16, steps=1, hidden=128, micro_batches=1,
+                    mesh=mesh, outer_strategy=outer_strategy)
     fsdp, opt = wrap(ctx, cfg)
     step = make_batches(1, 1, GLOBAL_MICRO_BATCH)[0]
     train_step(ctx, fsdp, opt, step, cfg)  # optimizer state exists after the first step
@@ -109,13 +125,18 @@ def memory(ctx, strategy: str, bf16: bool):
     model = build_model(cfg)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    n, level = ctx.size, fsdp.strategy
+    n, m = fsdp.inner_axis.size, fsdp.outer_axis.size
+    inner, outer = fsdp.levels.inner, fsdp.levels.outer
+
+    def split(shard_inner: bool, shard_outer: bool) -> int:
+        return (n if shard_inner else 1) * (m if shard_outer else 1)
+
     compute_bytes = 2 if bf16 else 4
     theory = mfsdp.PersistentMemory(
-        compute_weights=compute_bytes * total / (n if level.shard_params else 1),
-        main_weights=(4 * trainable / (n if level.shard_optim else 1)) if bf16 else 0,
-        main_grads=4 * (trainable / n if level.shard_grads else total),
-        optimizer_state=8 * trainable / (n if level.shard_optim else 1),
+        compute_weights=compute_bytes * total / split(inner.shard_params, outer.shard_params),
+        main_weights=(4 * trainable / split(inner.shard_optim, outer.shard_optim)) if bf16 else 0,
+        main_grads=4 * (total if inner.keeps_full_grads else trainable) / split(inner.shard_grads, outer.shard_grads),
+        optimizer_state=8 * trainable / split(inner.shard_optim, outer.shard_optim),
     )
     return {"report": dataclasses.asdict(report), "theory": dataclasses.asdict(theory)}
 
@@ -154,11 +175,11 @@ def error_before_collective(ctx, case: str):
     return None
 
 
-def forgotten_no_sync(ctx, strategy: str):
+def forgotten_no_sync(ctx, strategy: str, mesh=None, outer_strategy=None):
     """Every micro-batch inside no_sync: optimizer.step() still reduces the gradients."""
     from tests.engine.training import local_slice
 
-    cfg = RunConfig(strategy=strategy, micro_batches=2, steps=3)
+    cfg = RunConfig(strategy=strategy, micro_batches=2, steps=3, mesh=mesh, outer_strategy=outer_strategy)
     fsdp, opt = wrap(ctx, cfg)
     losses, norms = [], []
     for step in make_batches(cfg.steps, cfg.micro_batches, GLOBAL_MICRO_BATCH):

@@ -44,20 +44,21 @@ def test_gathered_units_are_bounded(pool):
 def test_gradient_traffic_equals_theory_plus_padding(pool, strategy, world_size):
     micro_batches = 3
     result = pool.run(CASES + "grad_traffic", size=world_size, strategy=strategy, micro_batches=micro_batches)[0]
-    overhead = result["grad_bytes"] / result["theory_bytes"] - 1
+    overhead = result["grad_bytes"]["dp_shard"] / result["theory_bytes"]["dp_shard"] - 1
     assert 0 <= overhead < 0.01, result
-    calls = result["calls_after_micro_batch"]
+    assert result["grad_bytes"]["dp_outer"] == 0
+    calls = result["calls_after_micro_batch"]["dp_shard"]
     if strategy in ("no_shard", "optim"):
         assert calls[:-1] == [0] * (micro_batches - 1), f"grad collective before the last micro-batch: {calls}"
-        assert calls[-1] > 0
-    else:
-        assert all(c > 0 for c in calls), calls  # reduce-scattered every micro-batch
+        assert calls[-1] == result["units_with_grads"]
+    else:  # reduce-scattered every micro-batch, once per unit
+        assert calls == [result["units_with_grads"] * (k + 1) for k in range(micro_batches)], calls
 
 
 def test_single_rank_issues_no_collective(pool):
     result = pool.run(CASES + "grad_traffic", size=1, strategy="optim_grads_params", micro_batches=2)[0]
-    assert result["calls_after_micro_batch"] == [0, 0]
-    assert result["grad_bytes"] == 0
+    assert result["calls_after_micro_batch"] == {"dp_shard": [0, 0], "dp_outer": [0, 0]}
+    assert result["grad_bytes"] == {"dp_shard": 0, "dp_outer": 0}
 
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,7 @@ import torch.distributed as dist
 import megatron.fsdp as mfsdp
 from tests.models import MLP, Block, TinyLM, make_batches
 
-GLOBAL_MICRO_BATCH = 12  # divisible by every world size the pool offers (1..4)
+GLOBAL_MICRO_BATCH = 12  # divisible by 1, 2, 3, 4 and 6 ranks
 
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)),
@@ -40,6 +40,8 @@ class RunConfig:
     hidden: int = 32
     layers: int = 2
     seed: int = 0
+    mesh: Optional[Tuple[int, int]] = None  # (inner N, outer M): a two-axis mesh from the pool
+    outer_strategy: Optional[str] = None
 
 
 def build_model(cfg: RunConfig) -> TinyLM:
@@ -83,8 +85,12 @@ def reference_run(cfg: RunConfig) -> Dict[str, object]:
 def wrap(ctx, cfg: RunConfig):
     model = build_model(cfg)
     mp = mfsdp.MixedPrecision(param_dtype=torch.bfloat16) if cfg.bf16 else None
-    fsdp = mfsdp.fully_shard(model, strategy=cfg.strategy, unit_modules=(Block, MLP),
-                             process_group=ctx.group, mixed_precision=mp)
+    if cfg.mesh is not None:
+        assert ctx.size == cfg.mesh[0] * cfg.mesh[1], "run a mesh case on exactly N * M ranks"
+        where = dict(mesh=ctx.meshes[cfg.mesh], outer_strategy=cfg.outer_strategy)
+    else:
+        where = dict(process_group=ctx.group)
+    fsdp = mfsdp.fully_shard(model, strategy=cfg.strategy, unit_modules=(Block, MLP), mixed_precision=mp, **where)
     cls, kwargs = OPTIMIZERS[cfg.optimizer]
     opt = mfsdp.FullyShardedOptimizer(fsdp, cls, clip_grad=cfg.clip_grad, **kwargs)
     return fsdp, opt

@@ -3,7 +3,8 @@
 Starting ``torch`` in a fresh process costs seconds; a suite that launched
 torchrun per assertion would not fit in its time budget. The pool keeps N
 processes with an initialised default group plus one subgroup per size
-``1..N``, so a case can run on the first ``k`` ranks. A case is a function
+``1..N``, so a case can run on the first ``k`` ranks, and the two-axis meshes
+of ``MESH_SHAPES``. A case is a function
 ``fn(ctx, **kwargs)`` named by ``"module:function"``; ``ctx`` carries the rank,
 the group and its size. Results come back pickled, one per rank.
 
@@ -37,11 +38,15 @@ class RankError(RuntimeError):
         super().__init__(f"case failed on ranks {[r for r, e in enumerate(errors) if e]}:\n{first[2]}")
 
 
+MESH_SHAPES = ((2, 2), (3, 2), (2, 3))  # (inner N, outer M) meshes built once at start-up
+
+
 @dataclasses.dataclass
 class RankContext:
     rank: int
     size: int
     group: Any
+    meshes: dict  # (N, M) -> megatron.fsdp.DataParallelMesh over ranks 0..N*M-1
 
 
 def _worker_main(rank: int, world: int, init_file: str, conn) -> None:
@@ -54,6 +59,11 @@ def _worker_main(rank: int, world: int, init_file: str, conn) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     groups = {k: dist.new_group(list(range(k))) for k in range(1, world + 1)}
+    from megatron.fsdp import build_mesh
+
+    # new_group is collective over the whole world, so every mesh is built here,
+    # by every rank, before any case runs on a subset of the ranks.
+    meshes = {(n, m): build_mesh(outer=m, ranks=range(n * m)) for n, m in MESH_SHAPES if n * m <= world}
     conn.send(("ready", None))
     while True:
         msg = conn.recv()
@@ -66,7 +76,7 @@ def _worker_main(rank: int, world: int, init_file: str, conn) -> None:
         try:
             module, _, name = target.partition(":")
             fn = getattr(importlib.import_module(module), name)
-            conn.send(("ok", fn(RankContext(rank, size, groups[size]), **kwargs)))
+            conn.send(("ok", fn(RankContext(rank, size, groups[size], meshes), **kwargs)))
         except BaseException as exc:  # noqa: BLE001 - report everything back to the test
             conn.send(("err", (type(exc).__name__, str(exc), traceback.format_exc())))
     dist.destroy_process_group()

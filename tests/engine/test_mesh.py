@@ -1,0 +1,98 @@
+"""Two-axis data parallelism: a level per axis (HSDP, HFSDP) on 2 x 2, 3 x 2 and 2 x 3 meshes."""
+
+import dataclasses
+
+import pytest
+
+import megatron.fsdp as mfsdp
+from tests.engine.test_parity import FP32_RTOL, assert_parity, reference, run
+from tests.engine.training import RunConfig
+
+CASES = "tests.engine.cases:"
+SHAPES = [(2, 2), (3, 2), (2, 3)]
+PAIRS = mfsdp.valid_pairs()  # every (inner, outer) pair where the outer level shards no more than the inner
+
+
+def test_ten_pairs_are_valid():
+    assert len(PAIRS) == 10
+    assert ("optim_grads_params", "no_shard") in PAIRS and ("optim_grads_params", "optim") in PAIRS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("micro_batches", [1, 3])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("inner, outer", PAIRS)
+def test_two_axis_parity(pool, inner, outer, shape, micro_batches):
+    cfg = RunConfig(strategy=inner, outer_strategy=outer, mesh=shape, micro_batches=micro_batches)
+    ref = reference(dataclasses.replace(cfg, mesh=None, outer_strategy=None, strategy="no_shard"))
+    assert_parity(run(pool, cfg, shape[0] * shape[1]), ref, FP32_RTOL, 1e-5)
+
+
+@pytest.mark.parametrize("inner, outer", [("optim_grads_params", "no_shard"), ("optim_grads_params", "optim")])
+def test_hsdp_hfsdp_parity_smoke(pool, inner, outer):
+    """The two named configurations, outside the slow matrix."""
+    cfg = RunConfig(strategy=inner, outer_strategy=outer, mesh=(2, 2), micro_batches=3)
+    ref = reference(dataclasses.replace(cfg, mesh=None, outer_strategy=None, strategy="no_shard"))
+    assert_parity(run(pool, cfg, 4), ref, FP32_RTOL, 1e-5)
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (3, 2)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("inner, outer", PAIRS)
+def test_outer_traffic_once_per_step_and_equal_to_theory(pool, inner, outer, shape):
+    micro_batches = 3
+    result = pool.run(CASES + "grad_traffic", size=shape[0] * shape[1], strategy=inner, micro_batches=micro_batches,
+                      mesh=shape, outer_strategy=outer)[0]
+    units = result["units_with_grads"]
+    for axis in ("dp_shard", "dp_outer"):
+        overhead = result["grad_bytes"][axis] / result["theory_bytes"][axis] - 1
+        assert 0 <= overhead < 0.01, (axis, result)
+    outer_calls = result["calls_after_micro_batch"]["dp_outer"]
+    if outer in ("no_shard", "optim"):
+        # Once per step per unit, and nothing before the last micro-batch.
+        assert outer_calls == [0] * (micro_batches - 1) + [units], outer_calls
+    else:  # the outer level shards gradients: reduce-scattered every micro-batch
+        assert outer_calls == [units * (k + 1) for k in range(micro_batches)], outer_calls
+    gathers = result["outer_gathers"]
+    if outer == "optim":  # HFSDP: updated weights gathered across domains once per step per unit
+        assert sorted(gathers) == sorted(result["units"]), gathers
+    elif outer == "no_shard":
+        assert gathers == []
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("inner, outer", PAIRS)
+def test_persistent_bytes_match_formulas(pool, inner, outer, bf16):
+    results = pool.run(CASES + "memory", size=6, strategy=inner, bf16=bf16, mesh=(3, 2), outer_strategy=outer)
+    for rank, result in enumerate(results):
+        for kind, expected in result["theory"].items():
+            got = result["report"][kind]
+            if expected == 0:
+                assert got == 0, (rank, kind)
+            else:
+                assert abs(got / expected - 1) < 0.01, f"rank {rank} {kind}: {got} vs theory {expected:.0f}"
+
+
+@pytest.mark.parametrize("outer", ["no_shard", "optim"])
+def test_forgotten_no_sync_still_reduces_across_domains(pool, outer):
+    result = pool.run(CASES + "forgotten_no_sync", size=4, strategy="optim_grads_params", mesh=(2, 2),
+                      outer_strategy=outer)[0]
+    cfg = RunConfig(strategy="no_shard", micro_batches=2, steps=3)
+    assert_parity(result, reference(cfg), FP32_RTOL, 1e-5)
+
+
+def test_outer_level_finer_than_inner_is_rejected():
+    with pytest.raises(ValueError, match=r"outer level 'optim_grads' shards more than inner level 'optim'; "
+                                         r"valid \(inner, outer\) pairs are: .*\(optim_grads_params, optim\)"):
+        mfsdp.parse_mesh_strategy("optim", "optim_grads", has_outer_axis=True)
+
+
+def test_outer_level_without_outer_axis_is_rejected():
+    import torch
+    with pytest.raises(ValueError, match="needs an outer data-parallel axis"):
+        mfsdp.fully_shard(torch.nn.Linear(2, 2), strategy="optim_grads_params", outer_strategy="optim")
+
+
+def test_mesh_and_process_group_together_are_rejected():
+    import torch
+    with pytest.raises(ValueError, match="either process_group"):
+        mfsdp.fully_shard(torch.nn.Linear(2, 2), mesh=mfsdp.DataParallelMesh(), process_group=object())
