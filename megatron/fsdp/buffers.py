@@ -55,11 +55,12 @@ def chain(first: Handle, *stages: Callable[[], Handle]) -> Handle:
 class UnitStorage:
     def __init__(self, layout: FlatLayout, params: List[torch.nn.Parameter], levels: MeshStrategy,
                  inner: CommAxis, outer: CommAxis, compute_dtype: torch.dtype, main_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype, device: torch.device):
+                 reduce_dtype: torch.dtype, device: torch.device, average_grads: bool = True):
         assert len(params) == len(layout.slots)
         self.layout, self.params, self.levels = layout, params, levels
         self.inner, self.outer = inner, outer
         self.compute_dtype, self.main_dtype, self.reduce_dtype = compute_dtype, main_dtype, reduce_dtype
+        self.average_grads = average_grads
         self.shares_main = compute_dtype == main_dtype
         self.regions: UnitRegions = unit_regions(layout, levels, inner.rank, outer.rank, outer.size)
         R = self.regions
@@ -142,9 +143,9 @@ class UnitStorage:
     def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if tensor.dtype == self.reduce_dtype else tensor.to(self.reduce_dtype)
 
-    @staticmethod
-    def _scale(tensor: torch.Tensor, axis: CommAxis) -> torch.Tensor:
-        return tensor if axis.size == 1 else tensor.mul_(1.0 / axis.size)
+    def _scale(self, tensor: torch.Tensor, axis: CommAxis) -> torch.Tensor:
+        """Turn a sum over ``axis`` into a mean (unless gradients are to be summed)."""
+        return tensor if axis.size == 1 or not self.average_grads else tensor.mul_(1.0 / axis.size)
 
     # ----------------------------------------------------------- parameters
     def unshard(self, tag: str) -> Handle:

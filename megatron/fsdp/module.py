@@ -61,6 +61,9 @@ class FullyShardedModule(torch.nn.Module):
         self.strategy: ShardingStrategy = levels.inner
         self.mixed_precision = mixed_precision
         self.no_weight_decay = no_weight_decay
+        self._slot_of = {name: (unit, slot) for unit in units
+                         for name, slot in zip(unit.param_names, unit.storage.layout.slots)}
+        self._name_of = {id(p): name for unit in units for name, p in zip(unit.param_names, unit.storage.params)}
 
     # ------------------------------------------------------------------ use
     def forward(self, *args, **kwargs):
@@ -100,8 +103,52 @@ class FullyShardedModule(torch.nn.Module):
     def process_group(self):
         return self.inner_axis.group
 
+    def start_grad_sync(self) -> None:
+        """Issue every once-per-step reduction not yet issued (no waiting)."""
+        self._runtime.start_grad_sync()
+
     def finish_grad_sync(self) -> None:
+        """Complete every gradient reduction of this step."""
         self._runtime.finish_grad_sync()
+
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply the accumulated gradients by ``factor`` (e.g. 1 / number of tokens)."""
+        for unit in self._units:
+            unit.storage.grad_accum.mul_(factor)
+
+    def param_name(self, param: torch.nn.Parameter) -> str:
+        """The name under which ``param`` is sharded (its first name in the module)."""
+        return self._name_of[id(param)]
+
+    def broadcast_params(self) -> None:
+        """Make replicas equal to rank 0 of every axis whose level keeps them replicated.
+
+        A collective. Shards owned by one rank are already the single truth;
+        only copies along axes that do not shard optimizer state can diverge.
+        """
+        self._runtime.wait_weights()
+        for unit in self._units:
+            s = unit.storage
+            flat = self._gathered_main(s)
+            changed = False
+            for axis, level in ((s.inner, s.levels.inner), (s.outer, s.levels.outer)):
+                if axis.size > 1 and not level.shard_optim:
+                    dist.broadcast(flat, src=dist.get_global_rank(axis.group, 0), group=axis.group)
+                    changed = True
+            if changed:
+                self._load_flat(s, flat)
+
+    def main_grad_piece(self, name: str) -> torch.Tensor:
+        """This rank's piece of parameter ``name`` in the optimizer's gradient (flat; may be empty).
+
+        Ranks with the same layout (e.g. tensor-parallel peers) get pieces that
+        cover the same elements, so a collective over the pieces is elementwise.
+        """
+        unit, slot = self._slot_of[name]
+        s = unit.storage
+        a, b = s.regions.main
+        lo, hi = max(a, slot.start), min(b, slot.end)
+        return s.main_grad[lo - a:hi - a] if lo < hi else s.main_grad[0:0]
 
     def memory_report(self, optimizer=None) -> PersistentMemory:
         compute = main = grads = 0
@@ -153,6 +200,18 @@ class FullyShardedModule(torch.nn.Module):
             ax.all_reduce(flat, tag="state_dict").wait()
         return flat
 
+    @staticmethod
+    @torch.no_grad()
+    def _load_flat(s: UnitStorage, flat: torch.Tensor) -> None:
+        """Write a full main-dtype buffer into this rank's main and compute storage."""
+        a, b = s.regions.main
+        if not s.shares_main:
+            s.main.copy_(flat[a:b])
+        if s.shard is not None:
+            s.shard.copy_(flat[s.regions.compute[0]:s.regions.compute[1]])
+        if s.resident:
+            s.full.copy_(flat)
+
     def load_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True):
         """Load full tensors (as produced by ``state_dict``); every rank takes its own piece."""
         names = [n for unit in self._units for n in unit.param_names]
@@ -172,28 +231,27 @@ class FullyShardedModule(torch.nn.Module):
                         if tuple(value.shape) != slot.spec.shape:
                             raise ValueError(f"{name}: shape {tuple(value.shape)} in the state dict, {slot.spec.shape} in the model")
                         flat[slot.start:slot.end].copy_(value.reshape(-1))
-                a, b = s.regions.main
-                if not s.shares_main:
-                    s.main.copy_(flat[a:b])
-                if s.shard is not None:
-                    s.shard.copy_(flat[s.regions.compute[0]:s.regions.compute[1]])
-                if s.resident:
-                    s.full.copy_(flat)
+                self._load_flat(s, flat)
             for name, buf in buffers.items():
                 if name in state_dict:
                     buf.copy_(state_dict[name])
 
 
-def _unit_classes(unit_modules) -> Tuple[Type[torch.nn.Module], ...]:
+def _unit_selectors(unit_modules) -> Tuple[Tuple[Type[torch.nn.Module], ...], Tuple[torch.nn.Module, ...]]:
+    """``unit_modules`` holds classes (every instance becomes a unit) and/or module instances."""
     if unit_modules is None:
-        return ()
-    if isinstance(unit_modules, type):
-        return (unit_modules,)
-    classes = tuple(unit_modules)
-    for c in classes:
-        if not (isinstance(c, type) and issubclass(c, torch.nn.Module)):
-            raise TypeError(f"unit_modules must be nn.Module classes, got {c!r}")
-    return classes
+        return (), ()
+    if isinstance(unit_modules, (type, torch.nn.Module)):
+        unit_modules = (unit_modules,)
+    classes, instances = [], []
+    for c in unit_modules:
+        if isinstance(c, type) and issubclass(c, torch.nn.Module):
+            classes.append(c)
+        elif isinstance(c, torch.nn.Module):
+            instances.append(c)
+        else:
+            raise TypeError(f"unit_modules must hold nn.Module classes or instances, got {c!r}")
+    return tuple(classes), tuple(instances)
 
 
 def _assign_params(module: torch.nn.Module, unit_names: List[str]):
@@ -233,11 +291,14 @@ def fully_shard(
     no_weight_decay: Callable[[str, torch.nn.Parameter], bool] = megatron_no_weight_decay,
     mesh: Optional[DataParallelMesh] = None,
     outer_strategy=None,
+    average_grads: bool = True,
 ) -> FullyShardedModule:
     """Shard ``module``'s parameters, gradients and optimizer state over the data-parallel ranks.
 
     ``process_group`` gives a flat mesh; ``mesh`` a two-axis one, with
     ``strategy`` the inner level and ``outer_strategy`` the outer level.
+    ``average_grads=False`` sums gradients over ranks instead of averaging
+    (for per-token loss normalisation, scaled later by ``scale_gradients``).
     Every check that can fail runs before the first collective; the one
     collective here (a digest of parameter names, shapes and dtypes) makes all
     ranks fail together when the models differ.
@@ -250,12 +311,14 @@ def fully_shard(
         raise TypeError(f"mixed_precision must be a megatron.fsdp.MixedPrecision, got {type(mp).__name__}")
     if isinstance(module, FullyShardedModule):
         raise ValueError("module is already wrapped by fully_shard")
-    classes = _unit_classes(unit_modules)
-    unit_names = [""] + [n for n, m in module.named_modules() if n and isinstance(m, classes)]
-    if classes and len(unit_names) == 1:
+    classes, instances = _unit_selectors(unit_modules)
+    unit_names = [""] + [n for n, m in module.named_modules()
+                         if n and (isinstance(m, classes) or any(m is i for i in instances))]
+    if (classes or instances) and len(unit_names) == 1:
         present = sorted({type(m).__name__ for m in module.modules()})
+        wanted = [c.__name__ for c in classes] + [type(i).__name__ + " instance" for i in instances]
         raise ValueError(
-            f"unit_modules {[c.__name__ for c in classes]} matched no submodule of {type(module).__name__}; "
+            f"unit_modules {wanted} matched no submodule of {type(module).__name__}; "
             f"module classes present: {', '.join(present)}")
     named = list(module.named_parameters())
     devices = sorted({str(p.device) for _, p in named})
@@ -294,7 +357,7 @@ def fully_shard(
         by_name = dict(plist)
         ordered = [by_name[s.spec.name] for s in layout.slots]
         storage = UnitStorage(layout, ordered, levels, inner, outer, compute_dtype, mp.main_dtype,
-                              mp.reduce_dtype(compute_dtype), device)
+                              mp.reduce_dtype(compute_dtype), device, average_grads)
         units.append(FSDPUnit(len(units), uname, [modules[uname]], storage, [s.spec.name for s in layout.slots]))
     root = units[0] if units and units[0].name == "<root>" else None
     runtime = Runtime(units, root, levels)

@@ -183,6 +183,10 @@ class Runtime:
                 self._reduce_step(unit)
 
     # ------------------------------------------------------------ step hooks
+    def start_grad_sync(self) -> None:
+        """Issue the once-per-step reductions not yet issued; they complete in ``finish_grad_sync``."""
+        self._reduce_unreduced()
+
     def finish_grad_sync(self) -> None:
         """Complete all gradient reductions of this step (also after a forgotten no_sync)."""
         self._reduce_unreduced()
