@@ -213,3 +213,42 @@ def eval_forward(ctx, strategy: str):
     train_loss.backward()
     opt.step()
     return {"eval": eval_loss, "train": train_loss.item(), "resident_after_eval": resident}
+
+
+def adapter_hooks(ctx, strategy: str):
+    """Engine features the Megatron adapter relies on, checked against plain arithmetic."""
+    from tests.engine.training import local_slice
+
+    cfg = RunConfig(strategy=strategy, micro_batches=1, steps=1)
+    results = {}
+    # Sum instead of average, then scale_gradients: equals the averaged gradient.
+    grads = {}
+    for average in (True, False):
+        model = build_model(cfg)
+        fsdp = mfsdp.fully_shard(model, strategy=strategy, unit_modules=(Block, MLP), process_group=ctx.group,
+                                 average_grads=average)
+        tokens, targets = make_batches(1, 1, GLOBAL_MICRO_BATCH)[0][0]
+        fsdp(local_slice(ctx, tokens), local_slice(ctx, targets)).backward()
+        fsdp.finish_grad_sync()
+        if not average:
+            fsdp.scale_gradients(1.0 / ctx.size)
+        grads[average] = {name: fsdp.main_grad_piece(name).clone() for unit in fsdp.units for name in unit.param_names}
+    results["sum_then_scale_equals_mean"] = all(torch.allclose(grads[True][n], grads[False][n], rtol=1e-6, atol=1e-9)
+                                                for n in grads[True])
+    # Pieces of one parameter on all ranks tile it exactly once under sharded optimizer levels.
+    sizes = torch.tensor([grads[True]["embed.weight"].numel()], dtype=torch.int64)
+    torch.distributed.all_reduce(sizes, group=ctx.group)
+    results["embed_piece_total"] = int(sizes.item())
+    # broadcast_params: replicas that drifted become rank 0's values again.
+    model = build_model(cfg)
+    fsdp = mfsdp.fully_shard(model, strategy=strategy, unit_modules=(Block,), process_group=ctx.group)
+    for unit in fsdp.units:
+        unit.storage.main.add_(float(ctx.rank))  # rank-dependent drift of this rank's copy
+    fsdp.broadcast_params()
+    full = fsdp.state_dict()
+    results["norm_weight_sum"] = float(full["norm.weight"].sum())
+    # A module instance can be a unit.
+    model = build_model(cfg)
+    fsdp = mfsdp.fully_shard(model, strategy=strategy, unit_modules=(model.blocks[1],), process_group=ctx.group)
+    results["instance_units"] = [u.name for u in fsdp.units]
+    return results

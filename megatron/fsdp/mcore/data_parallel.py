@@ -1,0 +1,169 @@
+"""``FullyShardedDataParallel``: a drop-in for Megatron-Core's data-parallel wrappers.
+
+Same constructor as ``megatron.core.distributed.DistributedDataParallel`` and the
+same methods with the same meaning (``no_sync``, ``start_grad_sync``,
+``finish_grad_sync``, ``scale_gradients``, ``zero_grad_buffer``,
+``broadcast_params``, ``state_dict``, ``load_state_dict``); underneath, the
+model chunk is wrapped by ``megatron.fsdp.fully_shard`` with
+``TransformerLayer`` (and ``MoELayer``) instances as units.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from typing import Iterable, Optional, Type
+
+import torch
+
+from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+import megatron.fsdp as mfsdp
+
+from .distributed_index import FSDPDistributedIndex
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_UNIT_CLASSES = (TransformerLayer, MoELayer)
+
+# Fields whose non-default values this wrapper does not implement (they tune
+# Megatron's own bucketed buffers or NCCL registration; the engine has its own
+# per-unit schedule). Setting one warns once; semantics-changing ones raise.
+_TUNING_FIELDS = ("bucket_size", "pad_buckets_for_high_nccl_busbw", "suggested_communication_unit_size",
+                  "nccl_ub", "fsdp_double_buffer", "fsdp_manual_registration", "disable_symmetric_registration",
+                  "align_param_gather", "check_for_large_grads")
+_warned = set()
+
+
+def warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+def check_configs(config: TransformerConfig, ddp_config: DistributedDataParallelConfig) -> None:
+    """Reject what cannot work and say how to fix it, before any collective."""
+    if not ddp_config.use_megatron_fsdp:
+        raise ValueError("FullyShardedDataParallel needs DistributedDataParallelConfig(use_megatron_fsdp=True); "
+                         "for plain data parallelism use megatron.core.distributed.DistributedDataParallel")
+    mfsdp.parse_strategy(ddp_config.data_parallel_sharding_strategy)
+    if ddp_config.num_distributed_optimizer_instances > 1:
+        mfsdp.parse_mesh_strategy(ddp_config.data_parallel_sharding_strategy,
+                                  ddp_config.outer_dp_sharding_strategy, has_outer_axis=True)
+    elif ddp_config.outer_dp_sharding_strategy != "no_shard":
+        raise ValueError(f"outer_dp_sharding_strategy={ddp_config.outer_dp_sharding_strategy!r} needs an outer "
+                         "axis: set num_distributed_optimizer_instances > 1 (and pass it to "
+                         "parallel_state.initialize_model_parallel)")
+    if getattr(config, "fp16", False):
+        raise ValueError("fp16 needs loss scaling, which megatron.fsdp does not implement; use bf16")
+    if getattr(config, "gradient_accumulation_fusion", False):
+        raise ValueError("gradient_accumulation_fusion=True writes weight grads into param.main_grad, which "
+                         "megatron.fsdp replaces with flat sharded buffers; set "
+                         "gradient_accumulation_fusion=False (--no-gradient-accumulation-fusion)")
+    if getattr(ddp_config, "delay_wgrad_compute", False):
+        raise ValueError("delay_wgrad_compute is not supported with megatron.fsdp; leave it False")
+    defaults = DistributedDataParallelConfig()
+    for field in _TUNING_FIELDS:
+        if hasattr(ddp_config, field) and getattr(ddp_config, field) != getattr(defaults, field):
+            warn_once(f"megatron.fsdp ignores DistributedDataParallelConfig.{field}={getattr(ddp_config, field)!r}: "
+                      "it tunes Megatron's own bucketed buffers; the engine schedules per unit")
+
+
+def _tied_embedding_units(module: torch.nn.Module):
+    """With tied embeddings split over pipeline stages, the shared weight gets a unit of its own.
+
+    Both stages then lay it out identically, so its gradient pieces line up
+    across the embedding group and can be all-reduced shard by shard.
+    """
+    if not getattr(module, "share_embeddings_and_output_weights", False):
+        return []
+    pre, post = getattr(module, "pre_process", False), getattr(module, "post_process", False)
+    if pre and not post:
+        return [module.embedding.word_embeddings]
+    if post and not pre:
+        return [module.output_layer]
+    return []  # both on this chunk: one parameter, in the root unit
+
+
+class FullyShardedDataParallel(_BaseDataParallel):
+    def __init__(self, config: TransformerConfig, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
+                 disable_bucketing: bool = False, pg_collection=None,
+                 unit_classes: Iterable[Type[torch.nn.Module]] = DEFAULT_UNIT_CLASSES):
+        super().__init__(config=config, module=module)
+        check_configs(config, ddp_config)
+        self.ddp_config = ddp_config
+        instances = ddp_config.num_distributed_optimizer_instances
+        if pg_collection is None:
+            self.index = FSDPDistributedIndex.from_parallel_state(instances)
+        else:
+            self.index = FSDPDistributedIndex.from_pg_collection(pg_collection, instances)
+        mp = mfsdp.MixedPrecision(
+            param_dtype=torch.bfloat16 if config.bf16 else None,
+            grad_reduce_dtype=torch.float32 if ddp_config.grad_reduce_in_fp32 else (
+                torch.bfloat16 if config.bf16 else torch.float32),
+        )
+        units = tuple(unit_classes) + tuple(_tied_embedding_units(module))
+        # Per-token loss normalisation sums gradients and divides by the token count later.
+        average = not getattr(config, "calculate_per_token_loss", False)
+        # Not a registered submodule: ``self.module`` stays the model, as Megatron expects.
+        object.__setattr__(self, "_fsdp", mfsdp.fully_shard(
+            module,
+            strategy=ddp_config.data_parallel_sharding_strategy,
+            unit_modules=units,
+            mesh=self.index.mesh,
+            outer_strategy=ddp_config.outer_dp_sharding_strategy if instances > 1 else None,
+            mixed_precision=mp,
+            average_grads=average,
+        ))
+
+    @property
+    def fsdp(self) -> mfsdp.FullyShardedModule:
+        """The engine's wrapped model (units, ledger, memory report)."""
+        return self._fsdp
+
+    def forward(self, *inputs, **kwargs):
+        return self._fsdp(*inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        with self._fsdp.no_sync():
+            yield
+
+    def start_grad_sync(self, *unused) -> None:
+        self._fsdp.start_grad_sync()
+
+    def finish_grad_sync(self, force_all_reduce: Optional[bool] = False) -> None:
+        self._fsdp.finish_grad_sync()
+        if self.ddp_config.check_for_nan_in_grad:
+            for unit in self._fsdp.units:
+                grad = unit.storage.main_grad
+                if grad.numel() and not torch.isfinite(grad).all():
+                    raise RuntimeError(f"NaN or Inf in the gradients of FSDP unit {unit.name} on rank "
+                                       f"{torch.distributed.get_rank()} (check_for_nan_in_grad)")
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        self._fsdp.scale_gradients(scaling_factor)
+
+    def zero_grad_buffer(self) -> None:
+        self._fsdp._runtime.zero_grads()
+
+    def broadcast_params(self) -> None:
+        self._fsdp.broadcast_params()
+
+    def state_dict(self, prefix: str = "", keep_vars: bool = False, destination=None):
+        """Full tensors by parameter name (a collective). Sharded DCP state dicts: checkpoint issue."""
+        out = destination if destination is not None else {}
+        for key, value in self._fsdp.state_dict().items():
+            out[prefix + key] = value
+        return out
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
+        return self.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        return self._fsdp.load_state_dict(state_dict, strict=strict)

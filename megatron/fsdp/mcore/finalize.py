@@ -1,0 +1,92 @@
+"""``finalize_model_grads`` for model chunks wrapped by ``FullyShardedDataParallel``.
+
+Plays the role of ``megatron.core.distributed.finalize_model_grads`` (set it as
+``config.finalize_model_grads_func``). After the data-parallel reduction the
+gradients live in sharded flat buffers; the cross-model-parallel reductions work
+on this rank's pieces of them. Tensor-parallel peers and the first/last pipeline
+stages lay those parameters out identically, so the pieces line up element by
+element and a collective over them is exact.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megatron.core.utils import get_attr_wrapped_model
+
+
+def _all_reduce_pieces(pieces: List[torch.Tensor], group, op=dist.ReduceOp.SUM) -> None:
+    pieces = [p for p in pieces if p.numel()]
+    if not pieces:
+        # Peers with the same layout own pieces of the same sizes: all empty or none.
+        return
+    flat = _flatten_dense_tensors(pieces)
+    dist.all_reduce(flat, op=op, group=group)
+    for piece, synced in zip(pieces, _unflatten_dense_tensors(flat, pieces)):
+        piece.copy_(synced)
+
+
+def _tensor_parallel_grads(model, config, tp_group) -> None:
+    """Sequence-parallel norms (summed) and TP-averaged parameters, reduced over tensor parallel ranks."""
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return
+    summed, averaged = [], []
+    for chunk in model:
+        for name, param in get_attr_wrapped_model(chunk, "named_parameters")():
+            if not param.requires_grad:
+                continue
+            if getattr(param, "average_gradients_across_tp_domain", False):
+                averaged.append(chunk.fsdp.main_grad_piece(name))
+            elif (config.sequence_parallel and getattr(param, "sequence_parallel", False)) or (
+                    getattr(config, "qk_layernorm", False) and ("q_layernorm" in name or "k_layernorm" in name)):
+                summed.append(chunk.fsdp.main_grad_piece(name))
+    _all_reduce_pieces(summed, tp_group)
+    if averaged:
+        _all_reduce_pieces(averaged, tp_group)
+        size = dist.get_world_size(tp_group)
+        for piece in averaged:
+            piece.div_(size)
+
+
+def _tied_embedding_grads(model, embd_group) -> None:
+    """Sum the shared word-embedding / output-layer gradient over the first and last stage."""
+    if embd_group is None or dist.get_world_size(embd_group) == 1:
+        return
+    if dist.get_rank() not in dist.get_process_group_ranks(embd_group):
+        return
+    from megatron.core import parallel_state as ps
+
+    chunk = model[0] if ps.is_pipeline_first_stage(ignore_virtual=True) else model[-1]
+    module = get_attr_wrapped_model(chunk, "pre_process", return_model_obj=True)
+    if not getattr(module, "share_embeddings_and_output_weights", False):
+        return
+    weight = module.shared_embedding_or_output_weight()
+    if weight is None or not weight.requires_grad:
+        return
+    _all_reduce_pieces([chunk.fsdp.main_grad_piece(chunk.fsdp.param_name(weight))], embd_group)
+
+
+def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torch.Tensor] = None,
+                         pg_collection=None, force_all_reduce: Optional[bool] = False) -> None:
+    """Finish data-parallel reductions, then the tensor- and pipeline-parallel ones, then token scaling."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model[0])
+    for chunk in model:
+        chunk.finish_grad_sync()
+    index = model[0].index
+    _tensor_parallel_grads(model, config, index.tp)
+    _tied_embedding_grads(model, index.embd)
+    if num_tokens is not None:
+        pp_group = index.pp if index.pp is not None else ps.get_pipeline_model_parallel_group()
+        last = dist.get_process_group_ranks(pp_group)[-1]
+        dist.broadcast(num_tokens, src=last, group=pp_group)
+        dist.all_reduce(num_tokens, group=ps.get_data_parallel_group(with_context_parallel=True))
+        if num_tokens > 0:
+            for chunk in model:
+                chunk.scale_gradients(1.0 / num_tokens)

@@ -1,0 +1,128 @@
+"""The engine's ``FullyShardedOptimizer`` as a ``MegatronOptimizer``, and its factory.
+
+``get_fsdp_optimizer`` plays the role of ``megatron.core.optimizer.get_megatron_optimizer``
+for chunks wrapped by ``FullyShardedDataParallel``: Adam (decoupled weight decay,
+torch's AdamW as Megatron uses without Transformer Engine or Apex) or SGD with
+momentum, Megatron's no-decay rule, clipping by the global norm. The global
+norm counts tensor-parallel duplicates (norms) on one TP rank only, skips the
+pipeline-shared copy of tied embeddings, and sums over the model-parallel group,
+exactly like Megatron's own optimizers.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.optimizer.optimizer_config import OptimizerConfig
+
+import megatron.fsdp as mfsdp
+
+
+class FullyShardedMegatronOptimizer(MegatronOptimizer):
+    """``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)`` like Megatron's optimizers."""
+
+    def __init__(self, engine: mfsdp.FullyShardedOptimizer, config: OptimizerConfig):
+        super().__init__(engine.optimizer, config)
+        self.engine = engine
+        self.is_stub_optimizer = False
+
+    def prepare_grads(self) -> bool:
+        """Finish gradient reduction; returns ``found_inf`` (always False: no loss scaling)."""
+        self.engine.finish_grad_sync()
+        return False
+
+    def get_grad_norm(self) -> float:
+        return self.engine.grad_norm()
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        norm = self.engine.grad_norm()
+        if clip_grad > 0.0:
+            self.engine.clip_grad = clip_grad
+            self.engine.clip_grads(norm)
+        return norm
+
+    def count_zeros(self) -> float:
+        zeros = torch.zeros(1)
+        for g in self.engine._norm_grads:
+            zeros += (g == 0).sum().float().cpu()
+        for group in [self.engine.model.inner_axis.group, self.engine.model.outer_axis.group] + self.engine.norm_groups:
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(zeros, group=group)
+        return zeros.item()
+
+    def step_with_ready_grads(self) -> bool:
+        self.engine.step_with_ready_grads()
+        return True
+
+    @torch.no_grad()
+    def step(self):
+        self.prepare_grads()
+        grad_norm = self.clip_grad_norm(self.config.clip_grad)
+        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        ok = self.step_with_ready_grads()
+        return ok, grad_norm, num_zeros
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad()
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return torch.tensor([1.0])
+
+    def reload_model_params(self, state_dict=None) -> None:
+        """Nothing to copy: the wrapper's ``load_state_dict`` writes main and compute weights together."""
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        raise NotImplementedError(
+            "megatron.fsdp does not produce Megatron's dist-checkpoint sharded state dicts; "
+            "save with --ckpt-format fsdp_dtensor (torch DCP)")
+
+
+def _megatron_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
+    return name.endswith(".bias") or len(param.shape) == 1
+
+
+def _counts_in_norm(tp_rank: int):
+    """Megatron's rule: skip pipeline-shared copies; count TP duplicates on TP rank 0 only."""
+    def rule(name: str, param: torch.nn.Parameter) -> bool:
+        if getattr(param, "shared", False):
+            return False
+        return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+    return rule
+
+
+def get_fsdp_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.Module],
+                       no_weight_decay_cond=None) -> FullyShardedMegatronOptimizer:
+    """One optimizer over all model chunks of this rank (each a ``FullyShardedDataParallel``)."""
+    if getattr(config, "fp16", False):
+        raise ValueError("fp16 needs loss scaling, which megatron.fsdp does not implement; use bf16")
+    engines = [chunk.fsdp for chunk in model_chunks]
+    index = model_chunks[0].index
+    kwargs = dict(lr=config.lr, weight_decay=config.weight_decay)
+    if config.optimizer == "adam":
+        cls = torch.optim.AdamW if getattr(config, "decoupled_weight_decay", True) else torch.optim.Adam
+        kwargs.update(betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+    elif config.optimizer == "sgd":
+        cls = torch.optim.SGD
+        kwargs.update(momentum=config.sgd_momentum)
+    else:
+        raise ValueError(f"optimizer {config.optimizer!r} is not supported by megatron.fsdp; use 'adam' or 'sgd'")
+    engine = mfsdp.FullyShardedOptimizer(
+        engines, cls, clip_grad=config.clip_grad,
+        no_weight_decay=no_weight_decay_cond or _megatron_no_weight_decay,
+        counts_in_norm=_counts_in_norm(index.tp_rank),
+        norm_groups=[index.mp], **kwargs)
+    # Keys Megatron's OptimizerParamScheduler reads from every param group.
+    for group, no_decay in zip(engine.param_groups, (False, True)):
+        group.update(max_lr=config.lr, min_lr=config.min_lr, lr_mult=1.0,
+                     wd_mult=0.0 if no_decay else 1.0, is_expert_parallel=False, is_decoupled_lr=False)
+    return FullyShardedMegatronOptimizer(engine, config)
