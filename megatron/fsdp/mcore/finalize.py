@@ -36,7 +36,7 @@ def _tensor_parallel_grads(model, config, tp_group) -> None:
         return
     summed, averaged = [], []
     for chunk in model:
-        for name, param in get_attr_wrapped_model(chunk, "named_parameters")():
+        for name, param in chunk.fsdp.module.named_parameters():
             if not param.requires_grad:
                 continue
             if getattr(param, "average_gradients_across_tp_domain", False):

@@ -1,0 +1,516 @@
+"""CPU mode: run Megatron-Core 0.16.1 on CPU processes with gloo, without editing its files.
+
+Megatron-Core assumes CUDA in many small places; this module is the one place that
+bridges them, so the engine (``megatron/fsdp``) never needs any of it. Every entry
+point is a no-op when ``torch.cuda.is_available()``. ``enable_cpu_mode(seed)``, called
+after ``parallel_state.initialize_model_parallel``, warns once per process and installs:
+
+1. ``parallel_state._GLOBAL_MEMORY_BUFFER`` on the CPU: the stock one allocates on
+   ``torch.cuda.current_device()`` (attention scratch, sequence-parallel gathers).
+   It belongs to the parallel state (``destroy_model_parallel`` drops it), so it is
+   replaced on every call and never restored.
+2. ``tensor_parallel.random``: a tracker of CPU generator states and CPU
+   ``_get/_set_cuda_rng_state``. Megatron forks the CUDA generator for dropout in
+   TP regions and for activation recompute; seeds follow
+   ``model_parallel_cuda_manual_seed`` (``seed``, ``seed + 2718 + tp_rank``,
+   ``seed + 1024 + 100 * ep_rank + etp_rank``), so TP ranks get distinct streams.
+3. MoE: ``moe_utils.te_general_gemm`` is only bound when Transformer Engine imports
+   (NameError in the router); the all-to-all dispatcher creates a CUDA stream and
+   turns split sizes into host lists only for CUDA tensors.
+4. ``grouped_gemm_util``: a per-expert matmul loop for the CUDA-only ``grouped_gemm``.
+5. ``schedules.deallocate_output_tensor`` keeps the old storage referenced from the
+   output tensor. With ``overlap_p2p_comm`` (Megatron-LM's default under
+   interleaving) the send is still in flight when the schedule swaps the storage
+   out, and gloo reads it when it really sends: the next stage got freed memory (NaN
+   gradients). The tensor is held until its backward, which needs the peer's
+   gradient for it, so the send is done by then. (NCCL is safe by stream order.)
+6. ``torch.cuda.{current_device, current_stream, default_stream, stream,
+   synchronize, Stream, Event}`` -> device 0 and inert stand-ins (a CPU build raises
+   on all of them); ``torch.cuda.is_available`` is left alone.
+7. ``_CudaToCpu``, a ``TorchFunctionMode`` on the calling thread: ``cuda``/``cuda:N``/
+   integer devices become ``cpu``, ``Tensor.cuda()`` is the identity and
+   ``Tensor.type()`` says ``torch.cuda.*Tensor`` for CPU tensors (``clip_grads`` and
+   ``DistributedOptimizer`` assert on it). Sequence parallel, the MoE router,
+   schedules, p2p, DDP buffers and the optimizers allocate with ``device="cuda"``.
+
+6 and 7 are process-global. ``disable_cpu_mode()`` undoes 2-7: a long-lived process
+with other work after a Megatron case should call it, since the mode intercepts every
+torch call on its thread and rewrites ``Tensor.type()``. Enabling again is fine.
+
+``cpu_layer_spec(config)`` is GPTModel's block spec: Megatron's local spec with
+``SDPACoreAttention`` (``scaled_dot_product_attention``; under context parallelism
+it all-gathers K/V over the CP group) and ``CpuNorm`` (accepts sequence parallel).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import logging
+import math
+import types
+import warnings
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import random as tp_random
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import GlobalMemoryBuffer
+
+__all__ = [
+    "CpuModeWarning", "CpuNorm", "SDPACoreAttention", "cpu_layer_spec", "cpu_mode_enabled",
+    "disable_cpu_mode", "enable_cpu_mode", "model_parallel_manual_seed",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class CpuModeWarning(UserWarning):
+    """Emitted once per process when CPU mode is first enabled (filterable by category)."""
+
+
+_MISSING = object()
+
+
+class _Patches:
+    """Every attribute CPU mode replaces, with its value from before the first replacement."""
+
+    def __init__(self) -> None:
+        self._saved: dict = {}
+
+    def set(self, owner: Any, name: str, value: Any) -> None:
+        self._saved.setdefault((id(owner), name), (owner, name, getattr(owner, name, _MISSING)))
+        setattr(owner, name, value)
+
+    def restore(self) -> None:
+        for owner, name, original in reversed(list(self._saved.values())):
+            if original is not _MISSING:
+                setattr(owner, name, original)
+            elif hasattr(owner, name):
+                delattr(owner, name)
+        self._saved.clear()
+
+
+_PATCHES = _Patches()
+_MODE: Optional["_CudaToCpu"] = None
+_ANNOUNCED = False
+
+
+def _announce() -> None:
+    global _ANNOUNCED
+    if not _ANNOUNCED:
+        _ANNOUNCED = True
+        message = ("Megatron-Core CPU mode is on: CUDA calls are redirected to CPU "
+                   "(see megatron.fsdp.mcore.cpu_mode for the list of patches)")
+        warnings.warn(message, CpuModeWarning, stacklevel=3)
+        logger.info(message)
+
+
+class _CpuMemoryBuffer(GlobalMemoryBuffer):
+    """GlobalMemoryBuffer whose scratch tensors live on the CPU."""
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        numel = math.prod(tensor_shape)
+        key = (name, dtype)
+        buffer = self.buffer.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self.buffer[key] = torch.empty(numel, dtype=dtype)
+        return buffer[:numel].view(*tensor_shape)
+
+
+class _CpuRngTracker(tp_random.CudaRNGStatesTracker):
+    """Megatron's named RNG streams as states of the CPU default generator, which on CPU is
+    also the "CUDA" one: ``fork`` swaps its state in and out (the stock tracker warns on that)."""
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        outer = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(outer)
+
+    @contextlib.contextmanager
+    def fork(self, name=tp_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        outer_state, outer_name = torch.get_rng_state(), self._current_state_name
+        if outer_name != "default-rng":
+            self.states_[outer_name] = outer_state
+        torch.set_rng_state(self.states_[name])
+        self._current_state_name = name
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            if outer_name != "default-rng":
+                outer_state = self.states_[outer_name]
+            torch.set_rng_state(outer_state)
+            self._current_state_name = outer_name
+
+
+def model_parallel_manual_seed(seed: int) -> None:
+    """CPU ``tensor_parallel.model_parallel_cuda_manual_seed`` (same offsets): seeds the default
+    generator with ``seed`` and installs a fresh tracker. No-op with CUDA (use Megatron's)."""
+    if torch.cuda.is_available():
+        return
+    _PATCHES.set(tp_random, "_get_cuda_rng_state", lambda *args, **kwargs: torch.get_rng_state())
+    _PATCHES.set(tp_random, "_set_cuda_rng_state", lambda state, *args, **kwargs: torch.set_rng_state(state))
+    tracker = _CpuRngTracker()
+    _PATCHES.set(tp_random, "_CUDA_RNG_STATE_TRACKER", tracker)
+    _PATCHES.set(tp_random, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True)
+    torch.manual_seed(seed)
+    tracker.add(tp_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(tp_random._MODEL_PARALLEL_RNG_TRACKER_NAME,
+                seed + 2718 + parallel_state.get_tensor_model_parallel_rank())
+    tracker.add(tp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME,
+                seed + 1024 + 100 * parallel_state.get_expert_model_parallel_rank()
+                + parallel_state.get_expert_tensor_parallel_rank())
+
+
+class _Inert:
+    """torch.cuda.Stream and torch.cuda.Event on CPU, where work is synchronous: nothing to wait for."""
+
+    def __init__(self, *args, **kwargs): ...
+    def wait_stream(self, other): ...
+    def wait_event(self, event): ...
+    def wait(self, stream=None): ...
+    def record(self, stream=None): ...
+    def synchronize(self): ...
+    def query(self): return True
+    def elapsed_time(self, other): return 0.0
+    def record_event(self, event=None): return event if event is not None else _Inert()
+
+
+_NULL_STREAM = _Inert()
+
+
+def _host_split_sizes(tensor, as_numpy=False, record_stream=False):
+    """maybe_move_tensor_to_cpu that also converts CPU tensors (the dispatcher needs host lists)."""
+    if torch.is_tensor(tensor):
+        tensor = tensor.cpu()
+        if as_numpy:
+            tensor = tensor.numpy()
+    return tensor
+
+
+def _loop_gmm(a, b, batch_sizes, trans_b=False):
+    """grouped_gemm.ops.gmm: rows of ``a`` in consecutive per-expert groups times each expert's weight."""
+    pieces = torch.split(a, batch_sizes.tolist())
+    return torch.cat([x @ (w.t() if trans_b else w) for x, w in zip(pieces, b)])
+
+
+def _patch_moe() -> None:
+    from megatron.core.transformer.moe import grouped_gemm_util, moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        _PATCHES.set(moe_utils, "te_general_gemm", None)
+    _PATCHES.set(token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", _NULL_STREAM)
+    _PATCHES.set(token_dispatcher, "maybe_move_tensor_to_cpu", _host_split_sizes)
+    if grouped_gemm_util.grouped_gemm is None:
+        stand_in = types.SimpleNamespace(ops=types.SimpleNamespace(gmm=_loop_gmm))
+        _PATCHES.set(grouped_gemm_util, "grouped_gemm", stand_in)
+        _PATCHES.set(grouped_gemm_util, "ops", stand_in.ops)
+
+
+def _patch_schedules() -> None:
+    from megatron.core.pipeline_parallel import schedules
+
+    if getattr(schedules.deallocate_output_tensor, "_cpu_mode", False):
+        return
+    deallocate = schedules.deallocate_output_tensor
+
+    def deallocate_after_send(out, deallocate_pipeline_outputs=False):
+        """Megatron's pseudo-deallocation (custom_backward asserts on it), but the old storage
+        stays referenced from ``out`` so an asynchronous gloo send can still read it."""
+        sent = out.data if torch.is_tensor(out) and deallocate_pipeline_outputs else None
+        deallocate(out, deallocate_pipeline_outputs)
+        if sent is not None:
+            out._cpu_mode_sent_storage = sent
+
+    deallocate_after_send._cpu_mode = True
+    _PATCHES.set(schedules, "deallocate_output_tensor", deallocate_after_send)
+
+
+def _names_cuda(device) -> bool:
+    # An int is an index from torch.cuda.current_device().
+    return ((isinstance(device, int) and not isinstance(device, bool))
+            or (isinstance(device, str) and device.startswith("cuda"))
+            or (isinstance(device, torch.device) and device.type == "cuda"))
+
+
+_BACKWARDS = {torch.Tensor.backward: inspect.signature(torch.Tensor.backward),
+              torch.autograd.backward: inspect.signature(torch.autograd.backward)}
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA device requests to CPU for every torch call on this thread."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _BACKWARDS:
+            return self._backward(func, args, kwargs)
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and _names_cuda(kwargs["device"]):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.to and len(args) > 1 and _names_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        elif func is torch.Tensor.type:
+            if len(args) == 1 and not kwargs:
+                name = func(*args)
+                return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
+            if len(args) > 1 and isinstance(args[1], str):
+                args = (args[0], args[1].replace("torch.cuda.", "torch."), *args[2:])
+        return func(*args, **kwargs)
+
+    def _backward(self, func, args, kwargs):
+        """Run the autograd engine as torch.autograd.backward does, with this mode pushed: torch
+        pops a mode while its handler runs, so ``func`` would run the backward pass (DDP hooks,
+        custom Functions allocating on "cuda") without it, and re-pushed it would recurse."""
+        from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+        from torch.autograd.graph import _engine_run_backward
+
+        bound = _BACKWARDS[func].bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        if func is torch.Tensor.backward:
+            tensors, grads = (a["self"],), a["gradient"]
+        else:
+            tensors = a["tensors"]
+            tensors = (tensors,) if torch.is_tensor(tensors) else tuple(tensors)
+            grads = a["grad_tensors"] if a["grad_tensors"] is not None else a["grad_variables"]
+        inputs = a["inputs"]
+        inputs = () if inputs is None else (inputs,) if torch.is_tensor(inputs) else tuple(inputs)
+        create_graph = bool(a["create_graph"])
+        retain_graph = create_graph if a["retain_graph"] is None else a["retain_graph"]
+        with self:
+            grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(grads, len(tensors)),
+                                is_grads_batched=False)
+            _engine_run_backward(tensors, grads, retain_graph, create_graph, inputs,
+                                 allow_unreachable=True, accumulate_grad=True)
+
+
+def _mode_pushed() -> bool:
+    return _MODE is not None and any(m is _MODE for m in _get_current_function_mode_stack())
+
+
+def _redirect_cuda_to_cpu() -> None:
+    global _MODE
+    cuda = torch.cuda
+    _PATCHES.set(cuda, "current_device", lambda: 0)
+    _PATCHES.set(cuda, "current_stream", lambda device=None: _NULL_STREAM)
+    _PATCHES.set(cuda, "default_stream", lambda device=None: _NULL_STREAM)
+    _PATCHES.set(cuda, "stream", lambda stream=None: contextlib.nullcontext())
+    _PATCHES.set(cuda, "synchronize", lambda device=None: None)
+    _PATCHES.set(cuda, "Stream", _Inert)
+    _PATCHES.set(cuda, "Event", _Inert)
+    if not _mode_pushed():
+        _MODE = _CudaToCpu()
+        _MODE.__enter__()
+
+
+# ---------------------------------------------------------------- public switches
+
+def enable_cpu_mode(seed: int) -> None:
+    """Install CPU mode (patches 1-7 of the module docstring) and seed the RNG streams.
+
+    Call after ``parallel_state.initialize_model_parallel``: the memory buffer is that
+    parallel state's and the tracker seeds depend on the TP/EP ranks. Idempotent: a
+    second call re-creates the buffer and re-seeds, nothing is patched twice. The
+    redirection applies to the calling thread. No-op when CUDA is available.
+    """
+    if torch.cuda.is_available():
+        return
+    _announce()
+    parallel_state._GLOBAL_MEMORY_BUFFER = _CpuMemoryBuffer()
+    model_parallel_manual_seed(seed)
+    _patch_moe()
+    _patch_schedules()
+    _redirect_cuda_to_cpu()
+
+
+def disable_cpu_mode() -> None:
+    """Undo ``enable_cpu_mode`` (the memory buffer stays with the parallel state).
+
+    Raises if another TorchFunctionMode was pushed after CPU mode and is still active,
+    since popping out of order would remove the wrong mode. No-op when not enabled.
+    """
+    global _MODE
+    if _mode_pushed():
+        stack = _get_current_function_mode_stack()
+        if stack[-1] is not _MODE:
+            raise RuntimeError("disable_cpu_mode: a TorchFunctionMode pushed after CPU mode is "
+                               f"still active ({type(stack[-1]).__name__}); exit it first")
+        _MODE.__exit__(None, None, None)
+    _MODE = None
+    _PATCHES.restore()
+
+
+def cpu_mode_enabled() -> bool:
+    """True while the cuda->cpu redirection is active on this thread."""
+    return _mode_pushed()
+
+
+# ---------------------------------------------------------------- spec pieces
+
+class _AllGatherSequence(torch.autograd.Function):
+    """All-gather along dim 0; backward sums the gradient and keeps this rank's slice.
+    (torch.distributed.nn.all_gather's gloo backward addresses subgroup ranks by global rank.)"""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.new_empty((group.size() * x.size(0), *x.shape[1:]))
+        torch.distributed.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad.chunk(ctx.group.size())[ctx.group.rank()], None
+
+
+def _load_balanced_positions(cp_size: int, cp_rank: int, chunk: int) -> torch.Tensor:
+    """Positions ``cp_rank`` holds: chunks ``r`` and ``2*cp-1-r`` of ``2*cp`` (get_batch_on_this_cp_rank)."""
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    second = torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk)
+    return torch.cat([first, second])
+
+
+class SDPACoreAttention(MegatronModule):
+    """``core_attention`` on ``F.scaled_dot_product_attention`` (DotProductAttention has no
+    context parallelism). ``[s, b, heads, dim]`` in, ``[s, b, heads * dim]`` out; the mask is
+    Megatron's (True = masked out).
+
+    Under context parallelism K/V are all-gathered over the CP group into global order and
+    the local queries (two load-balanced chunks) attend to them. ``get_batch_on_this_cp_rank``
+    slices the mask's queries only (``[b, 1, s_local, s]``), so it applies as is; without one
+    the causal mask comes from token positions. Exact, not a ring: for numerics, O(s) memory.
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None,
+                 pg_collection=None):
+        super().__init__(config=config)
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise NotImplementedError("SDPACoreAttention supports softmax_type='vanilla' only")
+        self.attn_mask_type = attn_mask_type
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale
+        self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+
+    def _context_parallel_group(self):
+        if self.cp_group is not None:
+            return self.cp_group
+        if self.config.context_parallel_size > 1:
+            return parallel_state.get_context_parallel_group()
+        return None
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("SDPACoreAttention: packed sequences and attention bias")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        allowed = None if attention_mask is None else ~attention_mask  # SDPA: True = attend
+        causal = allowed is None and mask_type == AttnMaskType.causal
+        group = self._context_parallel_group()
+        if group is not None and group.size() > 1:
+            key, value, allowed = self._gather_context(group, key, value, allowed, causal)
+            causal = False
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
+        dropout = self.dropout_p if self.training else 0.0
+        # As DotProductAttention: dropout under the model-parallel stream unless sequence parallel.
+        rng = (tp_random.get_cuda_rng_tracker().fork()
+               if dropout > 0 and not self.config.sequence_parallel else contextlib.nullcontext())
+        with rng:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, dropout_p=dropout, is_causal=causal,
+                scale=self.softmax_scale, enable_gqa=k.size(1) != q.size(1))
+        return out.permute(2, 0, 1, 3).reshape(out.size(2), out.size(0), -1)
+
+    @staticmethod
+    def _gather_context(group, key, value, allowed, causal):
+        cp_size, cp_rank = group.size(), group.rank()
+        local = key.size(0)
+        chunk = local // 2
+        order = torch.cat([_load_balanced_positions(cp_size, r, chunk) for r in range(cp_size)])
+        inverse = torch.argsort(order)  # gathered row -> global position
+
+        def to_global(t):
+            return _AllGatherSequence.apply(t, group).index_select(0, inverse)
+
+        key, value = to_global(key), to_global(value)
+        if allowed is not None:
+            if allowed.size(-1) != key.size(0):
+                raise ValueError(f"context parallel attention needs the mask's key dimension to be "
+                                 f"the full sequence ({key.size(0)}), got {tuple(allowed.shape)}")
+        elif causal:
+            positions = _load_balanced_positions(cp_size, cp_rank, chunk)
+            allowed = torch.arange(key.size(0))[None, :] <= positions[:, None]
+        return key, value, allowed
+
+
+class CpuNorm:
+    """torch LayerNorm/RMSNorm that accepts sequence parallel (WrappedTorchNorm asserts).
+
+    Its parameters are tagged ``sequence_parallel`` as apex/TE norms are, so
+    ``finalize_model_grads`` all-reduces their gradients over the TP group.
+    """
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **_unused):
+        if config.layernorm_zero_centered_gamma:
+            raise NotImplementedError("CpuNorm: layernorm_zero_centered_gamma")
+        if config.normalization == "RMSNorm":
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        elif config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        else:
+            raise NotImplementedError(f"CpuNorm: normalization={config.normalization!r}")
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def cpu_layer_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None,
+                   **local_spec_kwargs):
+    """GPT spec for CPU: Megatron's local layer spec with SDPA attention and CPU norms.
+
+    A ``TransformerBlockSubmodules`` (GPTModel's ``transformer_layer_spec`` accepts it) of this
+    stage's layers (``vp_stage``/``pp_rank`` as in ``get_num_layers_to_build``) and a CPU final
+    norm: with a bare layer spec TransformerBlock picks a final norm that rejects sequence
+    parallel. ``local_spec_kwargs`` go to ``get_gpt_layer_local_spec`` (MoE ones default from config).
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.torch_norm import L2Norm
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules, get_num_layers_to_build)
+
+    local_spec_kwargs.setdefault("num_experts", config.num_moe_experts)
+    local_spec_kwargs.setdefault("moe_grouped_gemm", config.moe_grouped_gemm)
+    local_spec_kwargs.setdefault("qk_layernorm", config.qk_layernorm)
+    local_spec_kwargs.setdefault("normalization", config.normalization)
+    layer = copy.deepcopy(get_gpt_layer_local_spec(**local_spec_kwargs))
+    sub = layer.submodules
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        if getattr(sub, name) is not IdentityOp:
+            setattr(sub, name, CpuNorm)
+    attention = sub.self_attention.submodules
+    attention.core_attention = SDPACoreAttention
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attention, name, IdentityOp) not in (IdentityOp, L2Norm):
+            setattr(attention, name, CpuNorm)
+    count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=CpuNorm)
