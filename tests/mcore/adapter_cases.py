@@ -35,10 +35,10 @@ def build(config, topology, strategy: str, outer: Optional[str] = None, instance
 
 
 def fsdp_run(ctx, topology: gpt.Topology, strategy: str, steps: int = 5, micro_batches: int = 4,
-             trace: bool = False) -> dict:
+             trace: bool = False, outer: Optional[str] = None) -> dict:
     with gpt.parallel(ctx, topology):
         config = gpt.tiny_gpt_config(topology)
-        model, optimizer = build(config, topology, strategy)
+        model, optimizer = build(config, topology, strategy, outer=outer, instances=topology.instances)
         ledger = model[0].fsdp.ledger
         ledger.trace = trace
         result = gpt.train(model, optimizer, config, topology, steps, micro_batches,

@@ -45,6 +45,7 @@ class Topology:
     vpp: Optional[int] = None
     cp: int = 1
     sp: bool = False
+    instances: int = 1  # distributed-optimizer instances: the outer data-parallel axis
 
     @property
     def model_parallel(self) -> int:
@@ -105,6 +106,7 @@ def parallel(ctx, topology: Topology, seed: int = SEED):
         pipeline_model_parallel_size=topology.pp,
         virtual_pipeline_model_parallel_size=topology.vpp,
         context_parallel_size=topology.cp,
+        num_distributed_optimizer_instances=topology.instances,
     )
     try:
         set_random_seed(seed)

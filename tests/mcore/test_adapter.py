@@ -67,3 +67,14 @@ def test_forward_only_pass_leaves_nothing_gathered(mcore_pool, strategy):
     for r in result:
         if strategy == "optim_grads_params":
             assert r["resident"] == []
+
+
+@pytest.mark.parametrize("outer", ["no_shard", "optim"])
+def test_two_optimizer_instances_hsdp_hfsdp(mcore_pool, outer):
+    """DP 4 as 2 domains x 2 ranks (num_distributed_optimizer_instances=2): same numbers as flat DP 4."""
+    baseline = _baseline(mcore_pool, "dp4")
+    result = mcore_pool.run("tests.mcore.adapter_cases:fsdp_run", timeout=300, topology=Topology(instances=2),
+                            strategy="optim_grads_params", outer=outer)[0]
+    for key in ("losses", "grad_norms"):
+        errs = [_rel(a, b) for a, b in zip(result[key], baseline[key])]
+        assert max(errs) <= RTOL, f"{key}: {result[key]} vs Megatron DDP {baseline[key]}"
