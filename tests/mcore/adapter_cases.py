@@ -20,8 +20,10 @@ def _wire_fsdp_hooks(model_chunks, config, optimizer) -> None:
     configure_schedule_hooks(config, model_chunks)
 
 
-def build(config, topology, strategy: str, outer: Optional[str] = None, instances: int = 1, **ddp_overrides):
+def build(config, topology, strategy: str, outer: Optional[str] = None, instances: int = 1,
+          use_pg_collection: bool = False, **ddp_overrides):
     from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.fsdp.mcore import FullyShardedDataParallel, get_fsdp_optimizer
 
     chunks = gpt.build_model_chunks(config, topology)
@@ -29,16 +31,18 @@ def build(config, topology, strategy: str, outer: Optional[str] = None, instance
         use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy,
         outer_dp_sharding_strategy=outer or "no_shard", num_distributed_optimizer_instances=instances,
         grad_reduce_in_fp32=True, check_for_nan_in_grad=True, **ddp_overrides)
-    model = [FullyShardedDataParallel(config, ddp_config, chunk) for chunk in chunks]
+    groups = ProcessGroupCollection.use_mpu_process_groups() if use_pg_collection else None
+    model = [FullyShardedDataParallel(config, ddp_config, chunk, pg_collection=groups) for chunk in chunks]
     optimizer = get_fsdp_optimizer(gpt.optimizer_config(), model)
     return model, optimizer
 
 
 def fsdp_run(ctx, topology: gpt.Topology, strategy: str, steps: int = 5, micro_batches: int = 4,
-             trace: bool = False, outer: Optional[str] = None) -> dict:
+             trace: bool = False, outer: Optional[str] = None, use_pg_collection: bool = False) -> dict:
     with gpt.parallel(ctx, topology):
         config = gpt.tiny_gpt_config(topology)
-        model, optimizer = build(config, topology, strategy, outer=outer, instances=topology.instances)
+        model, optimizer = build(config, topology, strategy, outer=outer, instances=topology.instances,
+                                 use_pg_collection=use_pg_collection)
         ledger = model[0].fsdp.ledger
         ledger.trace = trace
         result = gpt.train(model, optimizer, config, topology, steps, micro_batches,

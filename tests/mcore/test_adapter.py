@@ -78,3 +78,12 @@ def test_two_optimizer_instances_hsdp_hfsdp(mcore_pool, outer):
     for key in ("losses", "grad_norms"):
         errs = [_rel(a, b) for a, b in zip(result[key], baseline[key])]
         assert max(errs) <= RTOL, f"{key}: {result[key]} vs Megatron DDP {baseline[key]}"
+
+
+def test_groups_from_a_process_group_collection(mcore_pool):
+    """``pg_collection=`` builds the same mesh as ``parallel_state``: same numbers."""
+    baseline = _baseline(mcore_pool, "tp2sp-dp2")
+    result = mcore_pool.run("tests.mcore.adapter_cases:fsdp_run", timeout=300, topology=TOPOLOGIES["tp2sp-dp2"],
+                            strategy="optim_grads_params", use_pg_collection=True)[0]
+    for key in ("losses", "grad_norms"):
+        assert max(_rel(a, b) for a, b in zip(result[key], baseline[key])) <= RTOL
