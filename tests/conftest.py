@@ -1,3 +1,13 @@
+"""Two long-lived gloo pools shared by the whole session.
+
+``pool``: six ranks for the engine (subgroups of every size, meshes 2 x 2, 3 x 2, 2 x 3).
+``mcore_pool``: four ranks for Megatron-Core cases; ``initialize_model_parallel``
+creates groups over the whole world, so every Megatron case runs on all ranks of a
+pool whose size is exactly ``tp * pp * cp * dp``, and four covers every 2 x 2 topology.
+A pool is started on first use and restarted only after a case killed it (a hang or
+a crash).
+"""
+
 import os
 
 import pytest
@@ -6,19 +16,26 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 from tests.harness import WorkerPool  # noqa: E402
 
-POOL_SIZE = 6  # 2 x 3 and 3 x 2 meshes need six ranks
-_pool = None
+_pools = {}
+
+
+def _pool_of(size: int) -> WorkerPool:
+    pool = _pools.get(size)
+    if pool is None or not pool.alive:
+        pool = _pools[size] = WorkerPool(size)
+    return pool
 
 
 @pytest.fixture
 def pool():
-    """The shared gloo pool; restarted only after a case killed it (a hang or a crash)."""
-    global _pool
-    if _pool is None or not _pool.alive:
-        _pool = WorkerPool(POOL_SIZE)
-    yield _pool
+    yield _pool_of(6)
+
+
+@pytest.fixture
+def mcore_pool():
+    yield _pool_of(4)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if _pool is not None:
-        _pool.close()
+    for pool in _pools.values():
+        pool.close()

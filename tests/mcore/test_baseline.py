@@ -28,7 +28,7 @@ _results = {}  # (name, use_distributed_optimizer) -> per-rank results; each run
 def _baseline(pool, name, use_distributed_optimizer=False):
     key = (name, use_distributed_optimizer)
     if key not in _results:
-        _results[key] = pool.run("tests.mcore.gpt:megatron_ddp_run", timeout=180,
+        _results[key] = pool.run("tests.mcore.gpt:megatron_ddp_run", timeout=300,
                                  topology=TOPOLOGIES[name], steps=STEPS, micro_batches=MICRO_BATCHES,
                                  use_distributed_optimizer=use_distributed_optimizer)
     return _results[key]
@@ -65,7 +65,7 @@ def test_ddp_matches_distributed_optimizer(mcore_pool, name):
 def test_overlapped_communication_matches(mcore_pool):
     """The schedule hooks (no_sync, grad/param sync per chunk) with Megatron's overlap paths on."""
     plain = _baseline(mcore_pool, "pp2-vpp2-dp2")[0]
-    overlapped = mcore_pool.run("tests.mcore.gpt:megatron_ddp_run", timeout=180,
+    overlapped = mcore_pool.run("tests.mcore.gpt:megatron_ddp_run", timeout=300,
                                 topology=TOPOLOGIES["pp2-vpp2-dp2"], steps=STEPS,
                                 micro_batches=MICRO_BATCHES, use_distributed_optimizer=True,
                                 overlap_grad_reduce=True, overlap_param_gather=True,

@@ -3,13 +3,9 @@
 Importing this package imports Megatron-Core; the engine itself never does.
 """
 
-import warnings
+from .quiet import silence_unactionable_warnings
 
-# Megatron-Core announces on import that Transformer Engine and Apex are absent and
-# that it falls back to torch implementations. A user can do nothing about it on a
-# machine without them (the fallback is what CPU mode runs), so it is silenced here,
-# once, for every module of the adapter.
-warnings.filterwarnings("ignore", message=r".*Transformer Engine and Apex are not installed.*")
+silence_unactionable_warnings()
 
 from .data_parallel import DEFAULT_UNIT_CLASSES, FullyShardedDataParallel
 from .distributed_index import FSDPDistributedIndex

@@ -1,0 +1,168 @@
+"""Command-line arguments with Megatron-LM's names and meanings, and their validation.
+
+Validation runs before any process group exists and reports each inconsistency
+in one message that names the arguments and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import List, Optional
+
+import megatron.fsdp as mfsdp
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Pretrain a GPT with Megatron-Core (--use-megatron-fsdp for megatron.fsdp)",
+                                allow_abbrev=False)
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=128)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size")
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default: seq length")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
+    g.add_argument("--recompute-num-layers", type=int, default=1)
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=4)
+    g.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x data parallel size")
+    g.add_argument("--train-iters", type=int, default=20)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g = p.add_argument_group("optimizer and learning rate")
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+                   default="cosine")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: train iters")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--use-megatron-fsdp", action="store_true")
+    g.add_argument("--data-parallel-sharding-strategy", default="no_shard",
+                   help="no_shard | optim | optim_grads | optim_grads_params (with --use-megatron-fsdp)")
+    g.add_argument("--outer-dp-sharding-strategy", default="no_shard")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1)
+    g.add_argument("--no-grad-reduce-in-fp32", dest="grad_reduce_in_fp32", action="store_false")
+    g = p.add_argument_group("data")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-path", nargs="*", default=None)
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--tokenizer-type", default=None,
+                   help="GPT2BPETokenizer | HuggingFaceTokenizer | ByteLevelTokenizer | NullTokenizer")
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--vocab-size", type=int, default=None)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--num-workers", type=int, default=0)
+    g = p.add_argument_group("logging and evaluation")
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--eval-interval", type=int, default=None)
+    g.add_argument("--eval-iters", type=int, default=2)
+    g.add_argument("--tensorboard-dir", default=None)
+    return p
+
+
+class ArgumentError(ValueError):
+    """An inconsistent argument set; the message names the arguments and the fix."""
+
+
+def _fail(message: str) -> None:
+    raise ArgumentError(message)
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Derive defaults and check consistency against ``world_size``; raise ArgumentError on the first problem."""
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    for name, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                        ("--context-parallel-size", cp), ("--micro-batch-size", args.micro_batch_size),
+                        ("--train-iters", args.train_iters), ("--num-layers", args.num_layers)):
+        if value < 1:
+            _fail(f"{name}={value} must be at least 1")
+    if world_size % (tp * pp * cp):
+        _fail(f"tensor ({tp}) x pipeline ({pp}) x context ({cp}) parallel = {tp * pp * cp} does not divide the "
+              f"{world_size} ranks; choose sizes whose product divides the world size")
+    args.data_parallel_size = world_size // (tp * pp * cp)
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % per_step:
+        _fail(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
+              f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {per_step}")
+    args.num_micro_batches = args.global_batch_size // per_step
+    if args.use_megatron_fsdp:
+        try:
+            mfsdp.parse_strategy(args.data_parallel_sharding_strategy)
+            if args.num_distributed_optimizer_instances > 1:
+                mfsdp.parse_mesh_strategy(args.data_parallel_sharding_strategy, args.outer_dp_sharding_strategy, True)
+        except ValueError as exc:
+            _fail(f"--data-parallel-sharding-strategy / --outer-dp-sharding-strategy: {exc}")
+    elif args.data_parallel_sharding_strategy != "no_shard" or args.outer_dp_sharding_strategy != "no_shard":
+        _fail("--data-parallel-sharding-strategy and --outer-dp-sharding-strategy need --use-megatron-fsdp")
+    if args.outer_dp_sharding_strategy != "no_shard" and args.num_distributed_optimizer_instances < 2:
+        _fail("--outer-dp-sharding-strategy needs an outer axis: set --num-distributed-optimizer-instances > 1")
+    if args.num_distributed_optimizer_instances > 1 and args.data_parallel_size % args.num_distributed_optimizer_instances:
+        _fail(f"--num-distributed-optimizer-instances {args.num_distributed_optimizer_instances} does not divide "
+              f"the data-parallel size {args.data_parallel_size}")
+    if args.num_layers % pp:
+        _fail(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    args.virtual_pipeline_model_parallel_size = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        per_stage = args.num_layers // pp
+        if pp < 2 or per_stage % args.num_layers_per_virtual_pipeline_stage:
+            _fail(f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage} needs "
+                  f"--pipeline-model-parallel-size > 1 and must divide the {per_stage} layers per stage")
+        args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage
+    if args.hidden_size % args.num_attention_heads:
+        _fail(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}")
+    if args.num_attention_heads % tp:
+        _fail(f"--num-attention-heads {args.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}")
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False  # Megatron-LM turns it off silently too: nothing to split
+    if args.seq_length % (2 * cp) and cp > 1:
+        _fail(f"--seq-length {args.seq_length} must be divisible by 2 x --context-parallel-size ({2 * cp})")
+    if args.fp16:
+        _fail("--fp16 needs loss scaling, which is not implemented here; use --bf16")
+    if args.bf16 and not args.use_megatron_fsdp and not args.use_distributed_optimizer:
+        pass  # Megatron-Core's Float16 optimizer handles bf16 itself
+    if not args.mock_data and not args.data_path:
+        _fail("no data: pass --mock-data, or --data-path PREFIX (built by tools/preprocess_data.py) "
+              "with --tokenizer-type")
+    if args.data_path and not args.tokenizer_type:
+        _fail("--data-path needs --tokenizer-type (and its files) to know the vocabulary")
+    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    if args.max_position_embeddings < args.seq_length:
+        _fail(f"--max-position-embeddings {args.max_position_embeddings} is shorter than --seq-length {args.seq_length}")
+    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    if args.eval_interval is None:
+        args.eval_interval = args.train_iters
+    if args.transformer_impl == "transformer_engine":
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            _fail("--transformer-impl transformer_engine needs Transformer Engine installed; use --transformer-impl local")
+    return args
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)

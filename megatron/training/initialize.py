@@ -1,0 +1,71 @@
+"""Process groups, device, Megatron-Core parallel state, CPU mode and seeds."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .arguments import validate_args
+
+logger = logging.getLogger("megatron.training")
+
+
+def _world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def initialize(args):
+    """Validate against the launch's world size, then start everything; returns the device.
+
+    Validation runs before the process group exists, so a bad argument set stops
+    every rank with the same message and nothing waits on a collective.
+    """
+    validate_args(args, dist.get_world_size() if dist.is_initialized() else _world_size_from_env())
+    cuda = torch.cuda.is_available()
+    if not dist.is_initialized():
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29511")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        dist.init_process_group("nccl" if cuda else "gloo")
+    from megatron.core import parallel_state as ps, tensor_parallel
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+    )
+    seed = args.seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if cuda:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        return torch.device("cuda", torch.cuda.current_device())
+    import warnings
+
+    from megatron.fsdp.mcore.cpu_mode import CpuModeWarning, enable_cpu_mode
+
+    with warnings.catch_warnings():  # said once below, by rank 0, instead of once per process
+        warnings.simplefilter("ignore", CpuModeWarning)
+        enable_cpu_mode(seed)
+    if dist.get_rank() == 0:
+        print("> no CUDA device: running on CPU with gloo (Megatron-Core CPU mode on)", flush=True)
+    return torch.device("cpu")
+
+
+def shutdown() -> None:
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,139 @@
+"""Build the GPT model chunks, the data-parallel wrappers, the optimizer and the LR schedule.
+
+``--use-megatron-fsdp`` selects this project's adapter; without it, Megatron-Core's
+own ``DistributedDataParallel`` (and ``DistributedOptimizer`` with
+``--use-distributed-optimizer``): the baseline users compare against. The choice
+is made here, once; nothing else in the job branches on it.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+
+def transformer_config(args, cpu: bool):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    interleaved = args.virtual_pipeline_model_parallel_size is not None
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size, sequence_parallel=args.sequence_parallel,
+        bf16=args.bf16, params_dtype=torch.float32,
+        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
+        recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
+        # Fused CUDA kernels do not exist on CPU; gradient-accumulation fusion writes
+        # into param.main_grad, which the sharded engine replaces.
+        gradient_accumulation_fusion=False, bias_activation_fusion=not cpu, bias_dropout_fusion=not cpu,
+        masked_softmax_fusion=not cpu, persist_layer_norm=not cpu, apply_rope_fusion=False,
+        cross_entropy_loss_fusion=False, deallocate_pipeline_outputs=True,
+        overlap_p2p_comm=interleaved, batch_p2p_comm=not interleaved,
+    )
+
+
+def _layer_spec(args, config, cpu: bool, vp_stage):
+    if cpu:
+        from megatron.fsdp.mcore.cpu_mode import cpu_layer_spec
+
+        return cpu_layer_spec(config, vp_stage=vp_stage)
+    if args.transformer_impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec()
+
+
+def build_model_chunks(args, config, vocab_size: int, cpu: bool) -> List[torch.nn.Module]:
+    from megatron.core import parallel_state as ps, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.enums import ModelType
+
+    stages = [None] if args.virtual_pipeline_model_parallel_size is None else \
+        list(range(args.virtual_pipeline_model_parallel_size))
+    chunks = []
+    for vp_stage in stages:
+        if vp_stage is None:
+            pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        else:
+            pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+            post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        model = GPTModel(config=config, transformer_layer_spec=_layer_spec(args, config, cpu, vp_stage),
+                         vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
+                         pre_process=pre, post_process=post, parallel_output=True,
+                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                         position_embedding_type="learned_absolute", vp_stage=vp_stage)
+        model.model_type = ModelType.encoder_or_decoder
+        for param in model.parameters():
+            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+        if not cpu:
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks
+
+
+def optimizer_config(args):
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                           adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+                           sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16,
+                           params_dtype=torch.float32, use_distributed_optimizer=args.use_distributed_optimizer)
+
+
+def wrap_and_optimize(args, config, chunks):
+    """Data-parallel wrappers, optimizer and the function that sets the schedule hooks."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    opt_config = optimizer_config(args)
+    if args.use_megatron_fsdp:
+        from megatron.fsdp.mcore import FullyShardedDataParallel, configure_schedule_hooks, get_fsdp_optimizer
+
+        ddp_config = DistributedDataParallelConfig(
+            use_megatron_fsdp=True, data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
+            outer_dp_sharding_strategy=args.outer_dp_sharding_strategy,
+            num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+            grad_reduce_in_fp32=args.grad_reduce_in_fp32, check_for_nan_in_grad=True)
+        model = [FullyShardedDataParallel(config, ddp_config, chunk) for chunk in chunks]
+        optimizer = get_fsdp_optimizer(opt_config, model)
+
+        def wire():
+            config.grad_scale_func = optimizer.scale_loss
+            configure_schedule_hooks(config, model)
+        return model, optimizer, wire
+
+    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer, get_standard_config_overrides
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.grad_reduce_in_fp32, use_distributed_optimizer=args.use_distributed_optimizer,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances, check_for_nan_in_grad=True)
+    model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+             for i, chunk in enumerate(chunks)]
+    optimizer = get_megatron_optimizer(opt_config, model, config_overrides=get_standard_config_overrides(opt_config))
+
+    def wire():
+        config.grad_scale_func = optimizer.scale_loss
+        config.no_sync_func = config.grad_sync_func = config.param_sync_func = None
+        config.finalize_model_grads_func = finalize_model_grads
+    return model, optimizer, wire
+
+
+def scheduler(args, optimizer):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    samples = args.global_batch_size
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * samples, lr_decay_steps=args.lr_decay_iters * samples,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * samples, wd_incr_style="constant")

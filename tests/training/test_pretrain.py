@@ -1,0 +1,93 @@
+"""pretrain_gpt.py end to end: --use-megatron-fsdp at every level equals Megatron-Core DDP."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from megatron.training.arguments import ArgumentError, parse_args, validate_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LEVELS = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--lr", "1e-3",
+         "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--min-lr", "1e-4", "--mock-data",
+         "--log-interval", "1", "--eval-interval", "5", "--eval-iters", "1", "--seed", "7"]
+LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: ([0-9.E+-]+) \| grad norm: ([0-9.]+) \|")
+
+
+def _fsdp(level):
+    return ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", level] if level else []
+
+
+def _torchrun(nproc, extra):
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                          "--master_port", "29533", os.path.join(ROOT, "pretrain_gpt.py")] + MODEL + extra,
+                         capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [(int(i), float(loss), float(norm)) for i, loss, norm in LINE.findall(out.stdout)]
+    assert [r[0] for r in rows] == list(range(1, 11)), out.stdout[-2000:]
+    return rows, out.stdout
+
+
+def _close(rows, baseline, rtol=1e-5):
+    for (i, loss, norm), (_, b_loss, b_norm) in zip(rows, baseline):
+        assert abs(loss - b_loss) <= rtol * abs(b_loss), f"iteration {i}: lm loss {loss} vs {b_loss}"
+        assert abs(norm - b_norm) <= rtol * abs(b_norm) + 1e-6, f"iteration {i}: grad norm {norm} vs {b_norm}"
+
+
+@pytest.fixture(scope="module")
+def baseline_2():
+    return _torchrun(2, [])[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", LEVELS)
+def test_pretrain_gpt_2_ranks_matches_megatron_ddp(baseline_2, level):
+    rows, stdout = _torchrun(2, _fsdp(level))
+    _close(rows, baseline_2)
+    assert "validation loss at iteration 5" in stdout and "peak memory (MiB) per rank" in stdout
+    assert f"levels {level} (dp_shard) x no_shard (dp_outer)" in stdout
+    assert rows[-1][1] < rows[0][1]  # the loss falls
+
+
+@pytest.mark.slow
+def test_pretrain_gpt_tp2_dp2_all_levels(mcore_pool):
+    tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    base = mcore_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300, argv=MODEL + tp)[0]
+    for level in LEVELS:
+        got = mcore_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300,
+                             argv=MODEL + tp + _fsdp(level))[0]
+        for key in ("losses", "grad_norms", "valid"):
+            for a, b in zip(got[key], base[key]):
+                assert abs(a - b) <= 1e-5 * abs(b), (level, key, got[key], base[key])
+
+
+@pytest.mark.parametrize("argv, world, pattern", [
+    (["--mock-data", "--global-batch-size", "6", "--micro-batch-size", "4"], 1, "not a multiple of --micro-batch-size"),
+    (["--mock-data", "--tensor-model-parallel-size", "3"], 4, "does not divide the 4 ranks"),
+    (["--mock-data", "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "zero3"], 2, "valid strategies"),
+    (["--mock-data", "--data-parallel-sharding-strategy", "optim"], 2, "need --use-megatron-fsdp"),
+    (["--mock-data", "--use-megatron-fsdp", "--outer-dp-sharding-strategy", "optim"], 4, "outer"),
+    (["--mock-data", "--num-layers", "3", "--pipeline-model-parallel-size", "2"], 2, "not divisible by --pipeline"),
+    (["--mock-data", "--num-attention-heads", "3"], 1, "not divisible by --num-attention-heads"),
+    ([], 1, "no data: pass --mock-data"),
+    (["--data-path", "x"], 1, "needs --tokenizer-type"),
+    (["--mock-data", "--fp16"], 1, "use --bf16"),
+    (["--mock-data", "--context-parallel-size", "2", "--seq-length", "30"], 2, "divisible by 2 x --context"),
+])
+def test_startup_errors(argv, world, pattern):
+    with pytest.raises(ArgumentError, match=pattern):
+        validate_args(parse_args(argv), world)
+
+
+def test_startup_error_from_the_command_line():
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), "--mock-data",
+                          "--global-batch-size", "6", "--micro-batch-size", "4"],
+                         capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+    assert out.returncode == 2
+    assert "error: --global-batch-size 6 is not a multiple of --micro-batch-size 4" in out.stdout
