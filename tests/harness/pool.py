@@ -15,6 +15,7 @@ a test that must "fail before a hang" can assert it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import multiprocessing as mp
@@ -23,6 +24,26 @@ import tempfile
 import time
 import traceback
 from typing import Any, List, Optional
+
+
+@contextlib.contextmanager
+def releasing_new_groups():
+    """Destroy, on exit, every process group created inside (all ranks exit together).
+
+    Megatron's ``initialize_model_parallel`` creates a few dozen groups per call and
+    ``destroy_model_parallel`` only forgets them; each gloo group keeps its own
+    threads polling. In a worker that runs many cases they would pile up by the
+    hundred and eat the CPU of every later case.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    before = set(id(pg) for pg in c10d._world.pg_map)
+    try:
+        yield
+    finally:
+        for pg in [pg for pg in list(c10d._world.pg_map) if id(pg) not in before]:
+            dist.destroy_process_group(pg)
 
 
 class WorkerTimeout(RuntimeError):

@@ -89,31 +89,32 @@ def set_random_seed(seed: int = SEED) -> None:
 def parallel(ctx, topology: Topology, seed: int = SEED):
     """Megatron parallel state for ``topology`` on the whole pool, CPU mode and seeds.
 
-    On exit CPU mode is disabled and the parallel state destroyed, so the next case
-    in the same worker starts clean (process groups are not freed: torch has no
-    cheap way to, and the pool lives for one session).
+    On exit CPU mode is disabled, the parallel state destroyed and its process groups
+    released, so the next case in the same worker starts clean.
     """
     from megatron.core import parallel_state as ps
     from megatron.fsdp.mcore.cpu_mode import disable_cpu_mode
+    from tests.harness.pool import releasing_new_groups
 
     world = dist.get_world_size()
     if ctx.size != world:
         raise ValueError(f"Megatron cases must run on the whole pool ({world} ranks), not {ctx.size}")
     topology.dp(world)
     ps.destroy_model_parallel()  # a case that failed mid-way may have left state behind
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=topology.tp,
-        pipeline_model_parallel_size=topology.pp,
-        virtual_pipeline_model_parallel_size=topology.vpp,
-        context_parallel_size=topology.cp,
-        num_distributed_optimizer_instances=topology.instances,
-    )
-    try:
-        set_random_seed(seed)
-        yield
-    finally:
-        disable_cpu_mode()
-        ps.destroy_model_parallel()
+    with releasing_new_groups():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=topology.tp,
+            pipeline_model_parallel_size=topology.pp,
+            virtual_pipeline_model_parallel_size=topology.vpp,
+            context_parallel_size=topology.cp,
+            num_distributed_optimizer_instances=topology.instances,
+        )
+        try:
+            set_random_seed(seed)
+            yield
+        finally:
+            disable_cpu_mode()
+            ps.destroy_model_parallel()
 
 
 # ---------------------------------------------------------------- model

@@ -10,9 +10,11 @@ def pretrain_in_pool(ctx, argv: List[str]) -> dict:
     from megatron.fsdp.mcore.cpu_mode import disable_cpu_mode
     from megatron.training.arguments import parse_args
     from megatron.training.training import pretrain
+    from tests.harness.pool import releasing_new_groups
 
-    try:
-        return pretrain(parse_args(argv))
-    finally:
-        disable_cpu_mode()
-        ps.destroy_model_parallel()
+    with releasing_new_groups():
+        try:
+            return pretrain(parse_args(argv))
+        finally:
+            disable_cpu_mode()
+            ps.destroy_model_parallel()
