@@ -63,6 +63,16 @@ class Topology:
         return "-".join(parts)
 
 
+TOPOLOGIES = {
+    "dp4": Topology(),
+    "tp2-dp2": Topology(tp=2),
+    "tp2sp-dp2": Topology(tp=2, sp=True),
+    "pp2-dp2": Topology(pp=2),
+    "pp2-vpp2-dp2": Topology(pp=2, vpp=2),
+    "cp2-dp2": Topology(cp=2),
+}  # the 4-rank topologies every Megatron-side test covers
+
+
 # ---------------------------------------------------------------- process setup
 
 def set_random_seed(seed: int = SEED) -> None:
@@ -240,25 +250,11 @@ def get_batch(iterator):
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Masked token loss returning ``(loss, num_tokens, report)`` like pretrain_gpt.
+    """The training job's own masked token loss (``megatron.training.training.loss_func``),
+    so both sides of every parity test compute the loss the way pretrain_gpt.py does."""
+    from megatron.training.training import loss_func as pretrain_loss_func
 
-    Under context parallelism a rank holds part of each sequence: the token count is
-    summed over the CP group and the local sum scaled by ``cp``, so that after the
-    schedule divides by the count and DDP averages over the DP x CP group, the
-    gradient is that of the full micro-batch's mean loss. ``report`` is
-    ``[masked loss sum, token count]`` over the whole micro-batch (all CP ranks).
-    """
-    from megatron.core import parallel_state as ps
-
-    losses = output_tensor.float().reshape(-1)
-    mask = loss_mask.reshape(-1).float()
-    local_sum = torch.sum(losses * mask)
-    report = torch.stack([local_sum.detach(), mask.sum()])
-    cp = ps.get_context_parallel_world_size()
-    if cp > 1:
-        dist.all_reduce(report, group=ps.get_context_parallel_group())
-    num_tokens = report[1].clone().to(torch.int)
-    return local_sum * cp, num_tokens, {"lm loss": report}
+    return pretrain_loss_func(loss_mask, output_tensor)
 
 
 def forward_step(data_iterator, model):

@@ -9,18 +9,10 @@ import functools
 
 import pytest
 
-from tests.mcore.gpt import Topology
+from tests.mcore.gpt import TOPOLOGIES, Topology
 
 RTOL = 1e-5
 LEVELS = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
-TOPOLOGIES = {
-    "dp4": Topology(),
-    "tp2-dp2": Topology(tp=2),
-    "tp2sp-dp2": Topology(tp=2, sp=True),
-    "pp2-dp2": Topology(pp=2),
-    "pp2-vpp2-dp2": Topology(pp=2, vpp=2),
-    "cp2-dp2": Topology(cp=2),
-}
 
 
 @functools.lru_cache(maxsize=None)

@@ -11,16 +11,8 @@ import math
 
 import pytest
 
-from tests.mcore.gpt import Topology
+from tests.mcore.gpt import TOPOLOGIES, Topology
 
-TOPOLOGIES = {
-    "dp4": Topology(),
-    "tp2-dp2": Topology(tp=2),
-    "tp2sp-dp2": Topology(tp=2, sp=True),
-    "pp2-dp2": Topology(pp=2),
-    "pp2-vpp2-dp2": Topology(pp=2, vpp=2),
-    "cp2-dp2": Topology(cp=2),
-}
 STEPS, MICRO_BATCHES = 5, 4
 _results = {}  # (name, use_distributed_optimizer) -> per-rank results; each run happens once
 
