@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--merge-file", default=None)
     g.add_argument("--vocab-size", type=int, default=None)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--data-cache-path", default=None, help="where Megatron-Core caches dataset indexes")
     g.add_argument("--num-workers", type=int, default=0)
     g = p.add_argument_group("logging and evaluation")
     g.add_argument("--log-interval", type=int, default=1)

@@ -42,7 +42,7 @@ def build_datasets(args, tokenizer):
         blend=None if args.mock_data else get_blend_from_list(args.data_path),
         split=args.split, tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
         eod_mask_loss=False, create_attention_mask=True,
-        path_to_cache=None, mmap_bin_files=True)
+        path_to_cache=args.data_cache_path, mmap_bin_files=True)
     cls = MockGPTDataset if args.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
 

@@ -8,6 +8,7 @@ here, once per process, before Megatron-Core is imported by the adapter or the
 training job.
 """
 
+import logging
 import warnings
 
 _PATTERNS = (
@@ -18,6 +19,16 @@ _PATTERNS = (
 )
 
 
+class _MockIndexCacheFilter(logging.Filter):
+    """Mock datasets are generated, not read: there is no index cache worth saving."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Unable to save MockGPTDataset indexes")
+
+
 def silence_unactionable_warnings() -> None:
     for pattern in _PATTERNS:
         warnings.filterwarnings("ignore", message=pattern)
+    dataset_logger = logging.getLogger("megatron.core.datasets.gpt_dataset")
+    if not any(isinstance(f, _MockIndexCacheFilter) for f in dataset_logger.filters):
+        dataset_logger.addFilter(_MockIndexCacheFilter())
