@@ -87,6 +87,19 @@ class _Tokenizer(_Base):
     def vocab_size(self) -> int:
         return self._vocab_size
 
+    # Subclasses set ``_vocab``, ``_inv_vocab`` and ``_eod`` in their constructors.
+    @property
+    def vocab(self) -> Dict[str, int]:
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> Dict[int, str]:
+        return self._inv_vocab
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
     @property
     def pad(self) -> int:
         """An id ``tokenize`` never produces: the first padding id when ``vocab_size`` was
@@ -197,6 +210,7 @@ class GPT2BPETokenizer(_Tokenizer):
         if EOD_TEXT not in self.encoder:
             raise ValueError(f"{vocab_file}: no {EOD_TEXT} token (the eod)")
         self._eod = self.encoder[EOD_TEXT]
+        self._vocab, self._inv_vocab = self.encoder, self.decoder
 
         merges: List[Tuple[str, str]] = []
         with open(merge_file, encoding="utf-8") as f:
@@ -265,17 +279,6 @@ class GPT2BPETokenizer(_Tokenizer):
         return bytearray(self.byte_decoder[c] for c in symbols).decode("utf-8",
                                                                         errors="replace")
 
-    @property
-    def vocab(self) -> Dict[str, int]:
-        return self.encoder
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        return self.decoder
-
-    @property
-    def eod(self) -> int:
-        return self._eod
 
 
 # --------------------------------------------------------------------------------------
@@ -312,6 +315,7 @@ class HuggingFaceTokenizer(_Tokenizer):
                              "to use as eod")
         self._vocab = self._tokenizer.get_vocab()
         self._inv_vocab = {v: k for k, v in self._vocab.items()}
+        self._eod = self._tokenizer.eos_token_id
         self._init_padding(len(self._tokenizer), vocab_size)
 
     def tokenize(self, text: str) -> List[int]:
@@ -321,17 +325,6 @@ class HuggingFaceTokenizer(_Tokenizer):
         ids = [i for i in self._check_ids(ids) if i < self._natural_size]
         return self._tokenizer.decode(ids)
 
-    @property
-    def vocab(self) -> Dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        return self._inv_vocab
-
-    @property
-    def eod(self) -> int:
-        return self._tokenizer.eos_token_id
 
     @property
     def pad(self) -> int:
@@ -365,6 +358,7 @@ class ByteLevelTokenizer(_Tokenizer):
         self._vocab = {f"<0x{b:02X}>": b for b in range(256)}
         self._vocab[EOD_TEXT] = self.EOD_ID
         self._inv_vocab = {v: k for k, v in self._vocab.items()}
+        self._eod = self.EOD_ID
 
     def tokenize(self, text: str) -> List[int]:
         return list(text.encode("utf-8"))
@@ -373,17 +367,6 @@ class ByteLevelTokenizer(_Tokenizer):
         return bytes(i for i in self._check_ids(ids) if i < 256).decode("utf-8",
                                                                         errors="replace")
 
-    @property
-    def vocab(self) -> Dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        return self._inv_vocab
-
-    @property
-    def eod(self) -> int:
-        return self.EOD_ID
 
 
 class NullTokenizer(_Tokenizer):
@@ -414,10 +397,6 @@ class NullTokenizer(_Tokenizer):
     @property
     def inv_vocab(self):
         raise NotImplementedError("NullTokenizer has no vocabulary")
-
-    @property
-    def eod(self) -> int:
-        return self._eod
 
 
 # --------------------------------------------------------------------------------------
