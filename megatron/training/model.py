@@ -53,31 +53,41 @@ def _layer_spec(args, config, cpu: bool, vp_stage):
     return get_gpt_layer_local_spec()
 
 
-def build_model_chunks(args, config, vocab_size: int, cpu: bool) -> List[torch.nn.Module]:
+def gpt_chunks(config, layer_spec_for, vocab_size: int, max_sequence_length: int,
+               tie_embeddings: bool = True) -> List[torch.nn.Module]:
+    """One ``GPTModel`` per virtual pipeline stage of this rank, as Megatron-LM's ``get_model`` builds them.
+
+    ``layer_spec_for(vp_stage)`` gives the layer spec of each chunk.
+    """
     from megatron.core import parallel_state as ps, tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.enums import ModelType
 
-    stages = [None] if args.virtual_pipeline_model_parallel_size is None else \
-        list(range(args.virtual_pipeline_model_parallel_size))
+    vpp = config.virtual_pipeline_model_parallel_size
     chunks = []
-    for vp_stage in stages:
+    for vp_stage in ([None] if vpp is None else range(vpp)):
         if vp_stage is None:
             pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         else:
             pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
             post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-        model = GPTModel(config=config, transformer_layer_spec=_layer_spec(args, config, cpu, vp_stage),
-                         vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
-                         pre_process=pre, post_process=post, parallel_output=True,
-                         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        model = GPTModel(config=config, transformer_layer_spec=layer_spec_for(vp_stage), vocab_size=vocab_size,
+                         max_sequence_length=max_sequence_length, pre_process=pre, post_process=post,
+                         parallel_output=True, share_embeddings_and_output_weights=tie_embeddings,
                          position_embedding_type="learned_absolute", vp_stage=vp_stage)
         model.model_type = ModelType.encoder_or_decoder
         for param in model.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-        if not cpu:
-            model.cuda(torch.cuda.current_device())
         chunks.append(model)
+    return chunks
+
+
+def build_model_chunks(args, config, vocab_size: int, cpu: bool) -> List[torch.nn.Module]:
+    chunks = gpt_chunks(config, lambda vp_stage: _layer_spec(args, config, cpu, vp_stage), vocab_size,
+                        args.max_position_embeddings, not args.untie_embeddings_and_output_weights)
+    if not cpu:
+        for model in chunks:
+            model.cuda(torch.cuda.current_device())
     return chunks
 
 

@@ -172,30 +172,11 @@ def build_model_chunks(config, topology: Topology, seed: int = SEED) -> list:
     Embeddings and output layer are tied (the last stage's copy is synchronised
     with the first stage's at construction, over the embedding group).
     """
-    from megatron.core import parallel_state as ps, tensor_parallel
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.enums import ModelType
     from megatron.fsdp.mcore.cpu_mode import cpu_layer_spec
+    from megatron.training.model import gpt_chunks
 
     set_random_seed(seed)
-    stages = [None] if topology.vpp is None else list(range(topology.vpp))
-    chunks = []
-    for vp_stage in stages:
-        if vp_stage is None:
-            pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-        else:
-            pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
-            post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-        model = GPTModel(
-            config=config, transformer_layer_spec=cpu_layer_spec(config, vp_stage=vp_stage),
-            vocab_size=VOCAB, max_sequence_length=SEQ_LENGTH, pre_process=pre, post_process=post,
-            parallel_output=True, share_embeddings_and_output_weights=True,
-            position_embedding_type="learned_absolute", vp_stage=vp_stage)
-        model.model_type = ModelType.encoder_or_decoder
-        for param in model.parameters():
-            tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
-        chunks.append(model)
-    return chunks
+    return gpt_chunks(config, lambda vp_stage: cpu_layer_spec(config, vp_stage=vp_stage), VOCAB, SEQ_LENGTH)
 
 
 # ---------------------------------------------------------------- data
