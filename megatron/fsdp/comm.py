@@ -6,22 +6,37 @@ how many bytes per step) and benchmarks compare it with the theoretical
 minimum. On an axis of one rank nothing is sent and nothing is recorded.
 
 Bytes recorded are the size of the full (unsharded) buffer a collective works
-on: the all-gather output, the reduce-scatter input, the all-reduce tensor.
+on: the all-gather output, the reduce-scatter input, the all-reduce tensor; the
+theory the tests compare with is written in those terms. Wire bytes are a second
+count: what one rank sends, which is what a benchmark sees. They differ by
+algorithm: a ring all-gather or reduce-scatter sends ``(N-1)/N`` of the buffer, a
+ring all-reduce ``2 (N-1)/N``, and gloo's native reduce-scatter is an all-reduce.
+
+On gloo, ``reduce_scatter`` therefore runs a ring of point-to-point messages
+(``gloo_ring.py``) instead of the native call. ``MEGATRON_FSDP_GLOO_REDUCE_SCATTER=allreduce``
+selects the native call again, to compare the two; every rank must be launched
+with the same value (the two paths do not talk to each other).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from .gloo_ring import ring_reduce_scatter, ring_wire_bytes
+
 
 # torch 2.13 renamed the flat-tensor collectives; the old names warn on every call.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+GLOO_REDUCE_SCATTER_ENV = "MEGATRON_FSDP_GLOO_REDUCE_SCATTER"
+GLOO_REDUCE_SCATTER_PATHS = ("ring", "allreduce")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,10 +45,11 @@ class LedgerEvent:
     axis: str
     nbytes: int
     tag: str
+    wire: int = 0  # bytes this rank sent
 
 
 class Ledger:
-    """Counts calls and bytes per (collective kind, axis); optionally keeps every event."""
+    """Counts calls, bytes and wire bytes per (collective kind, axis); optionally keeps every event."""
 
     def __init__(self):
         self.trace = False
@@ -42,13 +58,15 @@ class Ledger:
     def reset(self) -> None:
         self._calls: Dict[Tuple[str, str], int] = collections.defaultdict(int)
         self._bytes: Dict[Tuple[str, str], int] = collections.defaultdict(int)
+        self._wire: Dict[Tuple[str, str], int] = collections.defaultdict(int)
         self.events: List[LedgerEvent] = []
 
-    def record(self, kind: str, axis: str, nbytes: int, tag: str) -> None:
+    def record(self, kind: str, axis: str, nbytes: int, tag: str, wire: int = 0) -> None:
         self._calls[(kind, axis)] += 1
         self._bytes[(kind, axis)] += nbytes
+        self._wire[(kind, axis)] += wire
         if self.trace:
-            self.events.append(LedgerEvent(kind, axis, nbytes, tag))
+            self.events.append(LedgerEvent(kind, axis, nbytes, tag, wire))
 
     def _sum(self, table, kind, axis) -> int:
         return sum(v for (k, a), v in table.items() if kind in (None, k) and axis in (None, a))
@@ -58,6 +76,10 @@ class Ledger:
 
     def bytes(self, kind: Optional[str] = None, axis: Optional[str] = None) -> int:
         return self._sum(self._bytes, kind, axis)
+
+    def wire_bytes(self, kind: Optional[str] = None, axis: Optional[str] = None) -> int:
+        """Bytes this rank sent (see the module docstring for how each algorithm counts)."""
+        return self._sum(self._wire, kind, axis)
 
     def summary(self) -> Dict[Tuple[str, str], Tuple[int, int]]:
         """``{(kind, axis): (calls, bytes)}`` in first-seen order."""
@@ -86,22 +108,35 @@ class Handle:
 
 
 class CommAxis:
-    """One data-parallel axis: a process group (``None``: an axis of one rank), its name, the ledger."""
+    """One data-parallel axis: a process group (``None``: an axis of one rank), its name, the ledger.
 
-    def __init__(self, name: str, group, ledger: Ledger):
+    ``gloo_reduce_scatter`` (``"ring"`` or ``"allreduce"``; default: the environment
+    variable ``MEGATRON_FSDP_GLOO_REDUCE_SCATTER``, else ``"ring"``) picks how a gloo
+    group reduce-scatters CPU tensors. Other backends always use the native call.
+    """
+
+    def __init__(self, name: str, group, ledger: Ledger, gloo_reduce_scatter: Optional[str] = None):
         self.name = name
         self.group = group
         self.ledger = ledger
+        path = gloo_reduce_scatter or os.environ.get(GLOO_REDUCE_SCATTER_ENV) or "ring"
+        if path not in GLOO_REDUCE_SCATTER_PATHS:
+            raise ValueError(f"{GLOO_REDUCE_SCATTER_ENV}={path!r}: expected one of {GLOO_REDUCE_SCATTER_PATHS}")
+        self._gloo = False
         if group is None:  # an absent axis: one rank, nothing is ever sent
             self.size, self.rank = 1, 0
         elif dist.is_available() and dist.is_initialized():
             self.size = dist.get_world_size(group)
             self.rank = dist.get_rank(group)
+            self._gloo = dist.get_backend(group) == "gloo"
         else:
             raise RuntimeError("a process group was given but torch.distributed is not initialised")
+        self.gloo_reduce_scatter = path if self._gloo else None
 
-    def _record(self, kind: str, tensor: torch.Tensor, tag: str) -> None:
-        self.ledger.record(kind, self.name, tensor.numel() * tensor.element_size(), tag)
+    def _record(self, kind: str, tensor: torch.Tensor, tag: str, passes: int) -> None:
+        """Record a collective on the full buffer ``tensor``; ``passes`` times ``(N-1)/N`` of it leave this rank."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self.ledger.record(kind, self.name, nbytes, tag, passes * ring_wire_bytes(nbytes, self.size))
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, tag: str = "") -> Handle:
         """Gather equal shards into ``output``; ``shard`` may be this rank's slice of it."""
@@ -109,20 +144,28 @@ class CommAxis:
             if output.data_ptr() != shard.data_ptr():
                 output.copy_(shard)
             return Handle()
-        self._record("all_gather", output, tag)
+        self._record("all_gather", output, tag, 1)
         return Handle(_ALL_GATHER(output, shard, group=self.group, async_op=True))
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, tag: str = "") -> Handle:
-        """Sum ``full`` over ranks and leave this rank's slice in ``output``."""
+        """Sum ``full`` over ranks and leave this rank's slice in ``output``.
+
+        On gloo (CPU tensors) a ring of point-to-point messages, unless the native
+        all-reduce was asked for; it is as asynchronous as the native call.
+        """
         if self.size == 1:
             output.copy_(full)
             return Handle()
-        self._record("reduce_scatter", full, tag)
+        if self.gloo_reduce_scatter == "ring" and full.device.type == "cpu":
+            work = ring_reduce_scatter(output, full, self.group, self.rank, self.size)  # checks sizes first
+            self._record("reduce_scatter", full, tag, 1)
+            return Handle(work)
+        self._record("reduce_scatter", full, tag, 2 if self._gloo else 1)  # gloo: an all-reduce inside
         return Handle(_REDUCE_SCATTER(output, full, group=self.group, async_op=True))
 
     def all_reduce(self, tensor: torch.Tensor, tag: str = "") -> Handle:
         """Sum ``tensor`` over ranks, in place."""
         if self.size == 1:
             return Handle()
-        self._record("all_reduce", tensor, tag)
+        self._record("all_reduce", tensor, tag, 2)
         return Handle(dist.all_reduce(tensor, group=self.group, async_op=True))
