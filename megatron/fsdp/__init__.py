@@ -6,7 +6,11 @@ See docs/engine.md for the design. Public API::
     optimizer = FullyShardedOptimizer(model, torch.optim.AdamW, lr=1e-3, clip_grad=1.0)
 """
 
+from .checkpoint import (
+    check_checkpoint_keys, load_model_state_dict, load_optimizer_state_dict, model_state_dict, optimizer_state_dict,
+)
 from .comm import Ledger, LedgerEvent
+from .experts import ExpertSharding
 from .layout import FlatLayout, ParamSpec, build_layout
 from .mesh import DataParallelMesh, build_mesh
 from .mixed_precision import MixedPrecision
@@ -16,8 +20,10 @@ from .strategy import STRATEGIES, MeshStrategy, ShardingStrategy, parse_mesh_str
 from .unit import FSDPUnit, UnitState
 
 __all__ = [
-    "DataParallelMesh", "MeshStrategy", "build_mesh", "parse_mesh_strategy", "valid_pairs",
+    "DataParallelMesh", "ExpertSharding", "MeshStrategy", "build_mesh", "parse_mesh_strategy", "valid_pairs",
     "FSDPUnit", "FlatLayout", "FullyShardedModule", "FullyShardedOptimizer", "Ledger", "LedgerEvent",
     "MixedPrecision", "ParamSpec", "PersistentMemory", "STRATEGIES", "ShardingStrategy", "UnitState",
     "build_layout", "fully_shard", "megatron_no_weight_decay", "parse_strategy",
+    "check_checkpoint_keys", "load_model_state_dict", "load_optimizer_state_dict", "model_state_dict",
+    "optimizer_state_dict",
 ]

@@ -55,12 +55,15 @@ def chain(first: Handle, *stages: Callable[[], Handle]) -> Handle:
 class UnitStorage:
     def __init__(self, layout: FlatLayout, params: List[torch.nn.Parameter], levels: MeshStrategy,
                  inner: CommAxis, outer: CommAxis, compute_dtype: torch.dtype, main_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype, device: torch.device, average_grads: bool = True):
+                 reduce_dtype: torch.dtype, device: torch.device, average_grads: bool = True,
+                 section: str = "dense", grad_scale: float = 1.0):
         assert len(params) == len(layout.slots)
         self.layout, self.params, self.levels = layout, params, levels
         self.inner, self.outer = inner, outer
         self.compute_dtype, self.main_dtype, self.reduce_dtype = compute_dtype, main_dtype, reduce_dtype
         self.average_grads = average_grads
+        self.section = section          # "dense" or "expert": which mesh and norm groups it belongs to
+        self.grad_scale = grad_scale    # applied once per step after the reductions (experts.py)
         self.shares_main = compute_dtype == main_dtype
         self.regions: UnitRegions = unit_regions(layout, levels, inner.rank, outer.rank, outer.size)
         R = self.regions

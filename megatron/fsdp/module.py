@@ -11,7 +11,9 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from .buffers import UnitStorage
+from .checkpoint import load_model_state_dict, model_state_dict
 from .comm import CommAxis, Ledger
+from .experts import DENSE, EXPERT, ExpertSharding, Section
 from .layout import ParamSpec, build_layout
 from .mesh import DataParallelMesh
 from .mixed_precision import MixedPrecision
@@ -50,8 +52,11 @@ class FullyShardedModule(torch.nn.Module):
     """The wrapped model: call it like the original; its parameters live in flat unit buffers."""
 
     def __init__(self, module: torch.nn.Module, runtime: Runtime, units: List[FSDPUnit], inner: CommAxis,
-                 outer: CommAxis, levels: MeshStrategy, mixed_precision: MixedPrecision, no_weight_decay: Callable):
+                 outer: CommAxis, levels: MeshStrategy, mixed_precision: MixedPrecision, no_weight_decay: Callable,
+                 sections: Dict[str, Section]):
         super().__init__()
+        # "dense" always; "expert" when fully_shard got ``experts``: axes, levels, gradient rule of each.
+        self.sections = sections
         self.module = module
         self._runtime = runtime
         self._units = units
@@ -161,7 +166,19 @@ class FullyShardedModule(torch.nn.Module):
         return PersistentMemory(compute, main, grads, state)
 
     # ------------------------------------------------------------ state dict
-    def state_dict(self, *args, **kwargs) -> Dict[str, torch.Tensor]:
+    def state_dict(self, *args, **kwargs) -> Dict[str, object]:
+        """This rank's pieces as DTensors of each parameter's global shape, ready for ``torch.distributed.checkpoint``.
+
+        Layout-, level- and mesh-independent (see ``checkpoint.py``); no
+        collective; the values are copies. ``full_state_dict`` gives full tensors.
+        """
+        return model_state_dict(self)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Load a ``state_dict()`` filled by ``dcp.load``: validates first, then rebuilds compute weights (a collective)."""
+        return load_model_state_dict(self, state_dict, strict=strict)
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """Full, unsharded tensors by parameter name (main precision for trainable ones).
 
         A collective on sharded levels: every rank must call it. Buffers of the
@@ -212,8 +229,8 @@ class FullyShardedModule(torch.nn.Module):
         if s.resident:
             s.full.copy_(flat)
 
-    def load_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True):
-        """Load full tensors (as produced by ``state_dict``); every rank takes its own piece."""
+    def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True):
+        """Load full tensors (as produced by ``full_state_dict``); every rank takes its own piece."""
         names = [n for unit in self._units for n in unit.param_names]
         missing = [n for n in names if n not in state_dict]
         buffers = dict(self.module.named_buffers())
@@ -292,6 +309,7 @@ def fully_shard(
     mesh: Optional[DataParallelMesh] = None,
     outer_strategy=None,
     average_grads: bool = True,
+    experts: Optional[ExpertSharding] = None,
 ) -> FullyShardedModule:
     """Shard ``module``'s parameters, gradients and optimizer state over the data-parallel ranks.
 
@@ -299,6 +317,8 @@ def fully_shard(
     ``strategy`` the inner level and ``outer_strategy`` the outer level.
     ``average_grads=False`` sums gradients over ranks instead of averaging
     (for per-token loss normalisation, scaled later by ``scale_gradients``).
+    ``experts`` puts expert parameters in their own section: own mesh, own
+    levels, own gradient scale (see ``experts.py``).
     Every check that can fail runs before the first collective; the one
     collective here (a digest of parameter names, shapes and dtypes) makes all
     ranks fail together when the models differ.
@@ -335,32 +355,31 @@ def fully_shard(
     ledger = Ledger()
     inner = CommAxis("dp_shard", mesh.inner_group, ledger)
     outer = CommAxis("dp_outer", mesh.outer_group, ledger)
+    dense = Section(DENSE, inner, outer, levels, average_grads, 1.0)
+    expert = _expert_section(experts, levels, average_grads, ledger)
     by_unit = _assign_params(module, unit_names)
     for uname, plist in by_unit.items():
         dtypes = sorted({str(mp.compute_dtype(p.dtype)) for _, p in plist})
         if len(dtypes) > 1:
             raise TypeError(f"FSDP unit {uname or '<root>'} mixes compute dtypes {dtypes}; "
                             "pass mixed_precision=MixedPrecision(param_dtype=...) or make them uniform")
-    check_same_module_on_all_ranks(inner, module_signature(named), device)
-    check_same_module_on_all_ranks(outer, module_signature(named), device)
+    split = _split_experts(by_unit, experts)
+    signature = module_signature(named)
+    for axis in (inner, outer) + ((expert.inner, expert.outer) if expert is not None else ()):
+        check_same_module_on_all_ranks(axis, signature, device)
 
     units: List[FSDPUnit] = []
     modules = dict(module.named_modules())
     for uname in unit_names:
-        plist = by_unit[uname]
-        if not plist:
-            continue
-        specs = [ParamSpec(n, tuple(p.shape), p.requires_grad, no_weight_decay(n, p)) for n, p in plist]
-        compute_dtype = mp.compute_dtype(plist[0][1].dtype)
-        layout = build_layout(specs, inner.size, align=max(1, ALIGN_BYTES // compute_dtype.itemsize),
-                              sub_shards=outer.size)
-        by_name = dict(plist)
-        ordered = [by_name[s.spec.name] for s in layout.slots]
-        storage = UnitStorage(layout, ordered, levels, inner, outer, compute_dtype, mp.main_dtype,
-                              mp.reduce_dtype(compute_dtype), device, average_grads)
-        units.append(FSDPUnit(len(units), uname, [modules[uname]], storage, [s.spec.name for s in layout.slots]))
+        for section, plist in ((dense, split[uname][0]), (expert, split[uname][1])):
+            if not plist:
+                continue
+            storage = _unit_storage(plist, section, mp, no_weight_decay, device)
+            label = uname if section is dense else f"{uname or '<root>'}[experts]"
+            units.append(FSDPUnit(len(units), label, [modules[uname]], storage,
+                                  [s.spec.name for s in storage.layout.slots]))
     root = units[0] if units and units[0].name == "<root>" else None
-    runtime = Runtime(units, root, levels)
+    runtime = Runtime(units, root)
     for unit in units:
         if unit is not root:
             for m in unit.modules:
@@ -368,4 +387,51 @@ def fully_shard(
                 m.register_forward_hook(lambda _m, _a, out, u=unit: runtime.post_forward(u, out))
         for i, p in unit.storage.trainable_params:
             p.register_post_accumulate_grad_hook(lambda _p, u=unit, i=i: runtime.on_grad(u, i))
-    return FullyShardedModule(module, runtime, units, inner, outer, levels, mp, no_weight_decay)
+    sections = {DENSE: dense} if expert is None else {DENSE: dense, EXPERT: expert}
+    return FullyShardedModule(module, runtime, units, inner, outer, levels, mp, no_weight_decay, sections)
+
+
+def _expert_section(experts: Optional[ExpertSharding], dense_levels: MeshStrategy, average_grads: bool,
+                    ledger: Ledger) -> Optional[Section]:
+    if experts is None:
+        return None
+    if not isinstance(experts, ExpertSharding):
+        raise TypeError(f"experts must be a megatron.fsdp.ExpertSharding, got {type(experts).__name__}")
+    mesh = experts.mesh
+    inner_level = experts.strategy if experts.strategy is not None else dense_levels.inner.name
+    outer_level = experts.outer_strategy
+    if outer_level is None and mesh.has_outer:
+        outer_level = dense_levels.outer.name
+    levels = parse_mesh_strategy(inner_level, outer_level, mesh.has_outer)
+    average = average_grads if experts.average_grads is None else experts.average_grads
+    return Section(EXPERT, CommAxis("expert_dp_shard", mesh.inner_group, ledger),
+                    CommAxis("expert_dp_outer", mesh.outer_group, ledger), levels, average, experts.grad_scale)
+
+
+def _split_experts(by_unit, experts: Optional[ExpertSharding]):
+    """``{unit: (dense params, expert params)}``; expert parameters must sit inside some unit module."""
+    split = {}
+    for uname, plist in by_unit.items():
+        if experts is None:
+            split[uname] = (plist, [])
+            continue
+        flags = [bool(experts.is_expert(n, p)) for n, p in plist]
+        split[uname] = ([x for x, f in zip(plist, flags) if not f], [x for x, f in zip(plist, flags) if f])
+    stray = [n for n, _ in split.get("", ((), ()))[1]]
+    if stray:
+        raise ValueError(
+            f"expert parameters {stray[:4]} are not inside any unit module; pass the module class "
+            "that holds the experts (e.g. the MoE layer) in unit_modules so they are gathered with it")
+    return split
+
+
+def _unit_storage(plist, section: Section, mp: MixedPrecision, no_weight_decay, device) -> UnitStorage:
+    specs = [ParamSpec(n, tuple(p.shape), p.requires_grad, no_weight_decay(n, p)) for n, p in plist]
+    compute_dtype = mp.compute_dtype(plist[0][1].dtype)
+    layout = build_layout(specs, section.inner.size, align=max(1, ALIGN_BYTES // compute_dtype.itemsize),
+                          sub_shards=section.outer.size)
+    by_name = dict(plist)
+    ordered = [by_name[s.spec.name] for s in layout.slots]
+    return UnitStorage(layout, ordered, section.levels, section.inner, section.outer, compute_dtype,
+                       mp.main_dtype, mp.reduce_dtype(compute_dtype), device, section.average_grads,
+                       section=section.name, grad_scale=section.grad_scale)

@@ -14,14 +14,24 @@ chunks of virtual pipeline parallelism).
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
+from .checkpoint import load_optimizer_state_dict, optimizer_state_dict
+from .experts import EXPERT
 from .module import FullyShardedModule
 
 Models = Union[FullyShardedModule, Sequence[FullyShardedModule]]
+
+
+def _real_groups(groups: Sequence) -> list:
+    return [g for g in groups if g is not None and dist.get_world_size(g) > 1]
+
+
+def _mesh_key(model: FullyShardedModule):
+    return [(name, s.levels, s.inner.size, s.outer.size) for name, s in model.sections.items()]
 
 
 class FullyShardedOptimizer:
@@ -30,26 +40,28 @@ class FullyShardedOptimizer:
     ``counts_in_norm(name, param)`` says whether a parameter's gradient counts in the
     global norm on this rank (default: all); ``norm_groups`` are further
     process groups the squared norm is summed over (e.g. tensor and pipeline
-    model parallel groups, whose ranks hold different parameters).
+    model parallel groups, whose ranks hold different parameters), and
+    ``expert_norm_groups`` the same for the expert section (default: ``norm_groups``).
     """
 
     def __init__(self, models: Models, optimizer_cls: Callable = torch.optim.AdamW, clip_grad: float = 0.0,
                  no_weight_decay: Optional[Callable] = None, counts_in_norm: Optional[Callable] = None,
-                 norm_groups: Sequence = (), **optimizer_kwargs):
+                 norm_groups: Sequence = (), expert_norm_groups: Optional[Sequence] = None, **optimizer_kwargs):
         self.models: List[FullyShardedModule] = [models] if isinstance(models, FullyShardedModule) else list(models)
         if not self.models or not all(isinstance(m, FullyShardedModule) for m in self.models):
             raise TypeError("FullyShardedOptimizer needs the model(s) returned by megatron.fsdp.fully_shard")
         first = self.models[0]
         for m in self.models[1:]:
-            if m.levels != first.levels or (m.inner_axis.size, m.outer_axis.size) != (first.inner_axis.size, first.outer_axis.size):
-                raise ValueError("all models of one FullyShardedOptimizer must share the same mesh and levels")
+            if _mesh_key(m) != _mesh_key(first):
+                raise ValueError("all models of one FullyShardedOptimizer must share the same meshes and levels")
         self.model = first
         self.clip_grad = float(clip_grad)
-        self.norm_groups = [g for g in norm_groups if g is not None and dist.get_world_size(g) > 1]
+        self.norm_groups = _real_groups(norm_groups)
+        self.expert_norm_groups = self.norm_groups if expert_norm_groups is None else _real_groups(expert_norm_groups)
         weight_decay = optimizer_kwargs.get("weight_decay", 0.0)
         groups = {False: [], True: []}
         self._grads: List[torch.Tensor] = []
-        self._norm_grads: List[torch.Tensor] = []
+        self._norm_grads: Dict[str, List[torch.Tensor]] = {name: [] for name in first.sections}
         for model in self.models:
             for unit in model.units:
                 s = unit.storage
@@ -60,14 +72,14 @@ class FullyShardedOptimizer:
                     weight.grad = s.main_grad[a - lo:b - lo]
                     groups[nwd].append(weight)
                     self._grads.append(weight.grad)
+                    if counts_in_norm is None:
+                        self._norm_grads[s.section].append(weight.grad)
                 if counts_in_norm is not None:
                     for name, slot, param in zip(unit.param_names, s.layout.slots, s.params):
                         if slot.spec.trainable and counts_in_norm(name, param):
                             piece = model.main_grad_piece(name)
                             if piece.numel():
-                                self._norm_grads.append(piece)
-        if counts_in_norm is None:
-            self._norm_grads = self._grads
+                                self._norm_grads[s.section].append(piece)
         device = first.units[0].storage.full.device if first.units else torch.device("cpu")
         param_groups = []
         for nwd in (False, True):
@@ -95,25 +107,44 @@ class FullyShardedOptimizer:
     def state(self):
         return self.optimizer.state
 
+    def state_dict(self) -> Dict[str, object]:
+        """Main weights and optimizer state per parameter, for ``torch.distributed.checkpoint`` (see checkpoint.py)."""
+        return optimizer_state_dict(self)
+
+    def load_state_dict(self, state_dict) -> None:
+        """Load a ``state_dict()`` filled by ``dcp.load`` at any world size, level or mesh (a collective)."""
+        load_optimizer_state_dict(self, state_dict)
+
     def state_bytes(self) -> int:
         return sum(v.untyped_storage().nbytes() for st in self.optimizer.state.values()
                    for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
 
+    def reduce_over_section(self, value: torch.Tensor, section: str) -> torch.Tensor:
+        """Sum a per-rank statistic of one section's gradients over every rank holding a distinct part.
+
+        That is the section's axes whose level shards optimizer state (replicas
+        along the other axes hold identical gradients and must not be counted
+        twice) and its model-parallel groups.
+        """
+        s = self.model.sections[section]
+        if s.levels.inner.shard_optim:
+            s.inner.all_reduce(value, tag="grad_norm").wait()
+        if s.levels.outer.shard_optim:
+            s.outer.all_reduce(value, tag="grad_norm").wait()
+        for group in (self.expert_norm_groups if section == EXPERT else self.norm_groups):
+            dist.all_reduce(value, group=group)
+        return value
+
     def grad_norm(self) -> float:
-        """Global L2 norm of the averaged gradients (each element counted once)."""
-        device = self._norm_grads[0].device if self._norm_grads else torch.device("cpu")
-        sq = torch.zeros(1, dtype=torch.float32, device=device)
-        if self._norm_grads:
-            sq += torch.stack([g.float().pow(2).sum() for g in self._norm_grads]).sum()
-        # Sum over the axes whose level shards optimizer state; replicas along the
-        # other axes hold identical gradients and must not be counted twice.
-        if self.model.levels.inner.shard_optim:
-            self.model.inner_axis.all_reduce(sq, tag="grad_norm").wait()
-        if self.model.levels.outer.shard_optim:
-            self.model.outer_axis.all_reduce(sq, tag="grad_norm").wait()
-        for group in self.norm_groups:
-            dist.all_reduce(sq, group=group)
-        return math.sqrt(float(sq.item()))
+        """Global L2 norm of the gradients: every element of every section counted exactly once."""
+        total = 0.0
+        for section, grads in self._norm_grads.items():
+            device = self._grads[0].device if self._grads else torch.device("cpu")
+            sq = torch.zeros(1, dtype=torch.float32, device=device)
+            if grads:
+                sq += torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+            total += float(self.reduce_over_section(sq, section).item())
+        return math.sqrt(total)
 
     def finish_grad_sync(self) -> None:
         """Complete every gradient reduction of this step; raise if no backward ran."""

@@ -26,11 +26,11 @@ def _in_backward() -> bool:
 
 
 class Runtime:
-    def __init__(self, units: List[FSDPUnit], root: Optional[FSDPUnit], levels):
+    def __init__(self, units: List[FSDPUnit], root: Optional[FSDPUnit]):
         self.units = units          # registration order; root first when it has parameters
         self.root = root            # None when every parameter sits in some unit
-        self.levels = levels
         self.sync_grads = True
+        self._scaled_this_step = False  # per-section gradient scales applied (once per step)
         self.backwards_since_step = 0
         self._order: List[FSDPUnit] = []           # forward order of this pass
         self._bwd_order: List[FSDPUnit] = []       # backward order of this pass
@@ -133,7 +133,7 @@ class Runtime:
     def _post_backward(self, unit: FSDPUnit) -> None:
         storage = unit.storage
         if unit.num_trainable:
-            if self.levels.inner.keeps_full_grads:
+            if storage.levels.inner.keeps_full_grads:
                 storage.accumulate_local()
                 if self.sync_grads:
                     self._reduce_step(unit)
@@ -188,13 +188,23 @@ class Runtime:
         self._reduce_unreduced()
 
     def finish_grad_sync(self) -> None:
-        """Complete all gradient reductions of this step (also after a forgotten no_sync)."""
+        """Complete all gradient reductions of this step (also after a forgotten no_sync).
+
+        Idempotent within a step: Megatron's schedule finishes the sync in
+        ``finalize_model_grads`` and the optimizer finishes it again.
+        """
         self._reduce_unreduced()
         self._drain()
+        if not self._scaled_this_step:
+            self._scaled_this_step = True
+            for unit in self.units:
+                if unit.storage.grad_scale != 1.0 and unit.num_trainable:
+                    unit.storage.grad_accum.mul_(unit.storage.grad_scale)
 
     def after_step(self) -> None:
         """Install updated weights; the gathers overlap with the next forward."""
         self.backwards_since_step = 0
+        self._scaled_this_step = False
         first = [self.root] if self.root is not None else []
         order = first + self._order + [u for u in self.units if u is not self.root and u not in self._order]
         for unit in order:
@@ -202,6 +212,7 @@ class Runtime:
             unit.set_pending(unit.storage.install_main_weights(tag=unit.name))
 
     def zero_grads(self) -> None:
+        self._scaled_this_step = False
         for unit in self.units:
             unit.storage.zero_grads()
 

@@ -28,6 +28,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
     g.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
     g.add_argument("--recompute-num-layers", type=int, default=1)
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                   help="no biases in linear layers (needed with --num-experts)")
+    g = p.add_argument_group("mixture of experts")
+    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: dense MLPs)")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"], default="allgather")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="default: --ffn-hidden-size")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="default: tensor parallel size")
+    g.add_argument("--moe-grouped-gemm", action="store_true")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "sinkhorn", "none"],
+                   default="aux_loss")
+    g.add_argument("--expert-data-parallel-sharding-strategy", default=None,
+                   help="level of the expert section (default: --data-parallel-sharding-strategy)")
+    g.add_argument("--expert-outer-dp-sharding-strategy", default=None,
+                   help="expert outer level (default: --outer-dp-sharding-strategy)")
+    g.add_argument("--expert-num-distributed-optimizer-instances", type=int, default=None,
+                   help="expert outer axis size (default: --num-distributed-optimizer-instances)")
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=4)
     g.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x data parallel size")
@@ -157,12 +176,54 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     if args.eval_interval is None:
         args.eval_interval = args.train_iters
+    _validate_moe(args, world_size)
     if args.transformer_impl == "transformer_engine":
         try:
             import transformer_engine  # noqa: F401
         except ImportError:
             _fail("--transformer-impl transformer_engine needs Transformer Engine installed; use --transformer-impl local")
     return args
+
+
+def _validate_moe(args: argparse.Namespace, world_size: int) -> None:
+    """Expert parallelism and the expert section's levels (Megatron-LM's rules, checked up front)."""
+    expert_flags = ("expert_data_parallel_sharding_strategy", "expert_outer_dp_sharding_strategy",
+                    "expert_num_distributed_optimizer_instances")
+    if args.num_experts is None:
+        if args.expert_model_parallel_size != 1:
+            _fail("--expert-model-parallel-size needs --num-experts")
+        return
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    ep = args.expert_model_parallel_size
+    etp = args.expert_tensor_parallel_size = args.expert_tensor_parallel_size or tp
+    if args.add_bias_linear:
+        _fail("--num-experts needs --disable-bias-linear (Megatron-Core 0.16.1's expert layers have no biases)")
+    if args.num_experts % ep:
+        _fail(f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size {ep}")
+    if not 1 <= args.moe_router_topk <= args.num_experts:
+        _fail(f"--moe-router-topk {args.moe_router_topk} must be between 1 and --num-experts {args.num_experts}")
+    if world_size % (etp * ep * pp):
+        _fail(f"expert tensor ({etp}) x expert model ({ep}) x pipeline ({pp}) parallel = {etp * ep * pp} does not "
+              f"divide the {world_size} ranks")
+    if tp > 1 and not args.sequence_parallel:
+        _fail("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (Megatron-Core's rule)")
+    args.moe_ffn_hidden_size = args.moe_ffn_hidden_size or args.ffn_hidden_size
+    args.expert_data_parallel_size = world_size // (etp * ep * pp)
+    if any(getattr(args, f) is not None for f in expert_flags) and not args.use_megatron_fsdp:
+        _fail("--expert-data-parallel-sharding-strategy and the other expert levels need --use-megatron-fsdp")
+    instances = args.expert_num_distributed_optimizer_instances or args.num_distributed_optimizer_instances
+    if args.expert_data_parallel_size % instances:
+        _fail(f"expert optimizer instances ({instances}) do not divide the expert data-parallel size "
+              f"{args.expert_data_parallel_size}; set --expert-num-distributed-optimizer-instances to a divisor")
+    if args.use_megatron_fsdp:
+        inner = args.expert_data_parallel_sharding_strategy or args.data_parallel_sharding_strategy
+        outer = args.expert_outer_dp_sharding_strategy or (
+            args.outer_dp_sharding_strategy if instances > 1 else "no_shard")
+        try:
+            mfsdp.parse_strategy(inner)
+            mfsdp.parse_mesh_strategy(inner, outer, instances > 1)
+        except ValueError as exc:
+            _fail(f"--expert-data-parallel-sharding-strategy / --expert-outer-dp-sharding-strategy: {exc}")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

@@ -42,6 +42,8 @@ def initialize(args):
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
     )
     seed = args.seed + 100 * ps.get_pipeline_model_parallel_rank()

@@ -36,7 +36,20 @@ def transformer_config(args, cpu: bool):
         masked_softmax_fusion=not cpu, persist_layer_norm=not cpu, apply_rope_fusion=False,
         cross_entropy_loss_fusion=False, deallocate_pipeline_outputs=True,
         overlap_p2p_comm=interleaved, batch_p2p_comm=not interleaved,
+        add_bias_linear=args.add_bias_linear, **_moe_settings(args),
     )
+
+
+def _moe_settings(args) -> dict:
+    if args.num_experts is None:
+        return {}
+    return dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+                moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+                expert_model_parallel_size=args.expert_model_parallel_size,
+                expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+                moe_grouped_gemm=args.moe_grouped_gemm, moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+                moe_router_load_balancing_type=args.moe_router_load_balancing_type)
 
 
 def _layer_spec(args, config, cpu: bool, vp_stage):
@@ -47,10 +60,11 @@ def _layer_spec(args, config, cpu: bool, vp_stage):
     if args.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=args.num_experts,
+                                                          moe_grouped_gemm=args.moe_grouped_gemm)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec()
+    return get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm)
 
 
 def gpt_chunks(config, layer_spec_for, vocab_size: int, max_sequence_length: int,
@@ -106,12 +120,16 @@ def wrap_and_optimize(args, config, chunks):
 
     opt_config = optimizer_config(args)
     if args.use_megatron_fsdp:
-        from megatron.fsdp.mcore import FullyShardedDataParallel, configure_schedule_hooks, get_fsdp_optimizer
+        from megatron.fsdp.mcore import (FullyShardedDataParallel, FullyShardedDataParallelConfig,
+                                         configure_schedule_hooks, get_fsdp_optimizer)
 
-        ddp_config = DistributedDataParallelConfig(
+        ddp_config = FullyShardedDataParallelConfig(
             use_megatron_fsdp=True, data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
             outer_dp_sharding_strategy=args.outer_dp_sharding_strategy,
             num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+            expert_data_parallel_sharding_strategy=args.expert_data_parallel_sharding_strategy,
+            expert_outer_dp_sharding_strategy=args.expert_outer_dp_sharding_strategy,
+            expert_num_distributed_optimizer_instances=args.expert_num_distributed_optimizer_instances,
             grad_reduce_in_fp32=args.grad_reduce_in_fp32, check_for_nan_in_grad=True)
         model = [FullyShardedDataParallel(config, ddp_config, chunk) for chunk in chunks]
         optimizer = get_fsdp_optimizer(opt_config, model)

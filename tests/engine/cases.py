@@ -193,7 +193,7 @@ def forgotten_no_sync(ctx, strategy: str, mesh=None, outer_strategy=None):
         losses.append(total.item() / ctx.size)
         norms.append(opt.step())
         opt.zero_grad()
-    params = fsdp.state_dict()  # a collective: every rank calls it
+    params = fsdp.full_state_dict()  # a collective: every rank calls it
     return {"losses": losses, "grad_norms": norms, "params": params if ctx.rank == 0 else None}
 
 
@@ -245,10 +245,36 @@ def adapter_hooks(ctx, strategy: str):
     for unit in fsdp.units:
         unit.storage.main.add_(float(ctx.rank))  # rank-dependent drift of this rank's copy
     fsdp.broadcast_params()
-    full = fsdp.state_dict()
+    full = fsdp.full_state_dict()
     results["norm_weight_sum"] = float(full["norm.weight"].sum())
     # A module instance can be a unit.
     model = build_model(cfg)
     fsdp = mfsdp.fully_shard(model, strategy=strategy, unit_modules=(model.blocks[1],), process_group=ctx.group)
     results["instance_units"] = [u.name for u in fsdp.units]
     return results
+
+
+def expert_layout(ctx):
+    """Dense ZeRO-3 with an expert section at ZeRO-1 on the same ranks: units, levels, ledger axes."""
+    cfg = RunConfig(strategy="optim_grads_params", expert_strategy="optim", micro_batches=2, steps=1)
+    fsdp, opt = wrap(ctx, cfg)
+    for step in make_batches(cfg.steps, cfg.micro_batches, GLOBAL_MICRO_BATCH):
+        train_step(ctx, fsdp, opt, step, cfg)
+    experts = [u for u in fsdp.units if u.storage.section == "expert"]
+    return {
+        "expert_units": [u.name for u in experts],
+        "expert_params": [n for u in experts for n in u.param_names],
+        "levels": {name: str(s.levels) for name, s in fsdp.sections.items()},
+        "expert_axes": sorted({axis for _kind, axis in fsdp.ledger.summary() if axis.startswith("expert")}),
+    }
+
+
+def expert_outside_unit(ctx):
+    """An expert parameter in the root unit cannot be gathered with its layer: a clear error on every rank."""
+    model = build_model(RunConfig())
+    experts = mfsdp.ExpertSharding(lambda name, p: name.startswith("embed"), mfsdp.DataParallelMesh(ctx.group))
+    try:
+        mfsdp.fully_shard(model, unit_modules=(Block,), process_group=ctx.group, experts=experts)
+    except ValueError as exc:
+        return str(exc)
+    return None

@@ -42,6 +42,17 @@ class RunConfig:
     seed: int = 0
     mesh: Optional[Tuple[int, int]] = None  # (inner N, outer M): a two-axis mesh from the pool
     outer_strategy: Optional[str] = None
+    # An expert section (the MLPs' up-projections): own level, own mesh (a pool mesh, or the
+    # flat group when None); ``expert_sum_scaled``: sum over the expert mesh, then scale by
+    # 1 / ranks, the rule for experts under expert parallelism.
+    expert_strategy: Optional[str] = None
+    expert_outer_strategy: Optional[str] = None
+    expert_mesh: Optional[Tuple[int, int]] = None
+    expert_sum_scaled: bool = False
+
+
+def is_expert(name: str, param) -> bool:
+    return ".mlp.up." in name
 
 
 def build_model(cfg: RunConfig) -> TinyLM:
@@ -90,6 +101,12 @@ def wrap(ctx, cfg: RunConfig):
         where = dict(mesh=ctx.meshes[cfg.mesh], outer_strategy=cfg.outer_strategy)
     else:
         where = dict(process_group=ctx.group)
+    if cfg.expert_strategy is not None:
+        mesh = ctx.meshes[cfg.expert_mesh] if cfg.expert_mesh else mfsdp.DataParallelMesh(ctx.group)
+        where["experts"] = mfsdp.ExpertSharding(
+            is_expert, mesh, cfg.expert_strategy, cfg.expert_outer_strategy,
+            average_grads=False if cfg.expert_sum_scaled else None,
+            grad_scale=1.0 / ctx.size if cfg.expert_sum_scaled else 1.0)
     fsdp = mfsdp.fully_shard(model, strategy=cfg.strategy, unit_modules=(Block, MLP), mixed_precision=mp, **where)
     cls, kwargs = OPTIMIZERS[cfg.optimizer]
     opt = mfsdp.FullyShardedOptimizer(fsdp, cls, clip_grad=cfg.clip_grad, **kwargs)
@@ -130,5 +147,5 @@ def sharded_run(ctx, cfg: Optional[RunConfig] = None, **overrides) -> Dict[str, 
         loss, norm = train_step(ctx, fsdp, opt, step, cfg)
         losses.append(loss)
         norms.append(norm)
-    params = fsdp.state_dict()
+    params = fsdp.full_state_dict()
     return {"losses": losses, "grad_norms": norms, "params": params if ctx.rank == 0 else None}

@@ -22,12 +22,11 @@ def _wire_fsdp_hooks(model_chunks, config, optimizer) -> None:
 
 def build(config, topology, strategy: str, outer: Optional[str] = None, instances: int = 1,
           use_pg_collection: bool = False, **ddp_overrides):
-    from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.fsdp.mcore import FullyShardedDataParallel, get_fsdp_optimizer
+    from megatron.fsdp.mcore import FullyShardedDataParallel, FullyShardedDataParallelConfig, get_fsdp_optimizer
 
     chunks = gpt.build_model_chunks(config, topology)
-    ddp_config = DistributedDataParallelConfig(
+    ddp_config = FullyShardedDataParallelConfig(
         use_megatron_fsdp=True, data_parallel_sharding_strategy=strategy,
         outer_dp_sharding_strategy=outer or "no_shard", num_distributed_optimizer_instances=instances,
         grad_reduce_in_fp32=True, check_for_nan_in_grad=True, **ddp_overrides)
@@ -38,11 +37,13 @@ def build(config, topology, strategy: str, outer: Optional[str] = None, instance
 
 
 def fsdp_run(ctx, topology: gpt.Topology, strategy: str, steps: int = 5, micro_batches: int = 4,
-             trace: bool = False, outer: Optional[str] = None, use_pg_collection: bool = False) -> dict:
+             trace: bool = False, outer: Optional[str] = None, use_pg_collection: bool = False,
+             **ddp_overrides) -> dict:
+    """``ddp_overrides``: further FullyShardedDataParallelConfig fields (e.g. the expert levels)."""
     with gpt.parallel(ctx, topology):
         config = gpt.tiny_gpt_config(topology)
         model, optimizer = build(config, topology, strategy, outer=outer, instances=topology.instances,
-                                 use_pg_collection=use_pg_collection)
+                                 use_pg_collection=use_pg_collection, **ddp_overrides)
         ledger = model[0].fsdp.ledger
         ledger.trace = trace
         result = gpt.train(model, optimizer, config, topology, steps, micro_batches,
@@ -52,7 +53,11 @@ def fsdp_run(ctx, topology: gpt.Topology, strategy: str, steps: int = 5, micro_b
             result["gathers_per_step"] = {tag: count / steps for tag, count in gathers.items()}
             result["units"] = [u.name for u in model[0].fsdp.units]
             result["resident_after"] = [u.name for m in model for u in m.fsdp.units
-                                        if m.fsdp.strategy.shard_params and u.storage.resident]
+                                        if u.storage.levels.inner.shard_params and u.storage.resident]
+            result["sections"] = {name: (str(sec.levels), sec.inner.size, sec.outer.size)
+                                  for name, sec in model[0].fsdp.sections.items()}
+            result["expert_params"] = [n for u in model[0].fsdp.units if u.storage.section == "expert"
+                                       for n in u.param_names]
     return result
 
 

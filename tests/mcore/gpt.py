@@ -46,6 +46,8 @@ class Topology:
     cp: int = 1
     sp: bool = False
     instances: int = 1  # distributed-optimizer instances: the outer data-parallel axis
+    moe: Optional[str] = None  # token dispatcher ("alltoall" / "allgather"): 4 experts in every layer
+    ep: int = 1  # expert model parallel (inside data parallel: it does not change dp)
 
     @property
     def model_parallel(self) -> int:
@@ -60,6 +62,8 @@ class Topology:
         parts = [f"tp{self.tp}" + ("sp" if self.sp else ""), f"pp{self.pp}", f"cp{self.cp}"]
         if self.vpp:
             parts.insert(2, f"vpp{self.vpp}")
+        if self.moe:
+            parts.append(f"ep{self.ep}-{self.moe}")
         return "-".join(parts)
 
 
@@ -117,6 +121,7 @@ def parallel(ctx, topology: Topology, seed: int = SEED):
             pipeline_model_parallel_size=topology.pp,
             virtual_pipeline_model_parallel_size=topology.vpp,
             context_parallel_size=topology.cp,
+            expert_model_parallel_size=topology.ep,
             num_distributed_optimizer_instances=topology.instances,
         )
         try:
@@ -161,6 +166,11 @@ def tiny_gpt_config(topology: Topology, **overrides):
         deallocate_pipeline_outputs=True,
         overlap_p2p_comm=interleaved, batch_p2p_comm=not interleaved,
     )
+    if topology.moe:  # bias-free linears: Megatron-Core 0.16.1's MoE layers reject add_bias_linear
+        settings.update(num_moe_experts=4, moe_router_topk=2, moe_token_dispatcher_type=topology.moe,
+                        expert_model_parallel_size=topology.ep, add_bias_linear=False,
+                        moe_aux_loss_coeff=1e-2, moe_router_load_balancing_type="aux_loss",
+                        moe_grouped_gemm=False, moe_ffn_hidden_size=settings["ffn_hidden_size"])
     settings.update(overrides)
     return TransformerConfig(**settings)
 

@@ -66,6 +66,24 @@ def test_pretrain_gpt_tp2_dp2_all_levels(mcore_pool):
                 assert abs(a - b) <= 1e-5 * abs(b), (level, key, got[key], base[key])
 
 
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01",
+       "--moe-router-load-balancing-type", "aux_loss"]
+
+
+@pytest.mark.parametrize("dispatcher, ep, expert_level", [("alltoall", 2, "optim"), ("allgather", 4, None)])
+def test_pretrain_gpt_moe_4_ranks_matches_megatron_ddp(mcore_pool, dispatcher, ep, expert_level):
+    """pretrain_gpt.py --num-experts 4 on 4 CPU ranks: dense ZeRO-3, experts at their own level."""
+    moe = MOE + ["--moe-token-dispatcher-type", dispatcher, "--expert-model-parallel-size", str(ep)]
+    levels = _fsdp("optim_grads_params") + (
+        ["--expert-data-parallel-sharding-strategy", expert_level] if expert_level else [])
+    base = mcore_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300, argv=MODEL + moe)[0]
+    got = mcore_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300, argv=MODEL + moe + levels)[0]
+    for key in ("losses", "grad_norms", "valid"):
+        assert len(got[key]) == len(base[key]) > 0
+        for a, b in zip(got[key], base[key]):
+            assert abs(a - b) <= 1e-5 * abs(b), (key, got[key], base[key])
+
+
 @pytest.mark.parametrize("argv, world, pattern", [
     (["--mock-data", "--global-batch-size", "6", "--micro-batch-size", "4"], 1, "not a multiple of --micro-batch-size"),
     (["--mock-data", "--tensor-model-parallel-size", "3"], 4, "does not divide the 4 ranks"),
@@ -78,6 +96,18 @@ def test_pretrain_gpt_tp2_dp2_all_levels(mcore_pool):
     (["--data-path", "x"], 1, "needs --tokenizer-type"),
     (["--mock-data", "--fp16"], 1, "use --bf16"),
     (["--mock-data", "--context-parallel-size", "2", "--seq-length", "30"], 2, "divisible by 2 x --context"),
+    (["--mock-data", "--num-experts", "4"], 2, "needs --disable-bias-linear"),
+    (["--mock-data", "--num-experts", "3", "--disable-bias-linear", "--expert-model-parallel-size", "2"], 2,
+     "not divisible by --expert-model-parallel-size"),
+    (["--mock-data", "--expert-model-parallel-size", "2"], 2, "needs --num-experts"),
+    (["--mock-data", "--num-experts", "4", "--disable-bias-linear", "--expert-model-parallel-size", "4"], 2,
+     "does not divide the 2 ranks"),
+    (["--mock-data", "--num-experts", "4", "--disable-bias-linear", "--use-megatron-fsdp",
+      "--expert-data-parallel-sharding-strategy", "zero1"], 2, "valid strategies"),
+    (["--mock-data", "--num-experts", "4", "--disable-bias-linear", "--use-megatron-fsdp",
+      "--expert-num-distributed-optimizer-instances", "3"], 4, "do not divide the expert data-parallel size"),
+    (["--mock-data", "--num-experts", "4", "--disable-bias-linear", "--expert-data-parallel-sharding-strategy",
+      "optim"], 2, "need --use-megatron-fsdp"),
 ])
 def test_startup_errors(argv, world, pattern):
     with pytest.raises(ArgumentError, match=pattern):

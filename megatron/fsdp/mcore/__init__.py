@@ -7,13 +7,14 @@ from .quiet import silence_unactionable_warnings
 
 silence_unactionable_warnings()
 
-from .data_parallel import DEFAULT_UNIT_CLASSES, FullyShardedDataParallel
+from .data_parallel import DEFAULT_UNIT_CLASSES, FullyShardedDataParallel, FullyShardedDataParallelConfig
 from .distributed_index import FSDPDistributedIndex
 from .finalize import finalize_model_grads
 from .optimizer import FullyShardedMegatronOptimizer, get_fsdp_optimizer
 from .schedule import configure_schedule_hooks
 
 __all__ = [
-    "DEFAULT_UNIT_CLASSES", "FSDPDistributedIndex", "FullyShardedDataParallel", "FullyShardedMegatronOptimizer",
+    "DEFAULT_UNIT_CLASSES", "FSDPDistributedIndex", "FullyShardedDataParallel", "FullyShardedDataParallelConfig",
+    "FullyShardedMegatronOptimizer",
     "configure_schedule_hooks", "finalize_model_grads", "get_fsdp_optimizer",
 ]

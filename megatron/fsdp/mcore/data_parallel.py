@@ -11,6 +11,7 @@ model chunk is wrapped by ``megatron.fsdp.fully_shard`` with
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import warnings
 from typing import Iterable, Optional, Type
@@ -46,19 +47,58 @@ def warn_once(message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
+@dataclasses.dataclass
+class FullyShardedDataParallelConfig(DistributedDataParallelConfig):
+    """Megatron-Core's DDP config plus the expert section's own levels (``None``: as the dense ones).
+
+    A plain ``DistributedDataParallelConfig`` works too: the expert fields then
+    take the dense values.
+    """
+
+    expert_data_parallel_sharding_strategy: Optional[str] = None
+    expert_outer_dp_sharding_strategy: Optional[str] = None
+    expert_num_distributed_optimizer_instances: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLevels:
+    inner: str
+    outer: str
+    instances: int
+
+
+def expert_levels(ddp_config: DistributedDataParallelConfig) -> ExpertLevels:
+    """The expert section's (inner level, outer level, instances); unset fields follow the dense ones."""
+    inner = getattr(ddp_config, "expert_data_parallel_sharding_strategy", None)
+    outer = getattr(ddp_config, "expert_outer_dp_sharding_strategy", None)
+    instances = getattr(ddp_config, "expert_num_distributed_optimizer_instances", None)
+    instances = instances or ddp_config.num_distributed_optimizer_instances
+    if outer is None:
+        outer = ddp_config.outer_dp_sharding_strategy if instances > 1 else "no_shard"
+    return ExpertLevels(inner or ddp_config.data_parallel_sharding_strategy, outer, instances)
+
+
+def _check_mesh_levels(inner: str, outer: str, instances: int, what: str) -> None:
+    if instances < 1:
+        raise ValueError(f"{what}num_distributed_optimizer_instances must be >= 1, got {instances}")
+    mfsdp.parse_strategy(inner)
+    if instances > 1:
+        mfsdp.parse_mesh_strategy(inner, outer, has_outer_axis=True)
+    elif outer != "no_shard":
+        raise ValueError(f"{what}outer_dp_sharding_strategy={outer!r} needs an outer axis: set "
+                         f"{what}num_distributed_optimizer_instances > 1"
+                         + ("" if what else " (and pass it to parallel_state.initialize_model_parallel)"))
+
+
 def check_configs(config: TransformerConfig, ddp_config: DistributedDataParallelConfig) -> None:
     """Reject what cannot work and say how to fix it, before any collective."""
     if not ddp_config.use_megatron_fsdp:
         raise ValueError("FullyShardedDataParallel needs DistributedDataParallelConfig(use_megatron_fsdp=True); "
                          "for plain data parallelism use megatron.core.distributed.DistributedDataParallel")
-    mfsdp.parse_strategy(ddp_config.data_parallel_sharding_strategy)
-    if ddp_config.num_distributed_optimizer_instances > 1:
-        mfsdp.parse_mesh_strategy(ddp_config.data_parallel_sharding_strategy,
-                                  ddp_config.outer_dp_sharding_strategy, has_outer_axis=True)
-    elif ddp_config.outer_dp_sharding_strategy != "no_shard":
-        raise ValueError(f"outer_dp_sharding_strategy={ddp_config.outer_dp_sharding_strategy!r} needs an outer "
-                         "axis: set num_distributed_optimizer_instances > 1 (and pass it to "
-                         "parallel_state.initialize_model_parallel)")
+    _check_mesh_levels(ddp_config.data_parallel_sharding_strategy, ddp_config.outer_dp_sharding_strategy,
+                       ddp_config.num_distributed_optimizer_instances, "")
+    experts = expert_levels(ddp_config)
+    _check_mesh_levels(experts.inner, experts.outer, experts.instances, "expert_")
     if getattr(config, "fp16", False):
         raise ValueError("fp16 needs loss scaling, which megatron.fsdp does not implement; use bf16")
     if getattr(config, "gradient_accumulation_fusion", False):
@@ -98,10 +138,11 @@ class FullyShardedDataParallel(_BaseDataParallel):
         check_configs(config, ddp_config)
         self.ddp_config = ddp_config
         instances = ddp_config.num_distributed_optimizer_instances
+        experts = expert_levels(ddp_config)
         if pg_collection is None:
-            self.index = FSDPDistributedIndex.from_parallel_state(instances)
+            self.index = FSDPDistributedIndex.from_parallel_state(instances, experts.instances)
         else:
-            self.index = FSDPDistributedIndex.from_pg_collection(pg_collection, instances)
+            self.index = FSDPDistributedIndex.from_pg_collection(pg_collection, instances, experts.instances)
         mp = mfsdp.MixedPrecision(
             param_dtype=torch.bfloat16 if config.bf16 else None,
             grad_reduce_dtype=torch.float32 if ddp_config.grad_reduce_in_fp32 else (
@@ -119,7 +160,26 @@ class FullyShardedDataParallel(_BaseDataParallel):
             outer_strategy=ddp_config.outer_dp_sharding_strategy if instances > 1 else None,
             mixed_precision=mp,
             average_grads=average,
+            experts=self._expert_sharding(module, experts, average),
         ))
+
+    def _expert_sharding(self, module: torch.nn.Module, levels: ExpertLevels,
+                         average: bool) -> Optional[mfsdp.ExpertSharding]:
+        """Parameters of every MoE layer's routed experts (Megatron-Core's ``MoELayer.experts``,
+        also marked ``allreduce=False`` under expert parallelism): summed over the expert
+        data-parallel group, then scaled by 1 / dense data-parallel size, Megatron-Core's rule."""
+        expert_ids = {id(p) for m in module.modules() if isinstance(m, MoELayer) for p in m.experts.parameters()}
+        expert_ids |= {id(p) for p in module.parameters() if not getattr(p, "allreduce", True)}
+        if not expert_ids:
+            return None
+        return mfsdp.ExpertSharding(
+            is_expert=lambda _name, param: id(param) in expert_ids,
+            mesh=self.index.expert_mesh,
+            strategy=levels.inner,
+            outer_strategy=levels.outer if levels.instances > 1 else None,
+            average_grads=False,
+            grad_scale=1.0 if not average else 1.0 / self.index.dp_cp_size,
+        )
 
     @property
     def fsdp(self) -> mfsdp.FullyShardedModule:
@@ -156,9 +216,9 @@ class FullyShardedDataParallel(_BaseDataParallel):
         self._fsdp.broadcast_params()
 
     def state_dict(self, prefix: str = "", keep_vars: bool = False, destination=None):
-        """Full tensors by parameter name (a collective). Sharded DCP state dicts: checkpoint issue."""
+        """Full tensors by parameter name (a collective); ``self.fsdp.state_dict()`` is the sharded DCP form."""
         out = destination if destination is not None else {}
-        for key, value in self._fsdp.state_dict().items():
+        for key, value in self._fsdp.full_state_dict().items():
             out[prefix + key] = value
         return out
 
@@ -166,4 +226,4 @@ class FullyShardedDataParallel(_BaseDataParallel):
         return self.state_dict(prefix=prefix, keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict, strict: bool = True):
-        return self._fsdp.load_state_dict(state_dict, strict=strict)
+        return self._fsdp.load_full_state_dict(state_dict, strict=strict)

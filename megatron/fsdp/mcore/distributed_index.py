@@ -9,7 +9,17 @@ role                   Megatron-Core group                                      
 ``tp``                 tensor model parallel                                        SP norm grads
 ``mp``                 model parallel (tensor x pipeline)                           global grad norm
 ``embd``               first and last pipeline stage (tied embedding/output)       tied weight grads
+``expt_dp_shard``      expert data parallel (partial group with several            expert inner axis
+                       expert optimizer instances)
+``expt_dp_outer``      across expert optimizer instances (None with one)           expert outer axis
+``expt_mp``            expert tensor x expert model x pipeline parallel            expert grad norm
 =====================  =========================================================  ==================
+
+Expert parameters are replicated over fewer ranks than dense ones: with EP
+expert-parallel ranks, ``expt_dp`` has ``world / (EP x expert TP x PP)`` ranks.
+Their gradients are summed over ``expt_dp`` and scaled by ``1 / dp_cp_size``
+(the dense data-parallel size), because the token dispatcher has already summed
+each expert's gradient over the EP ranks whose tokens it saw.
 
 Context parallel ranks see different tokens of the same samples and hold the
 same parameters, so they are folded into the inner axis: their gradients are
@@ -49,10 +59,18 @@ class FSDPDistributedIndex:
     mp: Optional[Any]
     embd: Optional[Any]
     pp: Optional[Any] = None
+    dp_cp_size: int = 1
+    expt_dp_shard: Optional[Any] = None
+    expt_dp_outer: Optional[Any] = None
+    expt_mp: Optional[Any] = None
 
     @property
     def mesh(self) -> DataParallelMesh:
         return DataParallelMesh(self.dp_shard, self.dp_outer)
+
+    @property
+    def expert_mesh(self) -> DataParallelMesh:
+        return DataParallelMesh(self.expt_dp_shard, self.expt_dp_outer)
 
     @property
     def tp_size(self) -> int:
@@ -63,10 +81,17 @@ class FSDPDistributedIndex:
         return 0 if self.tp is None else dist.get_rank(self.tp)
 
     @classmethod
-    def from_parallel_state(cls, num_distributed_optimizer_instances: int = 1) -> "FSDPDistributedIndex":
+    def from_parallel_state(cls, num_distributed_optimizer_instances: int = 1,
+                            expert_instances: Optional[int] = None) -> "FSDPDistributedIndex":
         from megatron.core import parallel_state as ps
 
         several = num_distributed_optimizer_instances > 1
+        expert_instances = expert_instances or num_distributed_optimizer_instances
+        if expert_instances == num_distributed_optimizer_instances:
+            expt_dp_shard = ps.get_expert_data_parallel_group(partial_expert_data_parallel=several)
+            expt_dp_outer = ps.get_inter_distributed_optimizer_instance_group() if several else None
+        else:
+            expt_dp_shard, expt_dp_outer = _split_group(ps.get_expert_data_parallel_group(), expert_instances)
         dp_shard = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=several)
         dp_outer = ps.get_inter_distributed_optimizer_instance_group() if several else None
         if several and _size(dp_outer) != num_distributed_optimizer_instances:
@@ -81,12 +106,26 @@ class FSDPDistributedIndex:
             mp=ps.get_model_parallel_group(),
             embd=ps.get_embedding_group(check_initialized=False),
             pp=ps.get_pipeline_model_parallel_group(),
+            dp_cp_size=_size(ps.get_data_parallel_group(with_context_parallel=True)),
+            expt_dp_shard=expt_dp_shard,
+            expt_dp_outer=expt_dp_outer,
+            expt_mp=ps.get_expert_tensor_model_pipeline_parallel_group(check_initialized=False),
         )
 
     @classmethod
-    def from_pg_collection(cls, pg_collection, num_distributed_optimizer_instances: int = 1) -> "FSDPDistributedIndex":
+    def from_pg_collection(cls, pg_collection, num_distributed_optimizer_instances: int = 1,
+                           expert_instances: Optional[int] = None) -> "FSDPDistributedIndex":
+        from megatron.core import parallel_state as ps
+
         several = num_distributed_optimizer_instances > 1
         dp_shard = getattr(pg_collection, "intra_dp_cp" if several else "dp_cp")
+        expert_instances = expert_instances or num_distributed_optimizer_instances
+        expt_dp = getattr(pg_collection, "expt_dp", None)
+        if expert_instances == num_distributed_optimizer_instances:
+            expt_dp_shard = getattr(pg_collection, "intra_expt_dp", None) if several else expt_dp
+            expt_dp_outer = getattr(pg_collection, "inter_dist_opt", None) if several else None
+        else:
+            expt_dp_shard, expt_dp_outer = _split_group(expt_dp, expert_instances)
         return cls(
             dp_shard=dp_shard,
             dp_outer=getattr(pg_collection, "inter_dist_opt", None) if several else None,
@@ -94,4 +133,38 @@ class FSDPDistributedIndex:
             mp=getattr(pg_collection, "mp", None),
             embd=getattr(pg_collection, "embd", None),
             pp=getattr(pg_collection, "pp", None),
+            dp_cp_size=_size(getattr(pg_collection, "dp_cp", None) or dp_shard),
+            expt_dp_shard=expt_dp_shard,
+            expt_dp_outer=expt_dp_outer,
+            expt_mp=ps.get_expert_tensor_model_pipeline_parallel_group(check_initialized=False),
         )
+
+
+_SPLITS = {}
+
+
+def _split_group(group, instances: int):
+    """Split the expert data-parallel group into ``instances`` domains of contiguous ranks (inner, outer).
+
+    Used when the expert section has its own instance count (parallel_state builds
+    the partial expert groups with the dense count only). A collective over the
+    whole world: every rank learns every expert data-parallel group, then all
+    create the same groups in the same order (``new_group``'s requirement).
+    Cached, so model chunks of one rank share the groups.
+    """
+    ranks = dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
+    if len(ranks) % instances:
+        raise ValueError(f"expert_num_distributed_optimizer_instances={instances} does not divide the expert "
+                         f"data-parallel size {len(ranks)}; choose a divisor of {len(ranks)}")
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, ranks)
+    groups = sorted({tuple(r) for r in everyone})
+    # Keyed by the group object (held, so its id stays unique): a new parallel state gets new groups.
+    key = (id(group), instances, tuple(groups))
+    if key not in _SPLITS:
+        from megatron.fsdp import build_mesh
+
+        meshes = [build_mesh(outer=instances, ranks=list(g)) for g in groups]
+        _SPLITS[key] = (group, next(m for g, m in zip(groups, meshes) if dist.get_rank() in g))
+    mesh = _SPLITS[key][1]
+    return mesh.inner_group, mesh.outer_group

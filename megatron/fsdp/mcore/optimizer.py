@@ -5,8 +5,9 @@ for chunks wrapped by ``FullyShardedDataParallel``: Adam (decoupled weight decay
 torch's AdamW as Megatron uses without Transformer Engine or Apex) or SGD with
 momentum, Megatron's no-decay rule, clipping by the global norm. The global
 norm counts tensor-parallel duplicates (norms) on one TP rank only, skips the
-pipeline-shared copy of tied embeddings, and sums over the model-parallel group,
-exactly like Megatron's own optimizers.
+pipeline-shared copy of tied embeddings, and sums dense gradients over the
+model-parallel group and expert gradients over the expert tensor x model x
+pipeline group, each exactly once, like Megatron's chained dense/expert optimizers.
 """
 
 from __future__ import annotations
@@ -46,13 +47,13 @@ class FullyShardedMegatronOptimizer(MegatronOptimizer):
         return norm
 
     def count_zeros(self) -> float:
-        zeros = torch.zeros(1)
-        for g in self.engine._norm_grads:
-            zeros += (g == 0).sum().float().cpu()
-        for group in [self.engine.model.inner_axis.group, self.engine.model.outer_axis.group] + self.engine.norm_groups:
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(zeros, group=group)
-        return zeros.item()
+        total = 0.0
+        for section, grads in self.engine._norm_grads.items():
+            zeros = torch.zeros(1)
+            for g in grads:
+                zeros += (g == 0).sum().float().cpu()
+            total += float(self.engine.reduce_over_section(zeros, section).item())
+        return total
 
     def step_with_ready_grads(self) -> bool:
         self.engine.step_with_ready_grads()
@@ -120,7 +121,7 @@ def get_fsdp_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.Modu
         engines, cls, clip_grad=config.clip_grad,
         no_weight_decay=no_weight_decay_cond or _megatron_no_weight_decay,
         counts_in_norm=_counts_in_norm(index.tp_rank),
-        norm_groups=[index.mp], **kwargs)
+        norm_groups=[index.mp], expert_norm_groups=[index.expt_mp], **kwargs)
     # Keys Megatron's OptimizerParamScheduler reads from every param group.
     for group, no_decay in zip(engine.param_groups, (False, True)):
         group.update(max_lr=config.lr, min_lr=config.min_lr, lr_mult=1.0,

@@ -2,7 +2,8 @@
 
 Megatron-Core 0.16.1 announces on import that Transformer Engine and Apex are
 absent and that it falls back to torch implementations, and warns about its own
-default ``cuda_graph_scope``. Nothing can be done about either on a machine without
+default ``cuda_graph_scope``; its MoE and sequence-parallel code calls torch's flat
+collectives by their deprecated names. Nothing can be done about either on a machine without
 those packages (the fallback is exactly what CPU mode runs), so they are filtered
 here, once per process, before Megatron-Core is imported by the adapter or the
 training job.
@@ -16,6 +17,8 @@ _PATTERNS = (
     r"Apex is not installed\. Falling back to Torch Norm",
     r"full scope is deprecated\. Use empty cuda_graph_scope",
     r"You're using the legacy tokenizer system",  # the dataset API still takes legacy tokenizers
+    # Megatron-Core's MoE dispatchers and SP mappings call the flat collectives by their old names.
+    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
 )
 
 
