@@ -99,6 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=int, default=None)
     g.add_argument("--eval-iters", type=int, default=2)
     g.add_argument("--tensorboard-dir", default=None)
+    g = p.add_argument_group("checkpointing (docs/checkpoints.md)")
+    g.add_argument("--save", default=None, help="directory to save checkpoints to")
+    g.add_argument("--save-interval", type=int, default=None, help="iterations between saves (and one at the end)")
+    g.add_argument("--load", default=None, help="directory to resume from (its latest checkpoint)")
+    g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
+    g.add_argument("--ckpt-format", choices=["fsdp_dtensor", "torch", "torch_dist", "torch_dcp"],
+                   default="fsdp_dtensor")
+    g.add_argument("--no-load-optim", action="store_true", help="do not load optimizer and scheduler state")
+    g.add_argument("--no-load-rng", action="store_true", help="do not load the RNG states")
+    g.add_argument("--finetune", action="store_true",
+                   help="load the weights only; iteration, optimizer, scheduler and data start afresh")
+    g.add_argument("--exit-interval", type=int, default=None, help="exit after an iteration divisible by N "
+                   "(saving first with --save)")
     return p
 
 
@@ -174,9 +187,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.max_position_embeddings < args.seq_length:
         _fail(f"--max-position-embeddings {args.max_position_embeddings} is shorter than --seq-length {args.seq_length}")
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        _fail(f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters (default --train-iters) "
+              f"{args.lr_decay_iters}")
     if args.eval_interval is None:
         args.eval_interval = args.train_iters
     _validate_moe(args, world_size)
+    _validate_checkpointing(args)
     if args.transformer_impl == "transformer_engine":
         try:
             import transformer_engine  # noqa: F401
@@ -224,6 +241,26 @@ def _validate_moe(args: argparse.Namespace, world_size: int) -> None:
             mfsdp.parse_mesh_strategy(inner, outer, instances > 1)
         except ValueError as exc:
             _fail(f"--expert-data-parallel-sharding-strategy / --expert-outer-dp-sharding-strategy: {exc}")
+
+
+def _validate_checkpointing(args: argparse.Namespace) -> None:
+    for name in ("save_interval", "exit_interval"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            _fail(f"--{name.replace('_', '-')}={value} must be at least 1")
+    if args.save_interval is not None and not args.save:
+        _fail("--save-interval needs --save DIR")
+    for flag, value in (("--finetune", args.finetune), ("--ckpt-step", args.ckpt_step is not None)):
+        if value and not args.load:
+            _fail(f"{flag} needs --load DIR")
+    if not (args.save or args.load):
+        return
+    if not args.use_megatron_fsdp:
+        _fail("--save/--load are implemented for --use-megatron-fsdp (--ckpt-format fsdp_dtensor); the "
+              "Megatron-Core DDP baseline does not checkpoint in this job")
+    if args.ckpt_format != "fsdp_dtensor":
+        _fail(f"--ckpt-format {args.ckpt_format}: --use-megatron-fsdp saves and loads --ckpt-format fsdp_dtensor "
+              "only (torch DCP, reshardable); tools/checkpoint/convert.py converts to and from a torch file")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

@@ -9,7 +9,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from . import data, model as model_lib
+from . import checkpointing, data, model as model_lib
+from .checkpoint_files import CheckpointError
 from .initialize import initialize, shutdown
 from .logging_utils import TensorBoard, iteration_line, memory_line, print_rank_0, summary
 
@@ -75,29 +76,55 @@ def evaluate(forward_backward, forward_step, model, dataset, args, consumed: int
     return sum(losses) / len(losses)
 
 
-def pretrain(args) -> dict:
-    """Train a GPT as Megatron-LM does; returns the per-iteration losses and grad norms (for tests)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+def setup(args):
+    """Process groups, tokenizer, model chunks, optimizer and LR schedule: everything a checkpoint restores.
 
+    Returns ``(device, tokenizer, model chunks, optimizer, scheduler)``.
+    """
     device = initialize(args)
     cpu = device.type == "cpu"
     tokenizer = data.build_tokenizer(args)
-    vocab = data.padded_vocab_size(tokenizer.vocab_size, args)
+    vocab = args.padded_vocab_size = data.padded_vocab_size(tokenizer.vocab_size, args)
     config = model_lib.transformer_config(args, cpu)
     chunks = model_lib.build_model_chunks(args, config, vocab, cpu)
     model, optimizer, wire = model_lib.wrap_and_optimize(args, config, chunks)
     scheduler = model_lib.scheduler(args, optimizer)
     wire()
+    return device, tokenizer, model, optimizer, scheduler
+
+
+def pretrain(args) -> dict:
+    """Train a GPT as Megatron-LM does; returns the per-iteration losses and grad norms (for tests)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    device, tokenizer, model, optimizer, scheduler = setup(args)
     train_ds, valid_ds, _test_ds = data.build_datasets(args, tokenizer)
     summary(args, model, optimizer)
     board = TensorBoard(args.tensorboard_dir)
     forward_backward = get_forward_backward_func()
     forward_step = make_forward_step(device)
-    history = {"losses": [], "grad_norms": [], "valid": []}
-    consumed, skipped = 0, 0
+    history = {"losses": [], "grad_norms": [], "valid": [], "start_iteration": 0, "valid_at_load": None}
+
+    def validate(iteration: int, note: str = "") -> Optional[float]:
+        valid = evaluate(forward_backward, forward_step, model, valid_ds, args,
+                         (iteration // args.eval_interval - 1) * args.eval_iters * args.global_batch_size)
+        if valid is not None:
+            board.scalars(iteration, {"lm loss validation": valid})
+            print_rank_0(f" validation loss at iteration {iteration}{note} | lm loss value: {valid:.6E} |")
+        return valid
+
+    start_iteration, consumed, skipped = 0, 0, 0
+    if args.load:
+        start_iteration, consumed = checkpointing.load_checkpoint(args, model, optimizer, scheduler)
+        history["start_iteration"] = start_iteration
+        if start_iteration and args.eval_interval and start_iteration % args.eval_interval == 0:
+            # The saved run logged this validation loss too: equal values show the load is complete.
+            history["valid_at_load"] = validate(start_iteration, " (loaded checkpoint)")
+    saved_at = start_iteration
     for chunk in model:
         chunk.train()
-    for iteration in range(1, args.train_iters + 1):
+    iteration = start_iteration
+    for iteration in range(start_iteration + 1, args.train_iters + 1):
         start = time.perf_counter()
         for chunk in model:
             chunk.zero_grad_buffer()
@@ -120,16 +147,22 @@ def pretrain(args) -> dict:
         if iteration % args.log_interval == 0:
             print_rank_0(iteration_line(iteration, args.train_iters, consumed, elapsed, lr, args.global_batch_size,
                                         loss, grad_norm, skipped))
-            if iteration == args.log_interval:
+            if iteration == start_iteration + args.log_interval:
                 line = memory_line()
                 print_rank_0(" " + line)
         if args.eval_interval and iteration % args.eval_interval == 0:
-            valid = evaluate(forward_backward, forward_step, model, valid_ds, args,
-                             (iteration // args.eval_interval - 1) * args.eval_iters * args.global_batch_size)
+            valid = validate(iteration)
             if valid is not None:
                 history["valid"].append(valid)
-                board.scalars(iteration, {"lm loss validation": valid})
-                print_rank_0(f" validation loss at iteration {iteration} | lm loss value: {valid:.6E} |")
+        exiting = bool(args.exit_interval) and iteration % args.exit_interval == 0
+        if args.save and ((args.save_interval and iteration % args.save_interval == 0) or exiting):
+            checkpointing.save_checkpoint(args, iteration, consumed, model, optimizer, scheduler)
+            saved_at = iteration
+        if exiting:
+            print_rank_0(f" exiting after iteration {iteration} (--exit-interval {args.exit_interval})")
+            break
+    if args.save and iteration > saved_at:
+        checkpointing.save_checkpoint(args, iteration, consumed, model, optimizer, scheduler)
     board.close()
     return history
 
@@ -140,7 +173,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     try:
         pretrain(args)
-    except ArgumentError as exc:
+    except (ArgumentError, CheckpointError) as exc:
         print_rank_0(f"error: {exc}")
         raise SystemExit(2)
     finally:

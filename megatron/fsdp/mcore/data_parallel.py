@@ -3,7 +3,9 @@
 Same constructor as ``megatron.core.distributed.DistributedDataParallel`` and the
 same methods with the same meaning (``no_sync``, ``start_grad_sync``,
 ``finish_grad_sync``, ``scale_gradients``, ``zero_grad_buffer``,
-``broadcast_params``, ``state_dict``, ``load_state_dict``); underneath, the
+``broadcast_params``); ``state_dict`` / ``load_state_dict`` give and take the
+sharded form for ``torch.distributed.checkpoint`` under global keys
+(``full_state_dict`` the full tensors); underneath, the
 model chunk is wrapped by ``megatron.fsdp.fully_shard`` with
 ``TransformerLayer`` (and ``MoELayer``) instances as units.
 """
@@ -25,7 +27,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 import megatron.fsdp as mfsdp
+from megatron.fsdp.checkpoint import expected_model_keys
 
+from .checkpoint_keys import CheckpointKeys, ParallelRanks, chunk_keys
 from .distributed_index import FSDPDistributedIndex
 
 logger = logging.getLogger(__name__)
@@ -137,6 +141,7 @@ class FullyShardedDataParallel(_BaseDataParallel):
         super().__init__(config=config, module=module)
         check_configs(config, ddp_config)
         self.ddp_config = ddp_config
+        self._checkpoint_keys: Optional[CheckpointKeys] = None
         instances = ddp_config.num_distributed_optimizer_instances
         experts = expert_levels(ddp_config)
         if pg_collection is None:
@@ -215,15 +220,37 @@ class FullyShardedDataParallel(_BaseDataParallel):
     def broadcast_params(self) -> None:
         self._fsdp.broadcast_params()
 
+    def checkpoint_keys(self) -> CheckpointKeys:
+        """This chunk's renaming between the engine's names and global checkpoint keys (see checkpoint_keys.py)."""
+        if self._checkpoint_keys is None:
+            names = list(expected_model_keys(self._fsdp))
+            ranks = ParallelRanks.from_parallel_state(tp=(self.index.tp_rank, self.index.tp_size))
+            self._checkpoint_keys = chunk_keys(self.module, names, ranks)
+        return self._checkpoint_keys
+
     def state_dict(self, prefix: str = "", keep_vars: bool = False, destination=None):
-        """Full tensors by parameter name (a collective); ``self.fsdp.state_dict()`` is the sharded DCP form."""
+        """This rank's pieces for ``torch.distributed.checkpoint``, keyed by global name (no collective).
+
+        Values are DTensors of each parameter's TP-local global shape (copies of the
+        fp32 main weights) and persistent buffers. Keys use global layer and expert
+        numbers, so the checkpoint loads under another DP size, level, mesh, PP or EP.
+        """
         out = destination if destination is not None else {}
-        for key, value in self._fsdp.full_state_dict().items():
-            out[prefix + key] = value
+        out.update(self.checkpoint_keys().globalize(self._fsdp.state_dict(), prefix))
         return out
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
         return self.state_dict(prefix=prefix, keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict, strict: bool = True):
-        return self._fsdp.load_full_state_dict(state_dict, strict=strict)
+        """Load a ``state_dict()`` after ``dcp.load`` filled it: validated first, then compute weights
+        are rebuilt from the loaded main weights (a collective)."""
+        return self._fsdp.load_state_dict(self.checkpoint_keys().localize(state_dict), strict=strict)
+
+    def full_state_dict(self):
+        """Full tensors by global checkpoint key (a collective on sharded levels)."""
+        return self.checkpoint_keys().globalize(self._fsdp.full_state_dict())
+
+    def load_full_state_dict(self, state_dict, strict: bool = True):
+        """Load full tensors keyed as ``full_state_dict()``; every rank takes its own piece."""
+        return self._fsdp.load_full_state_dict(self.checkpoint_keys().localize(state_dict), strict=strict)

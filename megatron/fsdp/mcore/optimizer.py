@@ -12,24 +12,36 @@ pipeline group, each exactly once, like Megatron's chained dense/expert optimize
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
-import torch.distributed as dist
 
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 import megatron.fsdp as mfsdp
 
+from .checkpoint_keys import optimizer_keys, rename_optimizer_key
+
 
 class FullyShardedMegatronOptimizer(MegatronOptimizer):
     """``step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)`` like Megatron's optimizers."""
 
-    def __init__(self, engine: mfsdp.FullyShardedOptimizer, config: OptimizerConfig):
+    def __init__(self, engine: mfsdp.FullyShardedOptimizer, config: OptimizerConfig,
+                 model_chunks: Optional[List[torch.nn.Module]] = None):
         super().__init__(engine.optimizer, config)
         self.engine = engine
         self.is_stub_optimizer = False
+        self.model_chunks = list(model_chunks or [])
+
+    def _param_keys(self) -> Dict[str, str]:
+        """Engine parameter names (``chunk{k}.`` qualified over several chunks) -> global checkpoint keys.
+
+        Without the chunks (``model_chunks`` not given) keys stay the engine's own.
+        """
+        if not self.model_chunks:
+            return {}
+        return dict(optimizer_keys(chunk.checkpoint_keys() for chunk in self.model_chunks).to_global)
 
     def prepare_grads(self) -> bool:
         """Finish gradient reduction; returns ``found_inf`` (always False: no loss scaling)."""
@@ -77,10 +89,15 @@ class FullyShardedMegatronOptimizer(MegatronOptimizer):
         """Nothing to copy: the wrapper's ``load_state_dict`` writes main and compute weights together."""
 
     def state_dict(self):
-        return self.optimizer.state_dict()
+        """DCP-ready: fp32 main weights and every optimizer state tensor per parameter (DTensor pieces,
+        global keys as the chunks' ``state_dict``), step and hyperparameters per param group."""
+        params = self._param_keys()
+        return {rename_optimizer_key(k, params): v for k, v in self.engine.state_dict().items()}
 
     def load_state_dict(self, state_dict) -> None:
-        self.optimizer.load_state_dict(state_dict)
+        """Load a ``state_dict()`` after ``dcp.load`` filled it, at any DP size, level or mesh (a collective)."""
+        params = {g: q for q, g in self._param_keys().items()}
+        self.engine.load_state_dict({rename_optimizer_key(k, params): v for k, v in state_dict.items()})
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
         raise NotImplementedError(
@@ -126,4 +143,4 @@ def get_fsdp_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.Modu
     for group, no_decay in zip(engine.param_groups, (False, True)):
         group.update(max_lr=config.lr, min_lr=config.min_lr, lr_mult=1.0,
                      wd_mult=0.0 if no_decay else 1.0, is_expert_parallel=False, is_decoupled_lr=False)
-    return FullyShardedMegatronOptimizer(engine, config)
+    return FullyShardedMegatronOptimizer(engine, config, model_chunks)

@@ -1,0 +1,247 @@
+"""Save and load training checkpoints (``--save`` / ``--load``, ``--ckpt-format fsdp_dtensor``).
+
+What a checkpoint holds, and why there:
+
+- the DCP state dict (``torch.distributed.checkpoint``), every tensor keyed by a
+  global name and stored in logical per-parameter coordinates, so any DP size,
+  level or mesh (and PP or EP size) can load it:
+  ``model.<key>`` (fp32 main weights and buffers), ``optimizer.state.<key>.<name>``
+  (e.g. ``exp_avg``), ``optimizer.param_groups.<g>.*`` (hyperparameters and the
+  ``step`` count) and ``rng.rank<r>`` (each rank's RNG states, pickled). The
+  optimizer's own copy of the main weights (``optimizer.main.<key>``) is not
+  written: it is the same data as ``model.<key>``, which fills it at load time;
+- ``common.json``: iteration, consumed samples, the LR scheduler's state, the
+  world size and the arguments (those that fix the model's shape are compared
+  at load time). Nothing layout-dependent is kept outside the DCP state dict.
+
+Loading validates everything first (arguments, then every key, shape and dtype
+of the union of all ranks' state dicts against the checkpoint's metadata, the
+same decision on every rank), and only then lets DCP fill copies and installs
+them; the engine's load rebuilds the compute weights from the loaded main
+weights before the next forward. The on-disk protocol (temporary directory,
+atomic rename, tracker) is in ``checkpoint_files.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import random
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from megatron.fsdp.checkpoint import mismatch_error
+
+from . import checkpoint_files as files
+from .checkpoint_files import CheckpointError
+from .logging_utils import print_rank_0
+
+FORMAT = "fsdp_dtensor"
+VERSION = 1
+# Arguments that fix parameter shapes: a checkpoint saved with other values cannot load.
+MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length",
+                    "max_position_embeddings", "padded_vocab_size", "num_experts", "moe_ffn_hidden_size",
+                    "untie_embeddings_and_output_weights", "add_bias_linear", "moe_grouped_gemm")
+# Arguments that change checkpoint keys (tensor-parallel shards are stored per TP rank).
+KEY_LAYOUT_ARGS = ("tensor_model_parallel_size", "expert_tensor_parallel_size")
+
+
+def _json_value(value: Any) -> Any:
+    return value if isinstance(value, (bool, int, float, str, type(None))) else (
+        [_json_value(v) for v in value] if isinstance(value, (list, tuple)) else str(value))
+
+
+def _model_args(args: argparse.Namespace) -> Dict[str, Any]:
+    names = MODEL_SHAPE_ARGS + KEY_LAYOUT_ARGS + (("expert_model_parallel_size",) if args.moe_grouped_gemm else ())
+    return {name: _json_value(getattr(args, name, None)) for name in names}
+
+
+# ------------------------------------------------------------------------- RNG
+def rng_state() -> bytes:
+    """This rank's RNG states: Python, NumPy, torch CPU, CUDA (if any) and Megatron's tracker streams."""
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    return pickle.dumps({
+        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tracker.get_states() if getattr(tracker, "states_", None) else None,
+    })
+
+
+def set_rng_state(blob: bytes) -> None:
+    from megatron.core import tensor_parallel
+
+    state = pickle.loads(blob)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if state["tracker"] is not None:
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+# ------------------------------------------------------------------ state dicts
+def model_state_dict(model: List[torch.nn.Module]) -> Dict[str, Any]:
+    """Every chunk's pieces under global keys (each key in one chunk only: global layer numbers)."""
+    out: Dict[str, Any] = {}
+    for chunk in model:
+        sd = chunk.state_dict()
+        clash = sorted(set(sd) & set(out))
+        if clash:
+            raise RuntimeError(f"model chunks share checkpoint keys {clash[:5]}")
+        out.update(sd)
+    return out
+
+
+def _state_dict(model, optimizer, with_optimizer: bool, with_rng: bool) -> Tuple[Dict[str, Any], List[str]]:
+    """The DCP state dict, and the optimizer's main-weight keys left out of it (``model.<key>`` holds them)."""
+    state: Dict[str, Any] = {"model": model_state_dict(model)}
+    mains: List[str] = []
+    if with_optimizer:
+        opt = optimizer.state_dict()
+        mains = [k for k in opt if k.startswith("main.")]
+        state["optimizer"] = {k: v for k, v in opt.items() if not k.startswith("main.")}
+    if with_rng:
+        state["rng"] = {f"rank{dist.get_rank()}": rng_state()}
+    return state, mains
+
+
+# ------------------------------------------------------------------------ save
+def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler) -> Path:
+    """Write ``args.save/iter_XXXXXXX`` atomically (all ranks); returns its path."""
+    files.check_fault_spec()
+    start = time.perf_counter()
+    rank = dist.get_rank()
+    root = Path(args.save)
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+    nonce = [files.new_nonce() if rank == 0 else None]
+    dist.broadcast_object_list(nonce, src=0)
+    tmp = files.temporary_dir(root, iteration, nonce[0])
+    state, _ = _state_dict(model, optimizer, with_optimizer=True, with_rng=True)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)))
+    files.fault_point("after_write", iteration, rank)
+    if rank == 0:
+        files.write_common(tmp, {
+            "format": FORMAT, "version": VERSION, "iteration": iteration,
+            "consumed_train_samples": consumed_samples, "world_size": dist.get_world_size(),
+            "scheduler": scheduler.state_dict(), "model_args": _model_args(args),
+            "args": {k: _json_value(v) for k, v in sorted(vars(args).items())},
+        })
+        files.fsync_dir(tmp)
+    dist.barrier()  # every rank has written its files before the checkpoint becomes visible
+    final = files.publish(tmp, root, iteration, rank) if rank == 0 else root / files.iteration_dir_name(iteration)
+    dist.barrier()
+    print_rank_0(f" saved checkpoint at iteration {iteration:8d} to {final} in "
+                 f"{time.perf_counter() - start:.2f} s")
+    return final
+
+
+# ------------------------------------------------------------------------ load
+def _describe(state: Mapping[str, Any]) -> Dict[str, Tuple]:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(dict(state))
+    return {k: (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else ("bytes",)
+            for k, v in flat.items()}
+
+
+def _saved_description(metadata) -> Dict[str, Tuple]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return {k: (tuple(md.size), str(md.properties.dtype)) if isinstance(md, TensorStorageMetadata) else ("bytes",)
+            for k, md in metadata.state_dict_metadata.items()}
+
+
+def _show(desc: Tuple) -> str:
+    return "bytes" if desc == ("bytes",) else f"{desc[0]} {desc[1].replace('torch.', '')}"
+
+
+def validate_keys(state: Mapping[str, Any], directory: Path, prefixes: Tuple[str, ...]) -> None:
+    """Compare the union of every rank's state dict with the checkpoint (a collective; the same verdict everywhere).
+
+    Checkpoint keys under ``prefixes`` must all be asked for, every asked key must
+    exist with the same shape, dtype and kind. Raises ``CheckpointError`` naming them.
+    """
+    gathered: List[Optional[Dict[str, Tuple]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, _describe(state))
+    wanted: Dict[str, Tuple] = {}
+    wrong = []
+    for desc in gathered:
+        for key, d in desc.items():
+            if wanted.setdefault(key, d) != d:
+                wrong.append(f"{key} (ranks disagree: {_show(wanted[key])} vs {_show(d)})")
+    saved = _saved_description(dcp.FileSystemReader(str(directory)).read_metadata())
+    missing = sorted(k for k in wanted if k not in saved)
+    unexpected = sorted(k for k in saved if k.startswith(prefixes) and k not in wanted)
+    wrong += sorted(f"{k} (checkpoint {_show(saved[k])}, model {_show(d)})"
+                    for k, d in wanted.items() if k in saved and saved[k] != d)
+    error = mismatch_error(f"checkpoint {directory} does not fit this model", missing, unexpected, wrong)
+    if error is not None:
+        raise CheckpointError(str(error))
+
+
+def check_model_args(common: Mapping[str, Any], args, directory: Path) -> None:
+    """Name every argument that fixes the model's shape (or its keys) and differs from the checkpoint's."""
+    if common.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {directory} has format {common.get('format')!r}, expected {FORMAT!r}")
+    saved, now = common.get("model_args", {}), _model_args(args)
+    diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} in the checkpoint, {v!r} now"
+             for k, v in now.items() if k in saved and saved[k] != v]
+    if diffs:
+        hint = "; changing tensor parallel size needs a conversion" if any("tensor" in d for d in diffs) else ""
+        raise CheckpointError(f"checkpoint {directory} was saved with a different model: " + "; ".join(diffs) + hint)
+
+
+def find_checkpoint(args) -> Optional[Path]:
+    """The directory ``--load`` (and ``--ckpt-step``) names, or None when there is no checkpoint yet."""
+    root = Path(args.load)
+    iteration = args.ckpt_step if args.ckpt_step is not None else files.read_tracker(root)
+    if iteration is None:
+        return None
+    return files.checkpoint_dir(root, iteration)
+
+
+def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
+    """Load ``--load`` into model, optimizer, scheduler and RNG; returns ``(iteration, consumed samples)``.
+
+    Without a checkpoint (no tracker yet: the first run of a job that saves and
+    loads the same directory) it says so and starts from scratch.
+    """
+    start = time.perf_counter()
+    directory = find_checkpoint(args)
+    if directory is None:
+        print_rank_0(f" no checkpoint in {args.load} (no {files.TRACKER}): starting from scratch")
+        return 0, 0
+    common = files.read_common(directory)
+    check_model_args(common, args, directory)
+    with_optimizer = not (args.finetune or args.no_load_optim)
+    with_rng = not (args.finetune or args.no_load_rng)
+    if with_rng and common["world_size"] != dist.get_world_size():
+        print_rank_0(f" checkpoint saved on {common['world_size']} ranks, loading on {dist.get_world_size()}: "
+                     "RNG states not restored")
+        with_rng = False
+    state, mains = _state_dict(model, optimizer, with_optimizer, with_rng)
+    prefixes = ("model.",) + (("optimizer.",) if with_optimizer else ()) + (("rng.",) if with_rng else ())
+    validate_keys(state, directory, prefixes)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)))
+    for chunk in model:
+        keys = set(chunk.checkpoint_keys().to_global.values())
+        chunk.load_state_dict({k: v for k, v in state["model"].items() if k in keys})
+    if with_optimizer:
+        optimizer.load_state_dict({**state["optimizer"], **{k: state["model"][k[5:]] for k in mains}})
+        scheduler.load_state_dict(common["scheduler"])
+    if with_rng:
+        set_rng_state(state["rng"][f"rank{dist.get_rank()}"])
+    iteration, consumed = (0, 0) if args.finetune else (common["iteration"], common["consumed_train_samples"])
+    print_rank_0(f" loaded checkpoint {directory} (iteration {common['iteration']}) in "
+                 f"{time.perf_counter() - start:.2f} s" + (" for fine-tuning" if args.finetune else ""))
+    return iteration, consumed

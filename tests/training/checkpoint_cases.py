@@ -1,0 +1,142 @@
+"""Worker side of the checkpoint tests: the training job's pieces inside a gloo pool (no new processes)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List
+
+import torch
+
+
+@contextlib.contextmanager
+def _megatron_run():
+    """Release everything one Megatron case creates (groups, parallel state, CPU mode), as pretrain_in_pool does."""
+    from megatron.core import parallel_state as ps
+    from megatron.fsdp.mcore.cpu_mode import disable_cpu_mode
+    from tests.harness.pool import releasing_new_groups
+
+    with releasing_new_groups():
+        try:
+            yield
+        finally:
+            disable_cpu_mode()
+            ps.destroy_model_parallel()
+
+
+def _snapshot(model, optimizer) -> Dict[str, torch.Tensor]:
+    """Full weights and this rank's optimizer state (copies), to show a failed load changed nothing."""
+    out = {f"model.{k}": v for chunk in model for k, v in chunk.full_state_dict().items()}
+    for k, v in optimizer.state_dict().items():
+        local = v._local_tensor if hasattr(v, "_local_tensor") else v
+        out[f"optimizer.{k}"] = local.clone() if isinstance(local, torch.Tensor) else local
+    return out
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+def load_error(ctx, argv: List[str]) -> Dict[str, object]:
+    """Build the model of ``argv``, try ``--load``: the error, and whether anything changed."""
+    from megatron.training import checkpointing
+    from megatron.training.arguments import parse_args
+    from megatron.training.training import setup
+
+    args = parse_args(argv)
+    with _megatron_run():
+        _, _, model, optimizer, scheduler = setup(args)
+        before = _snapshot(model, optimizer)
+        lr = optimizer.param_groups[0]["lr"]
+        try:
+            checkpointing.load_checkpoint(args, model, optimizer, scheduler)
+            error = None
+        except checkpointing.CheckpointError as exc:
+            error = str(exc)
+        after = _snapshot(model, optimizer)
+        unchanged = sorted(before) == sorted(after) and all(_same(before[k], after[k]) for k in before)
+        return {"error": error, "unchanged": unchanged and optimizer.param_groups[0]["lr"] == lr}
+
+
+def _causal_inputs(vocab: int, seq: int):
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, vocab, (2, seq), generator=gen)
+    positions = torch.arange(seq).unsqueeze(0).expand(2, seq)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]  # True: masked
+    return tokens, positions, mask
+
+
+def _compute_matches_main(chunk) -> bool:
+    """Compute weights equal the main weights cast to the compute dtype wherever this rank holds both."""
+    ok = True
+    for unit in chunk.fsdp.units:
+        s = unit.storage
+        a, b = s.regions.main
+        if a < b:
+            ok &= torch.equal(s._compute_slice(a, b), s.main.to(s.compute_dtype))
+    return bool(ok)
+
+
+@torch.no_grad()
+def loaded_vs_unsharded(ctx, argv: List[str], model_file: str) -> Dict[str, object]:
+    """Logits of the sharded model after ``--load`` against an unsharded GPTModel loaded from ``model_file``.
+
+    Also: compute weights equal the loaded main weights before the first forward,
+    and the unsharded model's weights equal the sharded model's full weights.
+    """
+    from megatron.training import checkpointing, model as model_lib
+    from megatron.training.arguments import parse_args
+    from megatron.training.training import setup
+
+    args = parse_args(argv)
+    with _megatron_run():
+        device, _, model, optimizer, scheduler = setup(args)
+        iteration, _ = checkpointing.load_checkpoint(args, model, optimizer, scheduler)
+        compute_ok = all(_compute_matches_main(chunk) for chunk in model)
+        tokens, positions, mask = _causal_inputs(args.padded_vocab_size, args.seq_length)
+        model[0].eval()
+        sharded = model[0](tokens, positions, mask)
+        full = model[0].full_state_dict()
+        config = model_lib.transformer_config(args, device.type == "cpu")
+        plain = model_lib.build_model_chunks(args, config, args.padded_vocab_size, device.type == "cpu")[0]
+        result = plain.load_state_dict(torch.load(model_file, weights_only=False), strict=False)
+        plain.eval()
+        unsharded = plain(tokens, positions, mask)
+        plain_sd = plain.state_dict()
+        return {"iteration": iteration, "compute_matches_main": compute_ok,
+                "missing": [k for k in result.missing_keys if not k.endswith("_extra_state")],
+                "unexpected": list(result.unexpected_keys),
+                "weights_equal": all(torch.equal(plain_sd[k], v) for k, v in full.items()),
+                "max_logit_diff": float((sharded - unsharded).abs().max())}
+
+
+def rng_round_trip(ctx, argv: List[str], directory: str) -> Dict[str, bool]:
+    """Draws after a load equal the draws after the save, for every generator a checkpoint restores."""
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    from megatron.training import checkpointing
+    from megatron.training.arguments import parse_args
+    from megatron.training.training import setup
+
+    def draws():
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            tracked = torch.rand(2)
+        return {"torch": torch.rand(3), "python": random.random(), "numpy": float(np.random.rand()),
+                "tracker": tracked}
+
+    args = parse_args(argv + ["--save", directory, "--load", directory])
+    with _megatron_run():
+        _, _, model, optimizer, scheduler = setup(args)
+        draws()  # move every generator away from its seed
+        checkpointing.save_checkpoint(args, 1, args.global_batch_size, model, optimizer, scheduler)
+        expected = draws()
+        draws()
+        iteration, consumed = checkpointing.load_checkpoint(args, model, optimizer, scheduler)
+        got = draws()
+        same = {k: bool(torch.equal(v, got[k])) if isinstance(v, torch.Tensor) else v == got[k]
+                for k, v in expected.items()}
+        return {**same, "position": (iteration, consumed) == (1, args.global_batch_size)}

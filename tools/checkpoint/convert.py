@@ -1,0 +1,100 @@
+"""Convert a checkpoint to one torch file of full tensors, and back.
+
+    python tools/checkpoint/convert.py to-torch CKPT OUT.pt [--model-only]
+    python tools/checkpoint/convert.py from-torch IN.pt SAVE_DIR
+
+``to-torch`` reads a ``--save`` directory's latest checkpoint (or an
+``iter_XXXXXXX`` directory) into full, unsharded tensors, in one process without
+a process group: ``{"model": {key: tensor}, "optimizer": {...}, "rng": {...},
+"common": common.json}``. With ``--model-only`` the file is the model's state
+dict alone, loadable by ``GPTModel.load_state_dict`` of an unsharded model
+(TP 1; keys use global layer and expert numbers, which are the single-rank names).
+``from-torch`` writes such a file (not ``--model-only``) back as a checkpoint
+``SAVE_DIR/iter_XXXXXXX`` with the same atomic protocol as training, so
+``pretrain_gpt.py --load SAVE_DIR`` resumes from it at any DP size or level.
+"""
+
+import argparse
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+# Run as a script, this file's directory would come first on sys.path, and its
+# sibling inspect.py would shadow the standard library's ``inspect``.
+if __name__ == "__main__":
+    _HERE = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+    sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))
+
+
+def read_checkpoint(directory: Path) -> Dict[str, Any]:
+    """Every value of a DCP checkpoint as full tensors and objects (one process, no process group)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: Dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(str(directory)), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
+    return state
+
+
+def to_torch(checkpoint: str, out: str, model_only: bool = False, iteration: Optional[int] = None) -> Path:
+    import torch
+
+    from megatron.training import checkpoint_files as files
+    from tools.checkpoint.inspect import resolve
+
+    directory = resolve(checkpoint, iteration)
+    state = read_checkpoint(directory)
+    state["common"] = files.read_common(directory)
+    torch.save(state["model"] if model_only else state, out)
+    return directory
+
+
+def from_torch(path: str, save_dir: str) -> Path:
+    """Write a ``to-torch`` file as ``save_dir/iter_XXXXXXX`` (temporary directory, rename, tracker)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from megatron.training import checkpoint_files as files
+
+    state = torch.load(path, weights_only=False)
+    if not isinstance(state, dict) or "common" not in state or "model" not in state:
+        raise SystemExit(f"{path}: not a file written by 'convert.py to-torch' (without --model-only): "
+                         "it needs the 'model' and 'common' entries")
+    common = state.pop("common")
+    root = Path(save_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = files.temporary_dir(root, common["iteration"], files.new_nonce())
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
+    files.write_common(tmp, common)
+    files.fsync_dir(tmp)
+    return files.publish(tmp, root, common["iteration"])
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("to-torch", help="checkpoint -> one torch file of full tensors")
+    a.add_argument("checkpoint")
+    a.add_argument("out")
+    a.add_argument("--iteration", type=int, default=None)
+    a.add_argument("--model-only", action="store_true", help="write the model's state dict alone")
+    b = sub.add_parser("from-torch", help="torch file (from to-torch) -> checkpoint in SAVE_DIR")
+    b.add_argument("torch_file")
+    b.add_argument("save_dir")
+    args = p.parse_args(argv)
+    if args.command == "to-torch":
+        directory = to_torch(args.checkpoint, args.out, args.model_only, args.iteration)
+        print(f"wrote {args.out} from {directory}")
+    else:
+        print(f"wrote {from_torch(args.torch_file, args.save_dir)}")
+
+
+if __name__ == "__main__":
+    main()

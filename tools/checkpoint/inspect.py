@@ -1,0 +1,90 @@
+"""Print what a checkpoint holds: iteration, arguments, and every key with its shape and dtype.
+
+    python tools/checkpoint/inspect.py CKPT [--keys REGEX] [--json]
+
+``CKPT`` is a ``--save`` directory (its latest checkpoint, or ``--iteration N``)
+or one ``iter_XXXXXXX`` directory. Reads the DCP metadata and ``common.json``
+only: no process group, no tensor data, no model.
+"""
+
+import os
+import sys
+
+# Run as a script, this file's directory comes first on sys.path and its name
+# would shadow the standard library's ``inspect`` (imported by torch itself).
+if __name__ == "__main__":
+    _HERE = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+    sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Optional  # noqa: E402
+
+
+def resolve(path: str, iteration: Optional[int] = None) -> Path:
+    """An ``iter_*`` directory from a save directory (tracker or ``iteration``) or the directory itself."""
+    from megatron.training import checkpoint_files as files
+
+    root = Path(path)
+    if (root / ".metadata").is_file():
+        return root
+    iteration = iteration if iteration is not None else files.read_tracker(root)
+    if iteration is None:
+        raise SystemExit(f"{root}: neither a checkpoint directory nor a --save directory with {files.TRACKER}")
+    return files.checkpoint_dir(root, iteration)
+
+
+def describe(directory: Path) -> dict:
+    """``{"common": common.json, "keys": {key: {"shape", "dtype", "chunks"} or {"bytes": True}}}``."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from megatron.training import checkpoint_files as files
+
+    metadata = FileSystemReader(str(directory)).read_metadata()
+    keys = {}
+    for key, md in sorted(metadata.state_dict_metadata.items()):
+        if isinstance(md, TensorStorageMetadata):
+            keys[key] = {"shape": list(md.size), "dtype": str(md.properties.dtype).replace("torch.", ""),
+                         "chunks": len(md.chunks)}
+        else:
+            keys[key] = {"bytes": True}
+    return {"directory": str(directory), "common": files.read_common(directory), "keys": keys}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("checkpoint")
+    p.add_argument("--iteration", type=int, default=None)
+    p.add_argument("--keys", default=None, help="only keys matching this regular expression")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(argv)
+    info = describe(resolve(args.checkpoint, args.iteration))
+    if args.keys:
+        info["keys"] = {k: v for k, v in info["keys"].items() if re.search(args.keys, k)}
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return
+    common = info["common"]
+    print(f"checkpoint {info['directory']}")
+    print(f"  format {common['format']} v{common['version']}, iteration {common['iteration']}, consumed samples "
+          f"{common['consumed_train_samples']}, saved on {common['world_size']} ranks")
+    print("  model: " + ", ".join(f"{k}={v}" for k, v in common["model_args"].items()))
+    params = 0
+    for key, v in info["keys"].items():
+        if v.get("bytes"):
+            print(f"  {key:<72} (object)")
+            continue
+        numel = 1
+        for n in v["shape"]:
+            numel *= n
+        params += numel if key.startswith("model.") else 0
+        print(f"  {key:<72} {str(tuple(v['shape'])):>16} {v['dtype']:<9} {v['chunks']} chunk(s)")
+    print(f"  {len(info['keys'])} keys, {params:,} model elements")
+
+
+if __name__ == "__main__":
+    main()
