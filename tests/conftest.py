@@ -36,6 +36,19 @@ def mcore_pool():
     yield _pool_of(4)
 
 
+@pytest.fixture(scope="module")
+def moe_pool():
+    """Four ranks for MoE cases, closed after the module that uses it.
+
+    Megatron-Core's MoE layers keep their process groups alive after the model is
+    dropped, and every gloo group keeps threads polling; a pool of its own takes
+    those threads away when the MoE cases are done.
+    """
+    pool = WorkerPool(4)
+    yield pool
+    pool.close()
+
+
 def pytest_sessionfinish(session, exitstatus):
     for pool in _pools.values():
         pool.close()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import weakref
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type
 
 import torch
@@ -386,9 +388,19 @@ def fully_shard(
                 m.register_forward_pre_hook(lambda _m, _a, u=unit: runtime.pre_forward(u))
                 m.register_forward_hook(lambda _m, _a, out, u=unit: runtime.post_forward(u, out))
         for i, p in unit.storage.trainable_params:
-            p.register_post_accumulate_grad_hook(lambda _p, u=unit, i=i: runtime.on_grad(u, i))
+            p.register_post_accumulate_grad_hook(functools.partial(_on_grad, weakref.ref(runtime), unit.index, i))
     sections = {DENSE: dense} if expert is None else {DENSE: dense, EXPERT: expert}
     return FullyShardedModule(module, runtime, units, inner, outer, levels, mp, no_weight_decay, sections)
+
+
+def _on_grad(runtime_ref, unit_index: int, param_index: int, _param) -> None:
+    """A parameter's post-accumulate-grad hook. It reaches the runtime through a weak
+    reference: autograd keeps tensor hooks on the C++ side, where the garbage collector
+    cannot see a cycle back to the parameter, so a strong one would keep the whole
+    model (and the process groups it holds) alive after the user dropped it."""
+    runtime = runtime_ref()
+    if runtime is not None:
+        runtime.on_grad(runtime.units[unit_index], param_index)
 
 
 def _expert_section(experts: Optional[ExpertSharding], dense_levels: MeshStrategy, average_grads: bool,

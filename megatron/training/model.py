@@ -142,6 +142,10 @@ def wrap_and_optimize(args, config, chunks):
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer, get_standard_config_overrides
 
+    if config.bf16:  # Megatron-LM's get_model: bf16 compute through Float16Module (fp32 params kept by the optimizer)
+        from megatron.core.transformer.module import Float16Module
+
+        chunks = [Float16Module(config, chunk) for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.grad_reduce_in_fp32, use_distributed_optimizer=args.use_distributed_optimizer,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances, check_for_nan_in_grad=True)

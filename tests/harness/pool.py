@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import importlib
 import multiprocessing as mp
 import os
@@ -97,9 +98,14 @@ def _worker_main(rank: int, world: int, init_file: str, conn) -> None:
         try:
             module, _, name = target.partition(":")
             fn = getattr(importlib.import_module(module), name)
-            conn.send(("ok", fn(RankContext(rank, size, groups[size], meshes), **kwargs)))
+            reply = ("ok", fn(RankContext(rank, size, groups[size], meshes), **kwargs))
         except BaseException as exc:  # noqa: BLE001 - report everything back to the test
-            conn.send(("err", (type(exc).__name__, str(exc), traceback.format_exc())))
+            reply = ("err", (type(exc).__name__, str(exc), traceback.format_exc()))
+        # The case's models hold its destroyed process groups in reference cycles, and a
+        # gloo group's threads (three per group, polling) end only when it is freed:
+        # collect before answering, or hundreds pile up and starve every later case.
+        gc.collect()
+        conn.send(reply)
     dist.destroy_process_group()
 
 

@@ -130,6 +130,9 @@ def parallel(ctx, topology: Topology, seed: int = SEED):
         finally:
             disable_cpu_mode()
             ps.destroy_model_parallel()
+            # Megatron-Core's MoE aux-loss tracker is a module global that keeps the groups.
+            from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+            get_moe_layer_wise_logging_tracker().clear()
 
 
 # ---------------------------------------------------------------- model

@@ -71,13 +71,13 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", 
 
 
 @pytest.mark.parametrize("dispatcher, ep, expert_level", [("alltoall", 2, "optim"), ("allgather", 4, None)])
-def test_pretrain_gpt_moe_4_ranks_matches_megatron_ddp(mcore_pool, dispatcher, ep, expert_level):
+def test_pretrain_gpt_moe_4_ranks_matches_megatron_ddp(moe_pool, dispatcher, ep, expert_level):
     """pretrain_gpt.py --num-experts 4 on 4 CPU ranks: dense ZeRO-3, experts at their own level."""
     moe = MOE + ["--moe-token-dispatcher-type", dispatcher, "--expert-model-parallel-size", str(ep)]
     levels = _fsdp("optim_grads_params") + (
         ["--expert-data-parallel-sharding-strategy", expert_level] if expert_level else [])
-    base = mcore_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300, argv=MODEL + moe)[0]
-    got = mcore_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300, argv=MODEL + moe + levels)[0]
+    base = moe_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300, argv=MODEL + moe)[0]
+    got = moe_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300, argv=MODEL + moe + levels)[0]
     for key in ("losses", "grad_norms", "valid"):
         assert len(got[key]) == len(base[key]) > 0
         for a, b in zip(got[key], base[key]):
