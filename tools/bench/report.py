@@ -1,0 +1,257 @@
+"""Turn raw benchmark runs into rows, the printed table, the targets verdict and the plot.
+
+Pure functions of the run records (no process group, no timing), so the orchestrator, the
+JSON file and the test agree on every number, and a saved JSON can be re-reported.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Dict, List, Optional
+
+from tools.bench.spec import LABELS, OURS, PEERS, SYSTEMS, theory_bytes, theory_persistent
+
+MIB = 1024 * 1024
+GLOO_WIRE = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 2, "broadcast": 1}  # passes of (N-1)/N
+
+
+def _quantile(xs: List[float], q: float) -> float:
+    xs = sorted(xs)
+    pos = q * (len(xs) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _per_kind(table: Dict[str, Dict[str, float]]) -> Dict[str, float]:
+    return {kind: sum(axes.values()) for kind, axes in table.items()}
+
+
+def wire_estimate(counted: Dict[str, Dict[str, float]], world: int) -> float:
+    """Bytes one rank sends per step on gloo, from the logical bytes of each collective kind.
+
+    Ring algorithms send ``(N-1)/N`` of the buffer per pass: one pass for an all-gather,
+    two for an all-reduce, and two for gloo's reduce-scatter (an all-reduce inside).
+    Point-to-point sends count as sent.
+    """
+    frac = (world - 1) / world
+    return sum(b if kind == "send" else GLOO_WIRE.get(kind, 1) * frac * b for kind, b in _per_kind(counted).items())
+
+
+def aggregate(runs: List[dict]) -> List[dict]:
+    """One row per (workload, size, ranks, system): medians over rounds, theory, ratios to peers."""
+    groups: Dict[tuple, List[dict]] = {}
+    for run in runs:
+        groups.setdefault((run["workload"], run["size"], run["ranks"], run["system"]), []).append(run)
+    rows = []
+    for (workload, size, ranks, system), rs in groups.items():
+        ok = [r for r in rs if r["status"] == "ok"]
+        row = {"workload": workload, "size": size, "ranks": ranks, "system": system, "label": LABELS[system],
+               "dtype": rs[0]["dtype"], "rounds_ok": len(ok), "rounds_crashed": len(rs) - len(ok),
+               "crash_reasons": sorted({r["reason"] for r in rs if r["status"] != "ok"})}
+        rows.append(row)
+        if not ok:
+            continue
+        sample = ok[-1]["per_rank"][0]  # figures that do not vary between rounds: the last round, rank 0
+        steps = [max(ts) for r in ok for ts in zip(*(p["times"] for p in r["per_rank"]))]
+        median = statistics.median(steps)
+        compute_bytes = 2 if row["dtype"] == "bf16" else 4
+        params, root = sample["params"], sample["root_params"]
+        ours = system in OURS
+        source = "ledger_bytes" if ours else "counted_bytes"
+        collectives = {k: v for k, v in sample.get(source, {}).items() if k in GLOO_WIRE or k == "send"}
+        if ours and "wire_bytes" in sample:
+            wire, wire_source = sum(_per_kind(sample["wire_bytes"]).values()), "ledger"
+        else:
+            wire, wire_source = wire_estimate(collectives, ranks) if ranks > 1 else 0.0, "estimate"
+        row.update(
+            params=params, root_params=root, tokens_per_step=sample["tokens_per_step"],
+            step_s={"median": median, "p25": _quantile(steps, 0.25), "p75": _quantile(steps, 0.75),
+                    "n": len(steps)},
+            tokens_per_s=sample["tokens_per_step"] / median,
+            persistent_bytes=statistics.median(max(p["persistent_bytes"] for p in r["per_rank"]) for r in ok),
+            persistent_theory=theory_persistent(system, params, ranks, compute_bytes),
+            own_persistent_bytes=sample.get("own_persistent_bytes"),
+            peak_bytes=_median_or_none([_max_or_none(p["peak_bytes"] for p in r["per_rank"]) for r in ok]),
+            bytes=collectives, bytes_source="ledger" if ours else "torch.distributed counter",
+            bytes_theory=theory_bytes(system, params, root, ranks, compute_bytes),
+            wire_bytes=wire, wire_source=wire_source,
+        )
+    by_group: Dict[tuple, Dict[str, dict]] = {}
+    for row in rows:
+        by_group.setdefault((row["workload"], row["size"], row["ranks"]), {})[row["system"]] = row
+    for row in rows:
+        peers = by_group[(row["workload"], row["size"], row["ranks"])]
+        row["ratios"] = {}
+        for peer in PEERS[row["workload"]]:
+            other = peers.get(peer)
+            if other is None or peer == row["system"] or "tokens_per_s" not in row:
+                continue
+            # None: the peer crashed in every round, so there is nothing to compare with
+            row["ratios"][peer] = row["tokens_per_s"] / other["tokens_per_s"] if "tokens_per_s" in other else None
+    return rows
+
+
+def _max_or_none(xs):
+    xs = [x for x in xs if x is not None]
+    return max(xs) if xs else None
+
+
+def _median_or_none(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _rel(got: Optional[float], want: Optional[float]) -> Optional[float]:
+    return None if got is None or not want else got / want - 1
+
+
+def _pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:+.2%}"
+
+
+def _mib(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x / MIB:.1f}"
+
+
+SHORT = {"fsdp2": "FSDP2", "unwrapped": "unwrapped", "mcore_ddp": "DDP", "mcore_distopt": "DistOpt",
+         "mfsdp_v1": "v1"}
+
+
+def header(workload: str) -> str:
+    peers = "".join(f" {'x ' + SHORT[p]:>11}" for p in PEERS[workload])
+    return (f"{'workload':<8} {'size':<5} {'N':>2} {'system':<24} | {'step ms':>8} {'spread':>7} | {'tok/s':>8} |"
+            f"{peers} | {'persist MiB':>11} {'vs th':>7} | {'peak MiB':>8} | {'AG MB':>7} {'RS MB':>7} "
+            f"{'AR MB':>7} {'vs th':>7} | {'wire MB':>7}")
+
+
+def format_row(row: dict) -> str:
+    head = f"{row['workload']:<8} {row['size']:<5} {row['ranks']:>2} {row['label']:<24} | "
+    if not row["rounds_ok"]:
+        return head + f"crashed ({'; '.join(row['crash_reasons'])})"
+    step = row["step_s"]
+    spread = (step["p75"] - step["p25"]) / 2 / step["median"]
+    ratios = ""
+    for peer in PEERS[row["workload"]]:
+        value = row["ratios"].get(peer, "-")
+        ratios += f" {'-' if value == '-' else 'crashed' if value is None else f'{value:.2f}x':>11}"
+    kinds = _per_kind(row["bytes"])
+    total, theory = sum(kinds.values()), sum(row["bytes_theory"].values())
+    mb = lambda kind: f"{kinds.get(kind, 0) / 1e6:>7.2f}"  # noqa: E731
+    text = (head + f"{step['median'] * 1e3:>8.1f} {f'±{spread:.0%}':>7} | {row['tokens_per_s']:>8.0f} |{ratios} | "
+            f"{_mib(row['persistent_bytes']):>11} "
+            f"{_pct(_rel(row['persistent_bytes'], row['persistent_theory'])):>7} | {_mib(row['peak_bytes']):>8} | "
+            f"{mb('all_gather')} {mb('reduce_scatter')} {mb('all_reduce')} "
+            f"{_pct(_rel(total, theory)) if theory else '-':>7} | {row['wire_bytes'] / 1e6:>7.2f}")
+    if row["rounds_crashed"]:
+        text += f"  [crashed {row['rounds_crashed']}/{row['rounds_crashed'] + row['rounds_ok']}: " \
+                f"{'; '.join(row['crash_reasons'])}]"
+    return text
+
+
+def format_table(rows: List[dict]) -> str:
+    """One block per workload (its own peer columns)."""
+    blocks = []
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        top = header(workload)
+        blocks.append("\n".join([top, "-" * len(top)] + [format_row(r) for r in rows if r["workload"] == workload]))
+    return "\n\n".join(blocks)
+
+
+def targets(rows: List[dict]) -> List[dict]:
+    """The issue's targets, each with a verdict ("pass", "fail" or "not measured") and its numbers."""
+    def find(workload, size, ranks, system):
+        return next((r for r in rows if (r["workload"], r["size"], r["ranks"], r["system"])
+                     == (workload, size, ranks, system) and r["rounds_ok"]), None)
+
+    out = []
+    details, verdicts = [], []
+    for n in (2, 4):
+        ours, fsdp2 = find("torch", "50M", n, "ours:optim_grads_params"), find("torch", "50M", n, "fsdp2")
+        if ours and fsdp2:
+            speed = ours["tokens_per_s"] / fsdp2["tokens_per_s"]
+            peak_ok = None not in (ours["peak_bytes"], fsdp2["peak_bytes"]) and ours["peak_bytes"] <= fsdp2["peak_bytes"]
+            verdicts.append(speed >= 1.15 and peak_ok)
+            details.append(f"{n} ranks: {speed:.2f}x, peak {_mib(ours['peak_bytes'])} vs {_mib(fsdp2['peak_bytes'])} MiB")
+    out.append(_target("ours ZeRO-3 >= 1.15x FSDP2 tokens/s at 50M on 2 and 4 ranks, peak memory <= FSDP2",
+                       verdicts, details, complete=len(verdicts) == 2))
+    ours_rows = [r for r in rows if r["system"] in OURS and r["rounds_ok"]]
+    comm = [(r, _rel(sum(_per_kind(r["bytes"]).values()), sum(r["bytes_theory"].values())))
+            for r in ours_rows if r["ranks"] > 1]
+    out.append(_target("collective bytes within 1% of theory (ours)", [abs(e) <= 0.01 for _, e in comm],
+                       [f"{_name(r)}: {_pct(e)}" for r, e in comm]))
+    mem = [(r, _rel(r["persistent_bytes"], r["persistent_theory"])) for r in ours_rows]
+    out.append(_target("persistent memory within 1% of theory (ours)", [abs(e) <= 0.01 for _, e in mem],
+                       [f"{_name(r)}: {_pct(e)}" for r, e in mem]))
+    single = []
+    for r in ours_rows:
+        base = find(r["workload"], r["size"], 1, "unwrapped") if r["ranks"] == 1 else None
+        if base:
+            single.append((r, r["step_s"]["median"] / base["step_s"]["median"] - 1))
+    out.append(_target("world size 1: ours within 5% of the unwrapped model's step time",
+                       [e <= 0.05 for _, e in single], [f"{_name(r)}: {_pct(e)}" for r, e in single]))
+    return out
+
+
+def _name(row: dict) -> str:
+    return f"{row['workload']} {row['size']} N={row['ranks']} {row['label']}"
+
+
+def _target(name: str, verdicts: List[bool], details: List[str], complete: bool = True) -> dict:
+    if not verdicts:
+        status = "not measured"
+    elif not all(verdicts):
+        status = "fail"
+    else:
+        status = "pass" if complete else "pass (partial)"
+    return {"target": name, "status": status, "details": details}
+
+
+def format_targets(results: List[dict]) -> str:
+    lines = []
+    for t in results:
+        lines.append(f"[{t['status']}] {t['target']}")
+        lines.extend(f"    {d}" for d in t["details"])
+    return "\n".join(lines)
+
+
+def plot(rows: List[dict], path: str, title: str = "") -> Optional[str]:
+    """Tokens/s and peak memory per system, one row of panels per (workload, size); None if no matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    panels = list(dict.fromkeys((r["workload"], r["size"]) for r in rows))
+    order = list(dict.fromkeys(s for systems in SYSTEMS.values() for s in systems))
+    colors = {s: plt.get_cmap("tab10")(i % 10) for i, s in enumerate(order)}  # one colour per system everywhere
+    fig, axes = plt.subplots(len(panels), 2, figsize=(14, 4.2 * len(panels)), squeeze=False)
+    for (workload, size), (ax_speed, ax_mem) in zip(panels, axes):
+        subset = [r for r in rows if (r["workload"], r["size"]) == (workload, size)]
+        ranks = sorted({r["ranks"] for r in subset})
+        systems = list(dict.fromkeys(r["system"] for r in subset))
+        width = 0.8 / max(1, len(systems))
+        for i, system in enumerate(systems):
+            for ax, key, scale in ((ax_speed, "tokens_per_s", 1.0), (ax_mem, "peak_bytes", 1.0 / MIB)):
+                xs, ys = [], []
+                for k, n in enumerate(ranks):
+                    row = next((r for r in subset if r["ranks"] == n and r["system"] == system), None)
+                    if row is None:
+                        continue
+                    value = row.get(key) if row["rounds_ok"] else None
+                    xs.append(k + i * width)
+                    ys.append(0.0 if value is None else value * scale)
+                    if not row["rounds_ok"]:
+                        ax.text(k + i * width, 0, "crashed", rotation=90, fontsize=7, va="bottom", ha="center")
+                ax.bar(xs, ys, width, label=LABELS[system], color=colors[system])
+        for ax, what in ((ax_speed, "tokens/s (higher is better)"), (ax_mem, "peak MiB per rank (lower is better)")):
+            ax.set_xticks([k + 0.4 - width / 2 for k in range(len(ranks))], [f"{n} rank{'s' if n > 1 else ''}" for n in ranks])
+            ax.set_title(f"{workload} {size}: {what}", fontsize=10)
+        ax_speed.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.12))
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

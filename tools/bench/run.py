@@ -1,0 +1,207 @@
+"""Benchmark this project against PyTorch FSDP2 and Megatron-Core's wrappers in one command.
+
+    python tools/bench/run.py --out results.json            # the full matrix (long: run on a quiet machine)
+    python tools/bench/run.py --quick --workloads torch --ranks 2   # a tiny smoke run
+
+Trains the same model for a fixed number of steps under each system and prints one table:
+step time (median and spread after warm-up), tokens per second, the ratio against each
+peer, persistent and peak memory per rank, and bytes per collective kind per step
+against the theoretical minimum; then the issue's targets with a verdict each. Systems
+run round-robin (the starting system rotates every round) for several rounds, so slow
+drift of the machine lands on every system alike. Each (workload, ranks) pair gets one
+pool of gloo worker processes (``tests/harness/pool.py``) reused by every size, system
+and round: ``import megatron.core`` costs seconds per process.
+
+A system that crashes or hangs is reported as ``crashed (reason)`` in its row, never
+dropped; a hang or a dead rank restarts the pool. docs/performance.md describes every
+column and how the theory is computed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from typing import List, Optional
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+from tests.harness import RankError, WorkerTimeout  # noqa: E402
+from tools.bench import report  # noqa: E402
+from tools.bench.spec import SIZES, SYSTEMS  # noqa: E402
+
+# What a failed run raises: an exception on a rank, a hang, a dead rank or a pool that did not start.
+FAILURES = (RankError, WorkerTimeout, RuntimeError, OSError)
+CASES = {"torch": "tools.bench.torch_case:run", "mcore": "tools.bench.mcore_case:run"}
+DEFAULT_PLOT = os.path.join(_ROOT, "docs", "performance.png")
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    every = sorted({s for systems in SYSTEMS.values() for s in systems})
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", nargs="+", choices=sorted(SYSTEMS), default=["torch", "mcore"])
+    p.add_argument("--ranks", nargs="+", type=int, default=[1, 2, 4],
+                   help="world sizes; 1 is the torch workload's overhead check (ours vs the unwrapped model, fp32)")
+    p.add_argument("--sizes", nargs="+", choices=list(SIZES), default=None, help="default: 5M 50M (--quick: tiny)")
+    p.add_argument("--systems", nargs="+", choices=every, default=every)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
+                   help="bf16: bf16 compute, fp32 main weights and gradient reduction (world size 1 runs fp32)")
+    p.add_argument("--rounds", type=int, default=None, help="round-robin rounds (default 3; --quick: 1)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per run (default 2; --quick: 1)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 5; --quick: 2)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores // ranks)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take before it counts as a hang")
+    p.add_argument("--quick", action="store_true", help="tiny model, one round, few steps: a smoke run")
+    p.add_argument("--out", default=None, help="write every run, row and target as JSON here")
+    p.add_argument("--plot", default=None, help=f"PNG of the table (default {os.path.relpath(DEFAULT_PLOT)}; "
+                                                "--quick: none); '' for none")
+    p.add_argument("--from-json", default=None, help="re-report a saved --out file instead of running")
+    args = p.parse_args(argv)
+    quick = args.quick
+    args.sizes = args.sizes or (["tiny"] if quick else ["5M", "50M"])
+    args.rounds = args.rounds or (1 if quick else 3)
+    args.warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
+    args.steps = args.steps or (2 if quick else 5)
+    if args.plot is None:
+        args.plot = "" if quick else DEFAULT_PLOT
+    return args
+
+
+def plan(args) -> List[tuple]:
+    """(workload, ranks, systems) in run order. World size 1: the torch workload, ours vs unwrapped."""
+    out = []
+    for workload in args.workloads:
+        for ranks in args.ranks:
+            if ranks == 1 and workload != "torch":
+                continue
+            systems = [s for s in SYSTEMS[workload] if s in args.systems
+                       and (s.startswith("ours:") or (s == "unwrapped") == (ranks == 1))]
+            if systems:
+                out.append((workload, ranks, systems))
+    return out
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, RankError):
+        kind, message, _ = next(e for e in exc.errors if e is not None)
+        first = (message.strip().splitlines() or [""])[0]
+        return f"{kind}: {first[:160]}" if first else kind
+    if isinstance(exc, WorkerTimeout):
+        return str(exc)
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+
+
+class _Pool:
+    """The gloo worker pool of one (workload, ranks) pair: started on first use, again after a crash.
+
+    A fresh pool first runs one discarded tiny step of the system about to be measured, so
+    imports and one-time library allocations do not land in the first measured run's time
+    and peak memory (a failure there is left to the measured run to report).
+    """
+
+    def __init__(self, workload: str, ranks: int, dtype: str, threads: int, timeout: float):
+        self.case, self.ranks, self.timeout = CASES[workload], ranks, timeout
+        self.settings = dict(bf16=dtype == "bf16", threads=threads)
+        self.pool = None
+
+    def run(self, system: str, size: str, warmup: int, steps: int) -> List[dict]:
+        from tests.harness import RankError, WorkerPool
+
+        if self.pool is None or not self.pool.alive:
+            self.pool = WorkerPool(self.ranks, start_timeout=600.0)
+            try:
+                self.pool.run(self.case, timeout=min(self.timeout, 300.0), system=system, size_name="tiny",
+                              warmup=1, steps=1, **self.settings)
+            except FAILURES:
+                if not self.pool.alive:  # the warm-up hung: measure in a fresh pool all the same
+                    self.pool = WorkerPool(self.ranks, start_timeout=600.0)
+        try:
+            return self.pool.run(self.case, timeout=self.timeout, system=system, size_name=size, warmup=warmup,
+                                 steps=steps, **self.settings)
+        except RankError:
+            self.close(kill=True)  # ranks may have collectives in flight: start clean
+            raise
+
+    def close(self, kill: bool = False) -> None:
+        if self.pool is not None:
+            self.pool.close(kill=kill)
+
+
+def run_matrix(args, log=print) -> List[dict]:
+    """Every run of the plan, as records ``report.aggregate`` reads."""
+    runs = []
+    for workload, ranks, systems in plan(args):
+        dtype = "fp32" if ranks == 1 else args.dtype
+        pool = _Pool(workload, ranks, dtype, args.threads or max(1, (os.cpu_count() or 1) // ranks), args.timeout)
+        try:
+            for size in args.sizes:
+                for rnd in range(args.rounds):
+                    for system in systems[rnd % len(systems):] + systems[:rnd % len(systems)]:
+                        record = {"workload": workload, "ranks": ranks, "size": size, "system": system,
+                                  "dtype": dtype, "round": rnd, "status": "ok", "reason": None}
+                        start = time.perf_counter()
+                        try:
+                            record["per_rank"] = pool.run(system, size, args.warmup, args.steps)
+                            steps = sorted(max(ts) for ts in zip(*(p["times"] for p in record["per_rank"])))
+                            note = f"step {steps[len(steps) // 2] * 1e3:.1f} ms"
+                        except FAILURES as exc:
+                            record.update(status="crashed", reason=_reason(exc))
+                            note = f"crashed ({record['reason']})"
+                        runs.append(record)
+                        log(f"[{workload} {size} N={ranks} round {rnd + 1}/{args.rounds}] {system}: {note} "
+                            f"({time.perf_counter() - start:.1f} s)")
+        finally:
+            pool.close()
+    return runs
+
+
+def meta(args) -> dict:
+    import torch
+
+    try:
+        from megatron.fsdp import comm
+        path = os.environ.get(comm.GLOO_REDUCE_SCATTER_ENV) or "ring"
+    except (ImportError, AttributeError):
+        path = "allreduce (no ring path in this checkout)"
+    return {"command": " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]) if sys.argv else "",
+            "date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
+            "python": platform.python_version(), "cpus": os.cpu_count(), "gloo_reduce_scatter": path,
+            "quick": args.quick, "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps, "dtype": args.dtype,
+            "sizes": {name: vars(SIZES[name]) for name in args.sizes}}
+
+
+def main(argv: Optional[List[str]] = None) -> dict:
+    args = parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            results = json.load(f)
+        results["rows"] = report.aggregate(results["runs"])
+        results["targets"] = report.targets(results["rows"])
+    else:
+        info = meta(args)
+        runs = run_matrix(args, log=lambda line: print(line, file=sys.stderr, flush=True))
+        rows = report.aggregate(runs)
+        results = {"meta": info, "runs": runs, "rows": rows, "targets": report.targets(rows)}
+    print(report.format_table(results["rows"]))
+    print()
+    print(report.format_targets(results["targets"]))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    if args.plot:
+        info = results.get("meta", {})
+        title = f"{'SMOKE RUN (--quick): ' if info.get('quick') else ''}{info.get('command', '')} ({info.get('date', '')})"
+        where = report.plot(results["rows"], args.plot, title=title)
+        print(f"plot: {where}" if where else "plot: skipped (matplotlib is not installed)")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""What the benchmark runs: model sizes, systems, and the theoretical minimum of each system.
+
+Kept apart from the workers and the report so the orchestrator, the worker processes and
+the test all read one definition. The theory here is the yardstick for the "vs theory"
+columns; docs/performance.md explains it in prose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional
+
+LEVELS = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+OURS = tuple(f"ours:{level}" for level in LEVELS)
+
+# Systems per workload; "unwrapped" runs only at world size 1, where it is the yardstick
+# for the engine's overhead.
+SYSTEMS = {
+    "torch": ("unwrapped",) + OURS + ("fsdp2",),
+    "mcore": OURS + ("mcore_ddp", "mcore_distopt", "mfsdp_v1"),
+}
+PEERS = {"torch": ("fsdp2", "unwrapped"), "mcore": ("mcore_ddp", "mcore_distopt", "mfsdp_v1")}
+LABELS = {"unwrapped": "unwrapped", "fsdp2": "FSDP2", "mcore_ddp": "MCore DDP",
+          "mcore_distopt": "MCore DistOpt", "mfsdp_v1": "M-FSDP v1",
+          **{f"ours:{level}": f"ours {level}" for level in LEVELS}}
+
+# The level each peer corresponds to, for the byte and memory formulas.
+LEVEL_OF = {**{f"ours:{level}": level for level in LEVELS}, "mcore_ddp": "no_shard",
+            "mcore_distopt": "optim", "mfsdp_v1": "optim_grads_params", "fsdp2": "optim_grads_params"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """A GPT shape: the torch model and Megatron-Core's GPTModel are built from the same one."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    seq: int
+    rows: int  # sequences per rank per step (one micro-batch)
+
+
+SIZES = {
+    "tiny": Size(vocab=256, hidden=64, layers=2, heads=4, seq=32, rows=2),  # --quick
+    "5M": Size(vocab=1024, hidden=256, layers=6, heads=4, seq=256, rows=2),
+    "50M": Size(vocab=4096, hidden=512, layers=15, heads=8, seq=256, rows=2),
+}
+
+LR, BETAS, EPS, WEIGHT_DECAY, CLIP_GRAD = 1e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
+
+
+def theory_bytes(system: str, params: int, root_params: int, world: int, compute_bytes: int,
+                 reduce_bytes: int = 4) -> Dict[str, int]:
+    """Minimum bytes per collective kind for one step of one micro-batch (ledger convention).
+
+    Bytes are those of the full buffer a collective works on. Gradients are reduced once
+    in ``reduce_bytes`` (fp32); weights are gathered in the compute dtype: under ZeRO-1/2
+    once after the optimizer step, under ZeRO-3 before forward and again before backward,
+    except the root's parameters (embeddings, final norm), which stay gathered from the
+    forward through the backward (as in FSDP2). The scalar all-reduce of the gradient norm
+    is left out (8 bytes).
+    """
+    level = LEVEL_OF.get(system)
+    if world == 1 or level is None:
+        return {}
+    grads = reduce_bytes * params
+    if level == "no_shard":
+        return {"all_reduce": grads}
+    if level in ("optim", "optim_grads"):
+        return {"reduce_scatter": grads, "all_gather": compute_bytes * params}
+    return {"reduce_scatter": grads, "all_gather": compute_bytes * (2 * params - root_params)}
+
+
+def theory_persistent(system: str, params: int, world: int, compute_bytes: int) -> Optional[float]:
+    """Persistent bytes per rank between steps, with Adam (two fp32 moments) and no padding.
+
+    This project: the table of docs/engine.md (fp32 gradient accumulators kept between
+    steps; fp32 main weights only when compute is not fp32). Megatron-Core's DDP and
+    DistributedOptimizer keep the same kinds at the ``no_shard``/``optim`` levels, and
+    Megatron-FSDP v1 at ``optim_grads_params``. FSDP2 and the unwrapped model free their
+    gradients in ``zero_grad`` and keep fp32 parameters (sharded for FSDP2) and Adam state.
+    """
+    n, psi, c = world, params, compute_bytes
+    m = 4 if c != 4 else 0
+    if system == "unwrapped":
+        return 12.0 * psi
+    if system == "fsdp2":
+        return 12.0 * psi / n
+    level = LEVEL_OF[system]
+    compute = c * psi / n if level == "optim_grads_params" else c * psi
+    grads = 4 * psi / n if level in ("optim_grads", "optim_grads_params") else 4 * psi
+    sharded = level != "no_shard"
+    return compute + grads + (m * psi + 8 * psi) / (n if sharded else 1)

@@ -1,0 +1,113 @@
+"""The torch-only workload: one GPT-like decoder trained by this engine, by FSDP2, or unwrapped.
+
+The model is the project's own example (``examples/tiny_transformer.py``: token and
+position embeddings, pre-norm blocks, tied output head) at the sizes of ``spec.SIZES``,
+so the benchmark measures the model users are shown. Every system trains it with AdamW
+(Megatron's no-decay rule for biases and norms), gradient clipping at 1.0 and, for bf16,
+the same mixed-precision policy: bf16 compute, fp32 main weights, fp32 gradient
+reduction. ``run`` is a worker-pool case (``tests/harness/pool.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from examples.tiny_transformer import Block, TinyTransformer
+from tools.bench import measure as M
+from tools.bench.spec import BETAS, CLIP_GRAD, EPS, LR, SIZES, WEIGHT_DECAY
+
+SEED = 1234
+
+
+def build_model(size_name: str) -> torch.nn.Module:
+    """The same initial weights on every rank and for every system."""
+    size = SIZES[size_name]
+    torch.manual_seed(SEED)
+    return TinyTransformer(size.vocab, size.hidden, size.layers, size.heads, size.seq)
+
+
+def root_params(model: torch.nn.Module) -> int:
+    """Parameters outside the blocks (embeddings, final norm): the root unit."""
+    in_blocks = {id(p) for b in model.blocks for p in b.parameters()}
+    return sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
+
+
+def param_groups(named):
+    """AdamW groups with Megatron's rule: no weight decay on biases and 1-D parameters."""
+    from megatron.fsdp import megatron_no_weight_decay
+
+    named = list(named)
+    decay = [p for n, p in named if not megatron_no_weight_decay(n, p)]
+    no_decay = [p for n, p in named if megatron_no_weight_decay(n, p)]
+    return [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _plain_step(model, optimizer, tokens):
+    def step():
+        model(tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def wrap_ours(model: torch.nn.Module, level: str, bf16: bool):
+    """This engine at ``level``: blocks are units; bf16 compute with fp32 main weights and reduction."""
+    import megatron.fsdp as mfsdp
+
+    mp = mfsdp.MixedPrecision(param_dtype=torch.bfloat16, main_dtype=torch.float32,
+                              grad_reduce_dtype=torch.float32) if bf16 else None
+    wrapped = mfsdp.fully_shard(model, strategy=level, unit_modules=(Block,), mixed_precision=mp)
+    optimizer = mfsdp.FullyShardedOptimizer(wrapped, torch.optim.AdamW, lr=LR, betas=BETAS, eps=EPS,
+                                            weight_decay=WEIGHT_DECAY, clip_grad=CLIP_GRAD)
+    return wrapped, optimizer
+
+
+def adamw(groups):
+    return torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, foreach=True)
+
+
+def build_system(system: str, model: torch.nn.Module, tokens: torch.Tensor, bf16: bool) -> M.Built:
+    if system == "unwrapped":
+        if bf16:
+            raise ValueError("the unwrapped model has no mixed-precision policy: it runs in fp32 only")
+        return M.Built(_plain_step(model, adamw(param_groups(model.named_parameters())), tokens))
+    if system == "fsdp2":
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                  if bf16 else MixedPrecisionPolicy())
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")  # the world group: no new group per run
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        return M.Built(_plain_step(model, adamw(param_groups(model.named_parameters())), tokens))
+    if system.startswith("ours:"):
+        wrapped, optimizer = wrap_ours(model, system.partition(":")[2], bf16)
+
+        def step():
+            wrapped(tokens).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return M.Built(step, ledgers=[wrapped.ledger], own_report=lambda: wrapped.memory_report(optimizer).total)
+    raise ValueError(f"unknown torch-workload system {system!r}")
+
+
+def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, threads: int) -> dict:
+    """Build ``system`` on ``size_name``, train ``warmup + steps`` steps, return this rank's figures."""
+    M.prepare_worker(threads)
+    M.COUNTER.install()
+    shape = SIZES[size_name]
+    gen = torch.Generator().manual_seed(SEED + dist.get_rank())
+    tokens = torch.randint(0, shape.vocab, (shape.rows, shape.seq + 1), generator=gen)
+    base_tensors, base_rss = M.baselines()
+    model = build_model(size_name)
+    params, root = sum(p.numel() for p in model.parameters()), root_params(model)
+    built = build_system(system, model, tokens, bf16)
+    result = M.measure(built, warmup, steps, base_tensors, base_rss)
+    del built, model
+    M.trim_heap()
+    result.update(params=params, root_params=root, tokens_per_step=shape.rows * shape.seq * dist.get_world_size())
+    return result
