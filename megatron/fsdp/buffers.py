@@ -76,9 +76,11 @@ class UnitStorage:
         # autograd never sees the refill of a released buffer as an in-place edit.
         self._full_io = self.full.data
         # Persistent compute weights: the full buffer, or (ZeRO-3, where the full
-        # buffer is released between uses) a shard of it.
+        # buffer is released between uses) a shard of it. On a mesh of one rank the
+        # shard is the whole buffer: keep it resident and never gather or release.
+        self.releases = levels.inner.shard_params and (inner.size > 1 or outer.size > 1)
         self.shard: Optional[torch.Tensor] = None
-        if levels.inner.shard_params:
+        if self.releases:
             self.shard = torch.zeros(R.size(R.compute), dtype=compute_dtype, device=device)
             for piece in layout.pieces_in(*R.compute):
                 src = originals[piece.slot_index].reshape(-1)
@@ -109,8 +111,8 @@ class UnitStorage:
         if self.grads_in_place and self.trainable_params:
             self.grad_full = self.grad_accum
             self.grad_views = self._views_of(self.grad_accum)
-        self.resident = not levels.inner.shard_params
-        if levels.inner.shard_params:
+        self.resident = not self.releases
+        if self.releases:
             _free(self.full)
             self._detach_params()
         else:
@@ -166,7 +168,7 @@ class UnitStorage:
 
     def reshard(self) -> None:
         """Release the full compute weights (ZeRO-3 only; other levels keep them)."""
-        if not self.levels.inner.shard_params or not self.resident:
+        if not self.releases or not self.resident:
             return
         self._detach_params()
         _free(self.full)
