@@ -44,7 +44,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from megatron.fsdp import DataParallelMesh
+from megatron.fsdp import DataParallelMesh, build_mesh
 
 
 def _size(group) -> int:
@@ -140,17 +140,15 @@ class FSDPDistributedIndex:
         )
 
 
-_SPLITS = {}
-
-
 def _split_group(group, instances: int):
     """Split the expert data-parallel group into ``instances`` domains of contiguous ranks (inner, outer).
 
     Used when the expert section has its own instance count (parallel_state builds
     the partial expert groups with the dense count only). A collective over the
     whole world: every rank learns every expert data-parallel group, then all
-    create the same groups in the same order (``new_group``'s requirement).
-    Cached, so model chunks of one rank share the groups.
+    create the same groups in the same order (``new_group``'s requirement; every
+    rank wraps the same number of model chunks, so the calls match). The groups
+    live as long as the model that holds them.
     """
     ranks = dist.get_process_group_ranks(group) if group is not None else [dist.get_rank()]
     if len(ranks) % instances:
@@ -159,12 +157,6 @@ def _split_group(group, instances: int):
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, ranks)
     groups = sorted({tuple(r) for r in everyone})
-    # Keyed by the group object (held, so its id stays unique): a new parallel state gets new groups.
-    key = (id(group), instances, tuple(groups))
-    if key not in _SPLITS:
-        from megatron.fsdp import build_mesh
-
-        meshes = [build_mesh(outer=instances, ranks=list(g)) for g in groups]
-        _SPLITS[key] = (group, next(m for g, m in zip(groups, meshes) if dist.get_rank() in g))
-    mesh = _SPLITS[key][1]
+    meshes = [build_mesh(outer=instances, ranks=list(g)) for g in groups]
+    mesh = next(m for g, m in zip(groups, meshes) if dist.get_rank() in g)
     return mesh.inner_group, mesh.outer_group
