@@ -16,13 +16,14 @@ from .mesh import DataParallelMesh, build_mesh
 from .mixed_precision import MixedPrecision
 from .module import FullyShardedModule, PersistentMemory, fully_shard, megatron_no_weight_decay
 from .optimizer import FullyShardedOptimizer
+from .runtime import Overlap
 from .strategy import STRATEGIES, MeshStrategy, ShardingStrategy, parse_mesh_strategy, parse_strategy, valid_pairs
 from .unit import FSDPUnit, UnitState
 
 __all__ = [
     "DataParallelMesh", "ExpertSharding", "MeshStrategy", "build_mesh", "parse_mesh_strategy", "valid_pairs",
     "FSDPUnit", "FlatLayout", "FullyShardedModule", "FullyShardedOptimizer", "Ledger", "LedgerEvent",
-    "MixedPrecision", "ParamSpec", "PersistentMemory", "STRATEGIES", "ShardingStrategy", "UnitState",
+    "MixedPrecision", "Overlap", "ParamSpec", "PersistentMemory", "STRATEGIES", "ShardingStrategy", "UnitState",
     "build_layout", "fully_shard", "megatron_no_weight_decay", "parse_strategy",
     "check_checkpoint_keys", "load_model_state_dict", "load_optimizer_state_dict", "model_state_dict",
     "optimizer_state_dict",

@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from . import profiling
 from .gloo_ring import ring_reduce_scatter, ring_wire_bytes
 
 
@@ -67,6 +68,7 @@ class Ledger:
         self._wire[(kind, axis)] += wire
         if self.trace:
             self.events.append(LedgerEvent(kind, axis, nbytes, tag, wire))
+        profiling.on_collective(kind, axis, nbytes, tag)  # a timeline, when one records
 
     def _sum(self, table, kind, axis) -> int:
         return sum(v for (k, a), v in table.items() if kind in (None, k) and axis in (None, a))
@@ -95,6 +97,10 @@ class Handle:
         self._work = work
         self._then = then
         self._keep = keep  # tensors the collective reads or writes: alive until it lands
+
+    def is_completed(self) -> bool:
+        """The collective has landed (what runs after it may not have run yet)."""
+        return self._work is None or self._work.is_completed()
 
     def wait(self) -> None:
         if self._work is not None:

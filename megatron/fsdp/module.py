@@ -19,7 +19,7 @@ from .experts import DENSE, EXPERT, ExpertSharding, Section
 from .layout import ParamSpec, build_layout
 from .mesh import DataParallelMesh
 from .mixed_precision import MixedPrecision
-from .runtime import Runtime
+from .runtime import Overlap, Runtime
 from .strategy import MeshStrategy, ShardingStrategy, parse_mesh_strategy
 from .unit import FSDPUnit
 from .validation import check_same_module_on_all_ranks, module_signature
@@ -101,6 +101,11 @@ class FullyShardedModule(torch.nn.Module):
     @property
     def units(self) -> List[FSDPUnit]:
         return list(self._units)
+
+    @property
+    def overlap(self) -> Overlap:
+        """Prefetch depths and reductions in flight (``fully_shard``'s arguments)."""
+        return self._runtime.overlap
 
     @property
     def ledger(self) -> Ledger:
@@ -312,6 +317,9 @@ def fully_shard(
     outer_strategy=None,
     average_grads: bool = True,
     experts: Optional[ExpertSharding] = None,
+    forward_prefetch: int = 1,
+    backward_prefetch: int = 1,
+    reductions_in_flight: int = 2,
 ) -> FullyShardedModule:
     """Shard ``module``'s parameters, gradients and optimizer state over the data-parallel ranks.
 
@@ -321,6 +329,9 @@ def fully_shard(
     (for per-token loss normalisation, scaled later by ``scale_gradients``).
     ``experts`` puts expert parameters in their own section: own mesh, own
     levels, own gradient scale (see ``experts.py``).
+    ``forward_prefetch`` / ``backward_prefetch`` (units gathered ahead) and
+    ``reductions_in_flight`` (gradient reductions issued before the oldest is
+    waited) set how far communication runs ahead of compute (``runtime.Overlap``).
     Every check that can fail runs before the first collective; the one
     collective here (a digest of parameter names, shapes and dtypes) makes all
     ranks fail together when the models differ.
@@ -328,6 +339,7 @@ def fully_shard(
     if mesh is not None and process_group is not None:
         raise ValueError("pass either process_group (a flat mesh) or mesh (two axes), not both")
     levels = parse_mesh_strategy(strategy, outer_strategy, mesh is not None and mesh.has_outer)
+    overlap = Overlap(forward_prefetch, backward_prefetch, reductions_in_flight)
     mp = mixed_precision if mixed_precision is not None else MixedPrecision()
     if not isinstance(mp, MixedPrecision):
         raise TypeError(f"mixed_precision must be a megatron.fsdp.MixedPrecision, got {type(mp).__name__}")
@@ -381,7 +393,7 @@ def fully_shard(
             units.append(FSDPUnit(len(units), label, [modules[uname]], storage,
                                   [s.spec.name for s in storage.layout.slots]))
     root = units[0] if units and units[0].name == "<root>" else None
-    runtime = Runtime(units, root)
+    runtime = Runtime(units, root, overlap)
     for unit in units:
         if unit is not root:
             for m in unit.modules:

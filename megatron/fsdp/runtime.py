@@ -2,23 +2,56 @@
 
 Order of collectives is a pure function of the order in which units run, which
 is the same on every rank for the same model code; no set or dict with
-unstable order decides it. Prefetch depth is one unit in each direction, so at
-most the running unit, its enclosing units, the root and one prefetched unit
-hold full weights at once.
+unstable order decides it. How far the schedule runs ahead is an
+:class:`Overlap` (``fully_shard``'s ``forward_prefetch``, ``backward_prefetch``
+and ``reductions_in_flight``): with the defaults, one unit is gathered ahead in
+each direction, so at most the running unit, its enclosing units, the root and
+one prefetched unit hold full weights at once, and two gradient reductions are
+in flight.
+
+The order a pass prefetches in is the order of the previous pass; the first
+forward uses the registration order (the order of ``module.named_modules()``,
+which is the call order of a sequential stack), the first backward the
+reverse of the order in which the forward's units ended. The root, which runs first, prefetches
+the first units of each direction, so in steady state no unit waits for a
+gather it could have had earlier. Every gather, reduction, install and wait runs
+inside a named range (``profiling.py``).
 """
 
 from __future__ import annotations
 
 import collections
-from typing import Deque, Dict, List, Optional
+import dataclasses
+from typing import Deque, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils._pytree import tree_flatten
 
+from . import profiling
 from .comm import Handle
 from .unit import FSDPUnit, UnitState
 
-MAX_INFLIGHT_REDUCTIONS = 2
+
+@dataclasses.dataclass(frozen=True)
+class Overlap:
+    """How far communication runs ahead of compute.
+
+    ``forward_prefetch`` / ``backward_prefetch``: units whose all-gather is issued
+    ahead of their use (0: every gather on demand); each one more costs one unit's
+    full weights in memory. ``reductions_in_flight``: gradient reductions issued and
+    not yet waited (0: each is waited as soon as it is issued); each one more keeps
+    one unit's reduction buffers alive a little longer.
+    """
+
+    forward_prefetch: int = 1
+    backward_prefetch: int = 1
+    reductions_in_flight: int = 2
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{field.name} must be an integer >= 0, got {value!r}")
 
 
 def _in_backward() -> bool:
@@ -26,31 +59,36 @@ def _in_backward() -> bool:
 
 
 class Runtime:
-    def __init__(self, units: List[FSDPUnit], root: Optional[FSDPUnit]):
+    def __init__(self, units: List[FSDPUnit], root: Optional[FSDPUnit], overlap: Overlap = Overlap()):
         self.units = units          # registration order; root first when it has parameters
         self.root = root            # None when every parameter sits in some unit
+        self.overlap = overlap
         self.sync_grads = True
         self._scaled_this_step = False  # per-section gradient scales applied (once per step)
         self.backwards_since_step = 0
         self._order: List[FSDPUnit] = []           # forward order of this pass
+        self._fwd_ends: List[FSDPUnit] = []        # order in which this pass's forwards ended
         self._bwd_order: List[FSDPUnit] = []       # backward order of this pass
-        self._last_next: Dict[int, FSDPUnit] = {}  # forward prefetch map from the previous pass
-        self._last_bwd_next: Dict[int, FSDPUnit] = {}
-        self._bwd_next: Optional[Dict[int, FSDPUnit]] = None
+        # Prefetch plans: the order of the previous pass (registration order before the first).
+        self._fwd_plan = _Plan([u for u in units if u is not root])
+        self._last_bwd_plan: Optional[_Plan] = None
+        self._bwd_plan: Optional[_Plan] = None     # this backward's plan, fixed at its first unit
         # How each gather was satisfied, per phase: "prefetched" (issued before the
         # unit was needed) or "on_demand" (the unit had to wait for its own gather).
         self.gather_stats = {p: {"prefetched": 0, "on_demand": 0} for p in ("forward", "backward")}
-        self._reductions: Deque[Handle] = collections.deque()
+        self._reductions: Deque[Tuple[str, Handle]] = collections.deque()
         self._callback_queued = False
 
     # ---------------------------------------------------------------- forward
     def root_pre_forward(self) -> None:
         if self._order:
-            self._last_next = self._next_map(self._order)
+            self._fwd_plan = _Plan(self._order)
         self._order = []
-        self._bwd_next = None
+        self._fwd_ends = []
+        self._bwd_plan = None
         if self.root is not None and self.root.state in (UnitState.IDLE, UnitState.UNSHARDING):
             self.root.activate(UnitState.FORWARD)
+        self._prefetch(self._fwd_plan.first(self.overlap.forward_prefetch))
 
     def root_post_forward(self, output):
         if torch.is_grad_enabled():
@@ -68,11 +106,14 @@ class Runtime:
         self._count_gather(unit, "forward")
         unit.activate(UnitState.FORWARD)
         self._order.append(unit)
-        self._prefetch(self._last_next.get(unit.index))
+        self._prefetch(self._fwd_plan.after(unit, self.overlap.forward_prefetch))
+        profiling.mark("forward", "begin", unit.name)
 
     def post_forward(self, unit: FSDPUnit, output):
         if unit.state is not UnitState.FORWARD:
             return output  # recompute during backward: keep the weights for backward
+        profiling.mark("forward", "end", unit.name)
+        self._fwd_ends.append(unit)
         unit.release()
         if torch.is_grad_enabled():
             self._register_pre_backward(unit, output)
@@ -84,18 +125,24 @@ class Runtime:
         elif not unit.storage.resident:
             self.gather_stats[phase]["on_demand"] += 1
 
-    def _next_map(self, order: List[FSDPUnit]) -> Dict[int, FSDPUnit]:
-        return {u.index: v for u, v in zip(order, order[1:])}
-
-    def _prefetch(self, unit: Optional[FSDPUnit]) -> None:
-        if unit is not None and unit.state is UnitState.IDLE and not unit.storage.resident:
-            unit.start_unshard()
+    def _prefetch(self, units: List[FSDPUnit]) -> None:
+        for unit in units:
+            if unit.state is UnitState.IDLE and not unit.storage.resident:
+                unit.start_unshard()
 
     # --------------------------------------------------------------- backward
     def _register_pre_backward(self, unit: FSDPUnit, output) -> None:
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, lambda _grads: self._pre_backward(unit), mode="any")
+
+    def _backward_plan(self) -> "_Plan":
+        """The previous backward's order; at first, the reverse of the order in which forwards ended
+        (a unit's backward begins when the gradient of its output arrives: an enclosing unit first)."""
+        if self._bwd_plan is None:
+            self._bwd_plan = self._last_bwd_plan or _Plan(self._fwd_ends[::-1])
+            self._bwd_order = []
+        return self._bwd_plan
 
     def _pre_backward(self, unit: Optional[FSDPUnit]) -> None:
         if not self._callback_queued:
@@ -106,13 +153,13 @@ class Runtime:
         if unit is not self.root:
             self._count_gather(unit, "backward")
         self._enter_backward(unit)
-        if unit is self.root:
+        depth = self.overlap.backward_prefetch
+        if unit is self.root:  # the backward starts in the root: prefetch the first units of its plan
+            self._prefetch(self._backward_plan().first(depth))
             return
-        if self._bwd_next is None:  # the previous backward's order, or reversed forward order at first
-            self._bwd_next = self._last_bwd_next or self._next_map(self._order[::-1])
-            self._bwd_order = []
+        plan = self._backward_plan()
         self._bwd_order.append(unit)
-        self._prefetch(self._bwd_next.get(unit.index))
+        self._prefetch(plan.after(unit, depth))
 
     def _enter_backward(self, unit: FSDPUnit) -> None:
         if unit.state is UnitState.FORWARD:
@@ -120,6 +167,7 @@ class Runtime:
         else:
             unit.activate(UnitState.BACKWARD)
         unit.begin_backward()
+        profiling.mark("backward", "begin", unit.name)
 
     def on_grad(self, unit: FSDPUnit, param_index: int) -> None:
         if unit.state is not UnitState.BACKWARD:
@@ -139,23 +187,33 @@ class Runtime:
                     self._reduce_step(unit)
             else:
                 with_step = self.sync_grads and storage.has_step_stage
-                self._enqueue(storage.reduce_microbatch(tag=unit.name, then_step=with_step))
+                with profiling.span("reduce", unit.name):
+                    handle = storage.reduce_microbatch(tag=unit.name, then_step=with_step)
+                self._enqueue(unit, handle)
                 unit.reduced_this_step |= with_step
         storage.end_grads()
+        profiling.mark("backward", "end", unit.name)
         unit.release()
 
     def _reduce_step(self, unit: FSDPUnit) -> None:
-        self._enqueue(unit.storage.reduce_step(tag=unit.name))
+        with profiling.span("reduce", unit.name):
+            handle = unit.storage.reduce_step(tag=unit.name)
+        self._enqueue(unit, handle)
         unit.reduced_this_step = True
 
-    def _enqueue(self, handle: Handle) -> None:
-        self._reductions.append(handle)
-        while len(self._reductions) > MAX_INFLIGHT_REDUCTIONS:
-            self._reductions.popleft().wait()
+    def _enqueue(self, unit: FSDPUnit, handle: Handle) -> None:
+        self._reductions.append((unit.name, handle))
+        while len(self._reductions) > self.overlap.reductions_in_flight:
+            self._wait_oldest_reduction()
+
+    def _wait_oldest_reduction(self) -> None:
+        name, handle = self._reductions.popleft()
+        with profiling.span("wait.reduce", name, waiting_on=handle):
+            handle.wait()
 
     def _drain(self) -> None:
         while self._reductions:
-            self._reductions.popleft().wait()
+            self._wait_oldest_reduction()
 
     def _end_of_backward(self) -> None:
         """Runs once after the whole backward pass: flush units whose params got no grad."""
@@ -168,7 +226,7 @@ class Runtime:
             self._reduce_unreduced()
         self._drain()
         if self._bwd_order:
-            self._last_bwd_next = self._next_map(self._bwd_order)
+            self._last_bwd_plan = _Plan(self._bwd_order)
         self.backwards_since_step += 1
 
     def _release_all(self) -> None:
@@ -209,7 +267,9 @@ class Runtime:
         order = first + self._order + [u for u in self.units if u is not self.root and u not in self._order]
         for unit in order:
             unit.reduced_this_step = False
-            unit.set_pending(unit.storage.install_main_weights(tag=unit.name))
+            with profiling.span("install", unit.name):
+                handle = unit.storage.install_main_weights(tag=unit.name)
+            unit.set_pending(handle)
 
     def zero_grads(self) -> None:
         self._scaled_this_step = False
@@ -219,3 +279,22 @@ class Runtime:
     def wait_weights(self) -> None:
         for unit in self.units:
             unit.wait_weights()
+
+
+class _Plan:
+    """An order of units to prefetch in: who comes first, who comes after a given unit."""
+
+    __slots__ = ("units", "_position")
+
+    def __init__(self, units: List[FSDPUnit]):
+        self.units = list(units)
+        self._position: Dict[int, int] = {}
+        for k, unit in enumerate(self.units):
+            self._position.setdefault(unit.index, k)
+
+    def first(self, depth: int) -> List[FSDPUnit]:
+        return self.units[:depth]
+
+    def after(self, unit: FSDPUnit, depth: int) -> List[FSDPUnit]:
+        k = self._position.get(unit.index)
+        return [] if k is None or depth == 0 else self.units[k + 1:k + 1 + depth]

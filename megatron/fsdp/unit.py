@@ -20,6 +20,7 @@ from typing import List, Optional
 
 import torch
 
+from . import profiling
 from .buffers import UnitStorage
 from .comm import Handle
 
@@ -50,6 +51,7 @@ class FSDPUnit:
         self.param_names = param_names
         self.state = UnitState.IDLE
         self._pending: Optional[Handle] = None  # in-flight all-gather of the compute weights
+        self._pending_kind = "all_gather"       # or "install": what the pending handle rebuilds
         trainable = [i for i, _ in storage.trainable_params]
         self.trainable_index = {i: k for k, i in enumerate(trainable)}
         self._grad_ready = [False] * len(trainable)
@@ -82,17 +84,21 @@ class FSDPUnit:
         if self.storage.resident:
             return  # nothing to gather; an install-gather after the step may be pending
         self.wait_weights()
-        self._pending = self.storage.unshard(tag=self.name)
+        with profiling.span("all_gather", self.name):
+            self._pending = self.storage.unshard(tag=self.name)
+        self._pending_kind = "all_gather"
 
     def wait_weights(self) -> None:
         if self._pending is not None:
             handle, self._pending = self._pending, None
-            handle.wait()
+            with profiling.span("wait." + self._pending_kind, self.name, waiting_on=handle):
+                handle.wait()
 
     def set_pending(self, handle: Handle) -> None:
         """An install-gather after the optimizer step; waited before the next use."""
         self.wait_weights()
         self._pending = handle
+        self._pending_kind = "install"
 
     def release(self) -> None:
         self.wait_weights()

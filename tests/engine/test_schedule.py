@@ -23,13 +23,16 @@ def test_zero3_gathers_each_unit_once_per_forward_and_backward(pool, micro_batch
     assert result["transient_grads_after_step"] == []
 
 
-def test_prefetch_overlaps_every_gather_but_the_first(pool):
-    """Steady state: in each direction only the first unit waits for its own gather."""
+def test_prefetch_overlaps_every_gather(pool):
+    """Steady state: no unit waits for a gather issued on demand (the root prefetches the first one).
+
+    The first pass, other depths and the bound on gathered units: tests/engine/test_overlap.py.
+    """
     result = pool.run(CASES + "gather_schedule", size=2, micro_batches=1, recompute=False, steps=3)[0]
     non_root = len(result["units"]) - 1
     for phase in ("forward", "backward"):
         stats = result["gather_stats"][phase]
-        assert stats == {"prefetched": non_root - 1, "on_demand": 1}, (phase, stats)
+        assert stats == {"prefetched": non_root, "on_demand": 0}, (phase, stats)
 
 
 def test_gathered_units_are_bounded(pool):

@@ -93,7 +93,7 @@ def reference_run(cfg: RunConfig) -> Dict[str, object]:
     return {"losses": losses, "grad_norms": norms, "params": params}
 
 
-def wrap(ctx, cfg: RunConfig):
+def wrap(ctx, cfg: RunConfig, **fully_shard_kwargs):
     model = build_model(cfg)
     mp = mfsdp.MixedPrecision(param_dtype=torch.bfloat16) if cfg.bf16 else None
     if cfg.mesh is not None:
@@ -107,7 +107,8 @@ def wrap(ctx, cfg: RunConfig):
             is_expert, mesh, cfg.expert_strategy, cfg.expert_outer_strategy,
             average_grads=False if cfg.expert_sum_scaled else None,
             grad_scale=1.0 / ctx.size if cfg.expert_sum_scaled else 1.0)
-    fsdp = mfsdp.fully_shard(model, strategy=cfg.strategy, unit_modules=(Block, MLP), mixed_precision=mp, **where)
+    fsdp = mfsdp.fully_shard(model, strategy=cfg.strategy, unit_modules=(Block, MLP), mixed_precision=mp, **where,
+                             **fully_shard_kwargs)
     cls, kwargs = OPTIMIZERS[cfg.optimizer]
     opt = mfsdp.FullyShardedOptimizer(fsdp, cls, clip_grad=cfg.clip_grad, **kwargs)
     return fsdp, opt

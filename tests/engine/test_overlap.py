@@ -1,0 +1,126 @@
+"""What overlaps what, proven from the schedule's timeline (ledger issues + runtime events), not timing.
+
+* prefetch: the first forward prefetches from the registration order, the first backward from
+  the order in which the forward's units ended; ``forward_prefetch`` / ``backward_prefetch``
+  set how many units ahead, and memory grows with them;
+* reductions in flight: never more than ``reductions_in_flight`` reductions issued and not waited;
+* on a 2 x 2 mesh, which stage of a two-stage collective runs ahead of compute today: the first
+  stage of a gather (outer all-gather) and of a reduction (inner reduce-scatter) do; the second
+  stage is issued in the wait (``buffers.chain``), see docs/mesh.md "What overlaps";
+* every collective a unit issues runs inside a profiler range named by kind and unit.
+"""
+
+import pytest
+import torch
+
+import megatron.fsdp as mfsdp
+
+CASES = "tests.engine.overlap_cases:"
+ZERO3 = "optim_grads_params"
+
+
+def test_prefetch_depths_first_pass_and_memory(pool):
+    configs = [(1, {}), (1, dict(forward_prefetch=0, backward_prefetch=0)),
+               (2, dict(forward_prefetch=2, backward_prefetch=2))]
+    default, none, deep = pool.run(CASES + "prefetch_stats", size=2, configs=configs)[0]
+    non_root = len(default["units"]) - 1
+    assert default["overlap"] == mfsdp.Overlap(forward_prefetch=1, backward_prefetch=1, reductions_in_flight=2)
+    for phase in ("forward", "backward"):
+        # First pass: the forward plan is the registration order, the backward plan the reversed forward ends.
+        assert default["gather_stats"][phase] == {"prefetched": non_root, "on_demand": 0}, (phase, default)
+        assert none["gather_stats"][phase] == {"prefetched": 0, "on_demand": non_root}, (phase, none)
+        assert deep["gather_stats"][phase] == {"prefetched": non_root, "on_demand": 0}, (phase, deep)
+    # Root + a block + its nested MLP + one prefetched unit; one fewer without prefetch, one more at depth 2.
+    assert (none["peak"], default["peak"], deep["peak"]) == (3, 4, 5), (none, default, deep)
+
+
+def _pos(rows, event, kind, unit, axis=None, collective=None, nth=0):
+    hits = [i for i, r in enumerate(rows) if r[:3] == (event, kind, unit)
+            and axis in (None, r[3]) and collective in (None, r[4])]
+    assert len(hits) > nth, (event, kind, unit, axis, collective, nth)
+    return hits[nth]
+
+
+def _issue(rows, unit, axis, collective, nth=0):
+    """Position of the ``nth`` collective ``unit`` issued on ``axis``, and the range it was issued in."""
+    hits = [i for i, r in enumerate(rows) if r[0] == "issue" and r[2] == unit and r[3] == axis and r[4] == collective]
+    assert len(hits) > nth, (unit, axis, collective, nth)
+    return hits[nth], rows[hits[nth]][1]
+
+
+def _order(rows, event):
+    return [r[2] for r in rows if r[0] == event and r[1] == "begin" and r[2] != "<root>"]
+
+
+def _in_flight_at_backward_ends(rows):
+    issued = waited = 0
+    seen = []
+    for event, kind, *_ in rows:
+        if event == "end" and kind == "reduce":
+            issued += 1
+        elif event == "begin" and kind == "wait.reduce":
+            waited += 1
+        elif event == "backward" and kind == "end":
+            seen.append(issued - waited)
+    return seen
+
+
+def test_two_stage_collectives_on_a_2x2_mesh(pool):
+    configs = [(ZERO3, ZERO3, 2), (ZERO3, ZERO3, 0), (ZERO3, "no_shard", 2)]
+    full, eager, hsdp = pool.run(CASES + "schedule_timelines", size=4, configs=configs)[0]
+
+    for run, in_flight in ((full, 2), (eager, 0), (hsdp, 2)):
+        rows = run["rows"]
+        # Every collective of a unit is issued inside a named range (the grad norm is the optimizer's).
+        assert all(r[1] for r in rows if r[0] == "issue" and r[2] != "grad_norm"), [r for r in rows if not r[1]]
+        assert max(_in_flight_at_backward_ends(rows)) == in_flight
+
+    rows = full["rows"]
+    forward, backward = _order(rows, "forward"), _order(rows, "backward")
+    assert forward == ["layers.0", "layers.1", "layers.2", "layers.3"] and backward == forward[::-1]
+    for u, v in zip(forward, forward[1:]):
+        # First stage (outer all-gather) of the next unit: issued before this unit's forward ends.
+        first, where = _issue(rows, v, "dp_outer", "all_gather")
+        assert where == "all_gather" and first < _pos(rows, "forward", "end", u)
+        # Second stage (inner all-gather): today issued in the next unit's wait, after this forward ends.
+        second, where = _issue(rows, v, "dp_shard", "all_gather")
+        assert where == "wait.all_gather" and second > _pos(rows, "forward", "end", u)
+    for k, j in zip(backward, backward[1:]):
+        # First stage (inner reduce-scatter) of unit k: issued before unit k-1's backward begins.
+        first, where = _issue(rows, k, "dp_shard", "reduce_scatter")
+        assert where == "reduce" and first < _pos(rows, "backward", "begin", j)
+        # Second stage (outer reduce-scatter): today issued when unit k's reduction is waited,
+        # after unit k-1's backward has ended (two reductions in flight).
+        second, where = _issue(rows, k, "dp_outer", "reduce_scatter")
+        assert where == "wait.reduce" and second > _pos(rows, "backward", "end", j)
+
+    # No reduction in flight: the outer stage of unit k runs before unit k-1's backward begins,
+    # at the price of waiting for the inner stage right there.
+    rows = eager["rows"]
+    for k, j in zip(backward, backward[1:]):
+        second, where = _issue(rows, k, "dp_outer", "reduce_scatter")
+        assert where == "wait.reduce" and second < _pos(rows, "backward", "begin", j)
+
+    # HSDP: one-stage gathers run fully ahead; the outer all-reduce of a unit runs in its wait.
+    rows = hsdp["rows"]
+    for u, v in zip(forward, forward[1:]):
+        gather, where = _issue(rows, v, "dp_shard", "all_gather")
+        assert where == "all_gather" and gather < _pos(rows, "forward", "end", u)
+    for k in backward:
+        assert _issue(rows, k, "dp_outer", "all_reduce")[1] == "wait.reduce"
+
+
+def test_profiler_ranges_name_every_kind_and_unit(pool):
+    result = pool.run(CASES + "profiler_ranges", size=2)[0]
+    units = ["<root>"] + [f"layers.{k}" for k in range(4)]
+    kinds = ["all_gather", "wait.all_gather", "reduce", "wait.reduce", "install", "wait.install"]
+    assert set(result["names"]) == {f"fsdp.{kind} {unit}" for kind in kinds for unit in units}
+    assert result["idle_range"] == "_Null"  # no profiler, no timeline: the shared no-op range
+
+
+@pytest.mark.parametrize("kwargs", [dict(forward_prefetch=-1), dict(reductions_in_flight=1.5),
+                                    dict(backward_prefetch=True)])
+def test_overlap_arguments_are_checked(kwargs):
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=f"{name} must be an integer >= 0"):
+        mfsdp.fully_shard(torch.nn.Linear(2, 2), **kwargs)
