@@ -1,11 +1,16 @@
-"""Two long-lived gloo pools shared by the whole session.
+"""Long-lived gloo pools shared by the whole session: one per world size (and one for MoE).
 
 ``pool``: six ranks for the engine (subgroups of every size, meshes 2 x 2, 3 x 2, 2 x 3).
 ``mcore_pool``: four ranks for Megatron-Core cases; ``initialize_model_parallel``
 creates groups over the whole world, so every Megatron case runs on all ranks of a
 pool whose size is exactly ``tp * pp * cp * dp``, and four covers every 2 x 2 topology.
-A pool is started on first use and restarted only after a case killed it (a hang or
-a crash).
+``_pool_of(n)`` gives the Megatron pool of ``n`` ranks to any module (checkpoints
+resharded to 1, 2 and 3 ranks, ``pretrain_gpt`` on 2). ``moe_pool``: four ranks of
+their own for the MoE cases of every module (Megatron-Core's MoE layers create
+process groups of their own; keeping them out of ``mcore_pool`` keeps its workers
+lean; it closes after the last test that uses it). A pool is started on first use, shared by every module that asks for the same
+one, and restarted only after a case killed it (a hang or a crash). See
+docs/testing.md for the time budget.
 """
 
 import os
@@ -19,10 +24,11 @@ from tests.harness import WorkerPool  # noqa: E402
 _pools = {}
 
 
-def _pool_of(size: int) -> WorkerPool:
-    pool = _pools.get(size)
+def _pool_of(size: int, purpose: str = "") -> WorkerPool:
+    key = (size, purpose)
+    pool = _pools.get(key)
     if pool is None or not pool.alive:
-        pool = _pools[size] = WorkerPool(size)
+        pool = _pools[key] = WorkerPool(size)
     return pool
 
 
@@ -36,17 +42,19 @@ def mcore_pool():
     yield _pool_of(4)
 
 
-@pytest.fixture(scope="module")
-def moe_pool():
-    """Four ranks for MoE cases, closed after the module that uses it.
+_last_moe_test = []  # the last collected test that uses ``moe_pool``: the pool closes after it
 
-    Megatron-Core's MoE layers keep their process groups alive after the model is
-    dropped, and every gloo group keeps threads polling; a pool of its own takes
-    those threads away when the MoE cases are done.
-    """
-    pool = WorkerPool(4)
-    yield pool
-    pool.close()
+
+def pytest_collection_modifyitems(session, config, items):
+    users = [item for item in items if "moe_pool" in getattr(item, "fixturenames", ())]
+    _last_moe_test[:] = users[-1:]
+
+
+@pytest.fixture
+def moe_pool(request):
+    yield _pool_of(4, "moe")
+    if _last_moe_test and request.node is _last_moe_test[0]:
+        _pools.pop((4, "moe")).close()
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -3,13 +3,13 @@
 import pytest
 
 from tests.engine.test_parity import LEVELS
+from tests.harness.matrix import covering
 
 CASES = "tests.engine.cases:"
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-@pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("strategy", LEVELS)
+# Every level on 2 and 4 ranks; fp32 and bf16 alternate so each level and world size meets both.
+@pytest.mark.parametrize("strategy, world_size, bf16", covering(LEVELS, [2, 4], [False, True], full=2))
 def test_persistent_bytes_match_theory(pool, strategy, world_size, bf16):
     results = pool.run(CASES + "memory", size=world_size, strategy=strategy, bf16=bf16)
     for rank, result in enumerate(results):

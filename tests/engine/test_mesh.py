@@ -7,6 +7,7 @@ import pytest
 import megatron.fsdp as mfsdp
 from tests.engine.test_parity import FP32_RTOL, assert_parity, reference, run
 from tests.engine.training import RunConfig
+from tests.harness.matrix import covering
 
 CASES = "tests.engine.cases:"
 SHAPES = [(2, 2), (3, 2), (2, 3)]
@@ -18,11 +19,19 @@ def test_ten_pairs_are_valid():
     assert ("optim_grads_params", "no_shard") in PAIRS and ("optim_grads_params", "optim") in PAIRS
 
 
+def _ids(value):
+    """``2x2`` for a mesh shape, ``inner-outer`` for a level pair."""
+    if isinstance(value, tuple):
+        return "x".join(map(str, value)) if isinstance(value[0], int) else "-".join(value)
+    return None
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("micro_batches", [1, 3])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("inner, outer", PAIRS)
-def test_two_axis_parity(pool, inner, outer, shape, micro_batches):
+# Every pair once; the shapes rotate (each meets 3-4 pairs, inner and outer of 3 ranks both) and
+# so do 1 and 3 micro-batches (every shape meets both). MFSDP_FULL_MATRIX=1: all 60 combinations.
+@pytest.mark.parametrize("pair, shape, micro_batches", covering(PAIRS, SHAPES, [1, 3]), ids=_ids)
+def test_two_axis_parity(pool, pair, shape, micro_batches):
+    inner, outer = pair
     cfg = RunConfig(strategy=inner, outer_strategy=outer, mesh=shape, micro_batches=micro_batches)
     ref = reference(dataclasses.replace(cfg, mesh=None, outer_strategy=None, strategy="no_shard"))
     assert_parity(run(pool, cfg, shape[0] * shape[1]), ref, FP32_RTOL, 1e-5)
@@ -36,9 +45,10 @@ def test_hsdp_hfsdp_parity_smoke(pool, inner, outer):
     assert_parity(run(pool, cfg, 4), ref, FP32_RTOL, 1e-5)
 
 
-@pytest.mark.parametrize("shape", [(2, 2), (3, 2)], ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("inner, outer", PAIRS)
-def test_outer_traffic_once_per_step_and_equal_to_theory(pool, inner, outer, shape):
+# Every pair once, on an even and an uneven inner axis in turn (MFSDP_FULL_MATRIX=1: both for every pair).
+@pytest.mark.parametrize("pair, shape", covering(PAIRS, [(2, 2), (3, 2)]), ids=_ids)
+def test_outer_traffic_once_per_step_and_equal_to_theory(pool, pair, shape):
+    inner, outer = pair
     micro_batches = 3
     result = pool.run(CASES + "grad_traffic", size=shape[0] * shape[1], strategy=inner, micro_batches=micro_batches,
                       mesh=shape, outer_strategy=outer)[0]
@@ -59,9 +69,10 @@ def test_outer_traffic_once_per_step_and_equal_to_theory(pool, inner, outer, sha
         assert gathers == []
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-@pytest.mark.parametrize("inner, outer", PAIRS)
-def test_persistent_bytes_match_formulas(pool, inner, outer, bf16):
+# Every pair once, fp32 and bf16 in turn (each precision meets five pairs of both kinds).
+@pytest.mark.parametrize("pair, bf16", covering(PAIRS, [False, True]), ids=_ids)
+def test_persistent_bytes_match_formulas(pool, pair, bf16):
+    inner, outer = pair
     results = pool.run(CASES + "memory", size=6, strategy=inner, bf16=bf16, mesh=(3, 2), outer_strategy=outer)
     for rank, result in enumerate(results):
         for kind, expected in result["theory"].items():

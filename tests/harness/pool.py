@@ -90,7 +90,10 @@ def _worker_main(rank: int, world: int, init_file: str, conn) -> None:
     while True:
         msg = conn.recv()
         if msg is None:
-            break
+            # Nothing is left to flush (every result has been sent), and tearing down
+            # gloo groups one by one can take seconds per group: leave at once.
+            conn.close()
+            os._exit(0)
         target, size, kwargs = msg
         if rank >= size:
             conn.send(("idle", None))
@@ -106,10 +109,11 @@ def _worker_main(rank: int, world: int, init_file: str, conn) -> None:
         # collect before answering, or hundreds pile up and starve every later case.
         gc.collect()
         conn.send(reply)
-    dist.destroy_process_group()
 
 
 class WorkerPool:
+    CLOSE_GRACE_S = 3.0  # a worker told to stop exits at once; after this it is killed
+
     def __init__(self, world_size: int, start_timeout: float = 120.0):
         self.world_size = world_size
         self._dir = tempfile.mkdtemp(prefix="mfsdp-pool-")
@@ -169,7 +173,9 @@ class WorkerPool:
                     conn.send(None)
                 except (BrokenPipeError, OSError):
                     proc.kill()
+        deadline = time.monotonic() + (0 if kill else self.CLOSE_GRACE_S)
         for proc in self._procs:
-            proc.join(timeout=10)
+            proc.join(timeout=max(deadline - time.monotonic(), 0.0))
             if proc.is_alive():
                 proc.kill()
+                proc.join(timeout=5)

@@ -11,19 +11,13 @@ import math
 
 import pytest
 
+from tests.mcore.baselines import MICRO_BATCHES, STEPS, megatron_ddp
 from tests.mcore.gpt import TOPOLOGIES, Topology
-
-STEPS, MICRO_BATCHES = 5, 4
-_results = {}  # (name, use_distributed_optimizer) -> per-rank results; each run happens once
 
 
 def _baseline(pool, name, use_distributed_optimizer=False):
-    key = (name, use_distributed_optimizer)
-    if key not in _results:
-        _results[key] = pool.run("tests.mcore.gpt:megatron_ddp_run", timeout=300,
-                                 topology=TOPOLOGIES[name], steps=STEPS, micro_batches=MICRO_BATCHES,
-                                 use_distributed_optimizer=use_distributed_optimizer)
-    return _results[key]
+    """Per-rank results; each run happens once per session (shared with the adapter's tests)."""
+    return megatron_ddp(pool, TOPOLOGIES[name], use_distributed_optimizer=use_distributed_optimizer)
 
 
 def _max_rel_diff(a, b):

@@ -1,20 +1,28 @@
-"""``pretrain_gpt``'s training function run inside the 4-rank Megatron pool (no new processes)."""
+"""``pretrain_gpt``'s training function run inside a Megatron pool (no new processes)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 from typing import List
 
 
-def pretrain_in_pool(ctx, argv: List[str]) -> dict:
+def pretrain_in_pool(ctx, argv: List[str], capture_log: bool = False) -> dict:
+    """``pretrain(parse_args(argv))`` on the whole pool; ``capture_log``: also return rank 0's printed log
+    (``"log"``), the lines a torchrun launch would print."""
     from megatron.core import parallel_state as ps
     from megatron.fsdp.mcore.cpu_mode import disable_cpu_mode
     from megatron.training.arguments import parse_args
     from megatron.training.training import pretrain
     from tests.harness.pool import releasing_new_groups
 
-    with releasing_new_groups():
+    log = io.StringIO()
+    with releasing_new_groups(), (contextlib.redirect_stdout(log) if capture_log else contextlib.nullcontext()):
         try:
-            return pretrain(parse_args(argv))
+            history = pretrain(parse_args(argv))
         finally:
             disable_cpu_mode()
             ps.destroy_model_parallel()
+    if capture_log:
+        history = dict(history, log=log.getvalue())
+    return history
