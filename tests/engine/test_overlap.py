@@ -124,3 +124,21 @@ def test_overlap_arguments_are_checked(kwargs):
     name = next(iter(kwargs))
     with pytest.raises(ValueError, match=f"{name} must be an integer >= 0"):
         mfsdp.fully_shard(torch.nn.Linear(2, 2), **kwargs)
+
+
+def test_megatron_communication_unit_size_maps_to_units():
+    """Megatron-FSDP: ``S`` elements of reduce-scatter queue, ``S // 2`` of all-gather prefetch (default: 2 units)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.fsdp.mcore.overlap import overlap_arguments
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(10, 10) for _ in range(3)])  # 110 elements per unit
+
+    def mapped(size):
+        return overlap_arguments(DistributedDataParallelConfig(suggested_communication_unit_size=size), model,
+                                 (torch.nn.Linear,))
+
+    assert mapped(None) == {}  # the engine's defaults
+    assert mapped(220) == dict(forward_prefetch=1, backward_prefetch=1, reductions_in_flight=2)
+    assert mapped(1000) == dict(forward_prefetch=4, backward_prefetch=4, reductions_in_flight=9)
+    assert mapped(100) == dict(forward_prefetch=0, backward_prefetch=0, reductions_in_flight=0)  # under a unit
+    assert mfsdp.Overlap(**mapped(1000)).forward_prefetch == 4

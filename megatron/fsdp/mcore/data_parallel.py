@@ -31,6 +31,7 @@ from megatron.fsdp.checkpoint import expected_model_keys
 
 from .checkpoint_keys import CheckpointKeys, ParallelRanks, chunk_keys
 from .distributed_index import FSDPDistributedIndex
+from .overlap import overlap_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ DEFAULT_UNIT_CLASSES = (TransformerLayer, MoELayer)
 # Fields whose non-default values this wrapper does not implement (they tune
 # Megatron's own bucketed buffers or NCCL registration; the engine has its own
 # per-unit schedule). Setting one warns once; semantics-changing ones raise.
-_TUNING_FIELDS = ("bucket_size", "pad_buckets_for_high_nccl_busbw", "suggested_communication_unit_size",
+_TUNING_FIELDS = ("bucket_size", "pad_buckets_for_high_nccl_busbw",
                   "nccl_ub", "fsdp_double_buffer", "fsdp_manual_registration", "disable_symmetric_registration",
                   "align_param_gather", "check_for_large_grads")
 _warned = set()
@@ -166,6 +167,7 @@ class FullyShardedDataParallel(_BaseDataParallel):
             mixed_precision=mp,
             average_grads=average,
             experts=self._expert_sharding(module, experts, average),
+            **overlap_arguments(ddp_config, module, unit_classes),
         ))
 
     def _expert_sharding(self, module: torch.nn.Module, levels: ExpertLevels,
