@@ -92,8 +92,14 @@ def _profiler_on() -> bool:
     return torch._C._autograd._profiler_enabled()
 
 
+_cuda_present: Optional[bool] = None  # torch.cuda.is_available() is slow to ask on every range
+
+
 def _nvtx_on() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
+    global _cuda_present
+    if _cuda_present is None:
+        _cuda_present = torch.cuda.is_available()
+    return _cuda_present and torch.cuda.is_initialized()
 
 
 class _Range:
