@@ -113,8 +113,10 @@ def _worker_main(rank: int, world: int, init_file: str, conn) -> None:
 
 class WorkerPool:
     CLOSE_GRACE_S = 3.0  # a worker told to stop exits at once; after this it is killed
+    # Starting takes ~5 s on a quiet 2-core machine, but a shared one under heavy load can
+    # take minutes to import torch in N processes: a start is not a case, so wait generously.
 
-    def __init__(self, world_size: int, start_timeout: float = 120.0):
+    def __init__(self, world_size: int, start_timeout: float = 600.0):
         self.world_size = world_size
         self._dir = tempfile.mkdtemp(prefix="mfsdp-pool-")
         ctx = mp.get_context("spawn")
