@@ -13,7 +13,8 @@ from typing import Dict, List, Optional
 import torch
 
 import megatron.fsdp as mfsdp
-from tests.engine.training import GLOBAL_MICRO_BATCH, OPTIMIZERS, RunConfig, build_model, train_step, wrap
+from tests.engine.training import (GLOBAL_MICRO_BATCH, OPTIMIZERS, RunConfig, build_model, reference_training,
+                                   train_step, wrap)
 from tests.models import make_batches
 
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5)
@@ -33,26 +34,7 @@ def muon_reference(cfg: RunConfig, muon: Optional[dict] = None) -> Dict[str, obj
             (no_decay if mfsdp.megatron_no_weight_decay(n, p) else decay).append(p)
     adamw = cls([{"params": decay, "weight_decay": kwargs["weight_decay"]},
                  {"params": no_decay, "weight_decay": 0.0}], **kwargs)
-    muon_opt = torch.optim.Muon(matrices, **(muon or MUON))
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    losses, norms = [], []
-    for step in make_batches(cfg.steps, cfg.micro_batches, GLOBAL_MICRO_BATCH):
-        total = 0.0
-        for tokens, targets in step:
-            loss = model(tokens, targets) / cfg.micro_batches
-            loss.backward()
-            total += loss.item()
-        for p in trainable:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        norms.append(torch.nn.utils.clip_grad_norm_(trainable, cfg.clip_grad if cfg.clip_grad > 0 else float("inf")).item())
-        muon_opt.step()
-        adamw.step()
-        muon_opt.zero_grad()
-        adamw.zero_grad()
-        losses.append(total)
-    return {"losses": losses, "grad_norms": norms,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return reference_training(model, cfg, [torch.optim.Muon(matrices, **(muon or MUON)), adamw])
 
 
 def muon_wrap(ctx, cfg: RunConfig, muon: Optional[dict] = None):
