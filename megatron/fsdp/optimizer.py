@@ -112,7 +112,8 @@ class FullyShardedOptimizer:
 
     @property
     def param_groups(self):
-        return self.optimizer.param_groups
+        """The elementwise optimizer's groups, then the matrix optimizer's one (an LR scheduler edits both)."""
+        return self.optimizer.param_groups + (self.matrix.param_groups if self.matrix is not None else [])
 
     @property
     def state(self):
