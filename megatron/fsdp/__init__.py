@@ -12,6 +12,7 @@ from .checkpoint import (
 from .comm import Ledger, LedgerEvent
 from .experts import ExpertSharding
 from .layout import FlatLayout, ParamSpec, build_layout
+from .matrix_optimizer import TensorShards
 from .mesh import DataParallelMesh, build_mesh
 from .mixed_precision import MixedPrecision
 from .module import FullyShardedModule, PersistentMemory, fully_shard, megatron_no_weight_decay
@@ -26,5 +27,5 @@ __all__ = [
     "MixedPrecision", "Overlap", "ParamSpec", "PersistentMemory", "STRATEGIES", "ShardingStrategy", "UnitState",
     "build_layout", "fully_shard", "megatron_no_weight_decay", "parse_strategy",
     "check_checkpoint_keys", "load_model_state_dict", "load_optimizer_state_dict", "model_state_dict",
-    "optimizer_state_dict",
+    "optimizer_state_dict", "TensorShards",
 ]

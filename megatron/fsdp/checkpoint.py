@@ -350,6 +350,12 @@ def _qualified(optimizer, k: int, name: str) -> str:
     return name if len(optimizer.models) == 1 else f"chunk{k}.{name}"
 
 
+def _is_matrix(optimizer, k: int, name: str) -> bool:
+    """Matrix parameters (Muon) keep their state in matrix_checkpoint.py, not in the elementwise optimizer."""
+    matrix = getattr(optimizer, "matrix", None)
+    return matrix is not None and matrix.is_matrix(k, name)
+
+
 def _trainable_pieces(optimizer, layout: OptimizerLayout):
     """``(key name, piece, run, storage)`` for every trainable parameter of every chunk; run None for an empty piece."""
     by_unit: Dict[int, List[Run]] = {}
@@ -359,7 +365,7 @@ def _trainable_pieces(optimizer, layout: OptimizerLayout):
     for k, model in enumerate(optimizer.models):
         for unit in model.units:
             for p in owned_pieces(unit):
-                if not p.trainable:
+                if not p.trainable or _is_matrix(optimizer, k, p.name):
                     continue
                 run = next((r for r in by_unit.get(id(unit), ()) if r.a <= p.a and p.b <= r.b), None)
                 if run is None and p.b > p.a:

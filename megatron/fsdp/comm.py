@@ -175,3 +175,20 @@ class CommAxis:
             return Handle()
         self._record("all_reduce", tensor, tag, 2)
         return Handle(dist.all_reduce(tensor, group=self.group, async_op=True))
+
+    def all_to_all(self, output: torch.Tensor, send: torch.Tensor, output_splits, input_splits,
+                   tag: str = "") -> Handle:
+        """Exchange variable-size chunks: ``send[input_splits[k] elements]`` goes to rank ``k`` (all-to-all-v).
+
+        Bytes recorded: the send buffer; wire bytes: what leaves this rank (the
+        chunk to itself stays local). gloo and NCCL both run it natively.
+        """
+        if self.size == 1:
+            output.copy_(send)
+            return Handle()
+        size = send.element_size()
+        self.ledger.record("all_to_all", self.name, send.numel() * size, tag,
+                           (send.numel() - int(input_splits[self.rank])) * size)
+        work = dist.all_to_all_single(output, send, list(output_splits), list(input_splits),
+                                      group=self.group, async_op=True)
+        return Handle(work, keep=(send, output))

@@ -21,9 +21,12 @@ import torch.distributed as dist
 
 from .checkpoint import load_optimizer_state_dict, optimizer_state_dict
 from .experts import EXPERT
+from .matrix_checkpoint import check_matrix_state_dict, matrix_state_dict, split_state_dict, write_matrix_state
+from .matrix_optimizer import MatrixOptimizer
 from .module import FullyShardedModule
 
 Models = Union[FullyShardedModule, Sequence[FullyShardedModule]]
+MATRIX = "matrix"  # the decay-class flag of matrix parameters: kept out of the elementwise optimizer
 
 
 def _real_groups(groups: Sequence) -> list:
@@ -46,7 +49,10 @@ class FullyShardedOptimizer:
 
     def __init__(self, models: Models, optimizer_cls: Callable = torch.optim.AdamW, clip_grad: float = 0.0,
                  no_weight_decay: Optional[Callable] = None, counts_in_norm: Optional[Callable] = None,
-                 norm_groups: Sequence = (), expert_norm_groups: Optional[Sequence] = None, **optimizer_kwargs):
+                 norm_groups: Sequence = (), expert_norm_groups: Optional[Sequence] = None,
+                 matrix_optimizer: Optional[Callable] = None, matrix_kwargs: Optional[dict] = None,
+                 matrix_params: Optional[Callable] = None, matrix_shards: Optional[Callable] = None,
+                 **optimizer_kwargs):
         self.models: List[FullyShardedModule] = [models] if isinstance(models, FullyShardedModule) else list(models)
         if not self.models or not all(isinstance(m, FullyShardedModule) for m in self.models):
             raise TypeError("FullyShardedOptimizer needs the model(s) returned by megatron.fsdp.fully_shard")
@@ -59,13 +65,18 @@ class FullyShardedOptimizer:
         self.norm_groups = _real_groups(norm_groups)
         self.expert_norm_groups = self.norm_groups if expert_norm_groups is None else _real_groups(expert_norm_groups)
         weight_decay = optimizer_kwargs.get("weight_decay", 0.0)
-        groups = {False: [], True: []}
+        groups = {False: [], True: [], MATRIX: []}
         self._grads: List[torch.Tensor] = []
         self._norm_grads: Dict[str, List[torch.Tensor]] = {name: [] for name in first.sections}
-        for model in self.models:
+        # Matrix parameters (Muon): stepped by matrix_optimizer.py, outside the elementwise runs.
+        self.matrix = None if matrix_optimizer is None else MatrixOptimizer(
+            self.models, matrix_optimizer, matrix_kwargs, matrix_params, matrix_shards)
+        for k, model in enumerate(self.models):
             for unit in model.units:
                 s = unit.storage
-                flags = [self._no_decay(no_weight_decay, slot.spec) for slot in s.layout.slots]
+                flags = [MATRIX if self.matrix is not None and self.matrix.is_matrix(k, name)
+                         else self._no_decay(no_weight_decay, slot.spec)
+                         for name, slot in zip(unit.param_names, s.layout.slots)]
                 lo, hi = s.regions.main
                 for a, b, nwd in s.layout.runs(lo, hi, flags):
                     weight = s.main[a - lo:b - lo]
@@ -101,7 +112,8 @@ class FullyShardedOptimizer:
 
     @property
     def param_groups(self):
-        return self.optimizer.param_groups
+        """The elementwise optimizer's groups, then the matrix optimizer's one (an LR scheduler edits both)."""
+        return self.optimizer.param_groups + (self.matrix.param_groups if self.matrix is not None else [])
 
     @property
     def state(self):
@@ -109,15 +121,25 @@ class FullyShardedOptimizer:
 
     def state_dict(self) -> Dict[str, object]:
         """Main weights and optimizer state per parameter, for ``torch.distributed.checkpoint`` (see checkpoint.py)."""
-        return optimizer_state_dict(self)
+        out = optimizer_state_dict(self)
+        if self.matrix is not None:
+            out.update(matrix_state_dict(self))
+        return out
 
     def load_state_dict(self, state_dict) -> None:
         """Load a ``state_dict()`` filled by ``dcp.load`` at any world size, level or mesh (a collective)."""
-        load_optimizer_state_dict(self, state_dict)
+        if self.matrix is None:
+            load_optimizer_state_dict(self, state_dict)
+            return
+        elementwise, matrix = split_state_dict(self, state_dict)
+        writes = check_matrix_state_dict(self, matrix)  # every check before anything is written
+        load_optimizer_state_dict(self, elementwise)
+        write_matrix_state(self, matrix, writes)
 
     def state_bytes(self) -> int:
-        return sum(v.untyped_storage().nbytes() for st in self.optimizer.state.values()
-                   for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        matrix = self.matrix.state_bytes() if self.matrix is not None else 0
+        return matrix + sum(v.untyped_storage().nbytes() for st in self.optimizer.state.values()
+                            for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
 
     def reduce_over_section(self, value: torch.Tensor, section: str) -> torch.Tensor:
         """Sum a per-rank statistic of one section's gradients over every rank holding a distinct part.
@@ -164,7 +186,10 @@ class FullyShardedOptimizer:
     @torch.no_grad()
     def step_with_ready_grads(self) -> None:
         """Update the shards and install the new weights (gathers overlap the next forward)."""
-        self.optimizer.step()
+        if self.matrix is None:
+            self.optimizer.step()
+        else:  # the elementwise step runs while the first unit's matrix pieces travel
+            self.matrix.step(overlap_with=self.optimizer.step)
         for model in self.models:
             model._runtime.after_step()
 

@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
     g = p.add_argument_group("optimizer and learning rate")
-    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    g.add_argument("--optimizer", choices=["adam", "sgd", "muon"], default="adam",
+                   help="muon: Muon for 2-D weights, Adam for the rest (needs --use-megatron-fsdp)")
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
@@ -68,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g = p.add_argument_group("muon (Megatron-LM's flags and defaults; docs/training.md)")
+    g.add_argument("--muon-momentum", type=float, default=0.95)
+    g.add_argument("--muon-use-nesterov", action="store_true")
+    g.add_argument("--muon-num-ns-steps", type=int, default=5)
+    g.add_argument("--muon-scale-mode", choices=["spectral", "shape_scaling", "unit_rms_norm"], default="spectral")
+    g.add_argument("--muon-extra-scale-factor", type=float, default=1.0)
+    g.add_argument("--muon-tp-mode", choices=["blockwise", "duplicated"], default="blockwise")
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -125,6 +133,7 @@ def _fail(message: str) -> None:
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Derive defaults and check consistency against ``world_size``; raise ArgumentError on the first problem."""
+    _validate_muon(args)
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     for name, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
                         ("--context-parallel-size", cp), ("--micro-batch-size", args.micro_batch_size),
@@ -200,6 +209,20 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         except ImportError:
             _fail("--transformer-impl transformer_engine needs Transformer Engine installed; use --transformer-impl local")
     return args
+
+
+def _validate_muon(args: argparse.Namespace) -> None:
+    if args.optimizer != "muon":
+        return
+    if args.fp16:
+        _fail("--optimizer muon with --fp16 is not supported (as in Megatron-LM): use --bf16")
+    if not args.use_megatron_fsdp:
+        _fail("--optimizer muon needs --use-megatron-fsdp: Megatron-Core 0.16.1's own Muon needs the "
+              "emerging_optimizers package (not installable here) and refuses --use-distributed-optimizer")
+    if args.muon_num_ns_steps < 1:
+        _fail(f"--muon-num-ns-steps {args.muon_num_ns_steps} must be at least 1")
+    if not 0.0 <= args.muon_momentum < 1.0:
+        _fail(f"--muon-momentum {args.muon_momentum} must be in [0, 1)")
 
 
 def _validate_moe(args: argparse.Namespace, world_size: int) -> None:

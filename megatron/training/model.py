@@ -111,7 +111,14 @@ def optimizer_config(args):
     return OptimizerConfig(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                            sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16,
-                           params_dtype=torch.float32, use_distributed_optimizer=args.use_distributed_optimizer)
+                           params_dtype=torch.float32, use_distributed_optimizer=args.use_distributed_optimizer,
+                           **_muon_config(args))
+
+
+def _muon_config(args) -> dict:
+    """Megatron-LM's Muon fields of OptimizerConfig (read by megatron.fsdp.mcore's --optimizer muon)."""
+    return {f"muon_{k}": getattr(args, f"muon_{k}") for k in
+            ("momentum", "use_nesterov", "num_ns_steps", "scale_mode", "extra_scale_factor", "tp_mode")}
 
 
 def wrap_and_optimize(args, config, chunks):

@@ -72,7 +72,11 @@ def reference_run(cfg: RunConfig) -> Dict[str, object]:
     """Plain single-process training on the whole global batch."""
     model = build_model(cfg)
     cls, kwargs = OPTIMIZERS[cfg.optimizer]
-    opt = cls(_optimizer_groups(model, kwargs.get("weight_decay", 0.0)), **kwargs)
+    return reference_training(model, cfg, [cls(_optimizer_groups(model, kwargs.get("weight_decay", 0.0)), **kwargs)])
+
+
+def reference_training(model: torch.nn.Module, cfg: RunConfig, optimizers) -> Dict[str, object]:
+    """The reference loop: ``optimizers`` step in order after one global clip."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     losses, norms = [], []
     for step in make_batches(cfg.steps, cfg.micro_batches, GLOBAL_MICRO_BATCH):
@@ -85,8 +89,10 @@ def reference_run(cfg: RunConfig) -> Dict[str, object]:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.clip_grad if cfg.clip_grad > 0 else float("inf"))
-        opt.step()
-        opt.zero_grad()
+        for opt in optimizers:
+            opt.step()
+        for opt in optimizers:
+            opt.zero_grad()
         losses.append(total)
         norms.append(norm.item())
     params = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -22,6 +22,7 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 import megatron.fsdp as mfsdp
 
 from .checkpoint_keys import optimizer_keys, rename_optimizer_key
+from .muon import MegatronMuon, megatron_matrix_params, muon_kwargs, tensor_parallel_shards
 
 
 class FullyShardedMegatronOptimizer(MegatronOptimizer):
@@ -42,6 +43,11 @@ class FullyShardedMegatronOptimizer(MegatronOptimizer):
         if not self.model_chunks:
             return {}
         return dict(optimizer_keys(chunk.checkpoint_keys() for chunk in self.model_chunks).to_global)
+
+    @property
+    def param_groups(self) -> List[dict]:
+        """The elementwise optimizer's groups, then the matrix optimizer's (Muon): the LR schedule sets both."""
+        return self.engine.param_groups
 
     def prepare_grads(self) -> bool:
         """Finish gradient reduction; returns ``found_inf`` (always False: no loss scaling)."""
@@ -126,21 +132,38 @@ def get_fsdp_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.Modu
     engines = [chunk.fsdp for chunk in model_chunks]
     index = model_chunks[0].index
     kwargs = dict(lr=config.lr, weight_decay=config.weight_decay)
-    if config.optimizer == "adam":
+    if config.optimizer == "muon":  # Megatron-LM: Muon for the matrices, Adam's config for the rest
+        kwargs.update(betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                      **muon_engine_kwargs(config, engines, index))
+        cls = torch.optim.AdamW
+    elif config.optimizer == "adam":
         cls = torch.optim.AdamW if getattr(config, "decoupled_weight_decay", True) else torch.optim.Adam
         kwargs.update(betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
     elif config.optimizer == "sgd":
         cls = torch.optim.SGD
         kwargs.update(momentum=config.sgd_momentum)
     else:
-        raise ValueError(f"optimizer {config.optimizer!r} is not supported by megatron.fsdp; use 'adam' or 'sgd'")
+        raise ValueError(f"optimizer {config.optimizer!r} is not supported by megatron.fsdp; "
+                         "use 'adam', 'sgd' or 'muon'")
     engine = mfsdp.FullyShardedOptimizer(
         engines, cls, clip_grad=config.clip_grad,
         no_weight_decay=no_weight_decay_cond or _megatron_no_weight_decay,
         counts_in_norm=_counts_in_norm(index.tp_rank),
         norm_groups=[index.mp], expert_norm_groups=[index.expt_mp], **kwargs)
-    # Keys Megatron's OptimizerParamScheduler reads from every param group.
-    for group, no_decay in zip(engine.param_groups, (False, True)):
+    # Keys Megatron's OptimizerParamScheduler reads from every param group (the matrix group decays).
+    for group, no_decay in zip(engine.param_groups, (False, True, False)):
         group.update(max_lr=config.lr, min_lr=config.min_lr, lr_mult=1.0,
                      wd_mult=0.0 if no_decay else 1.0, is_expert_parallel=False, is_decoupled_lr=False)
     return FullyShardedMegatronOptimizer(engine, config, model_chunks)
+
+
+def muon_engine_kwargs(config: OptimizerConfig, engines, index) -> dict:
+    """The engine's matrix-optimizer arguments for ``--optimizer muon`` (see muon.py for the mapping)."""
+    if getattr(config, "fp16", False):
+        raise ValueError("muon with fp16 is not supported (as in Megatron-LM); use --bf16")
+    from megatron.core import parallel_state
+
+    expert_tp = parallel_state.get_expert_tensor_parallel_group(check_initialized=False)
+    return dict(matrix_optimizer=MegatronMuon, matrix_kwargs=muon_kwargs(config),
+                matrix_params=megatron_matrix_params,
+                matrix_shards=tensor_parallel_shards(config.muon_tp_mode, engines[0].ledger, index.tp, expert_tp))

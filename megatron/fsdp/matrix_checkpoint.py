@@ -1,0 +1,88 @@
+"""Checkpoint entries of the matrix optimizer: main weights and momentum per matrix, in logical coordinates.
+
+The same scheme as the elementwise optimizer (``checkpoint.py``): ``main.<param>``
+and ``state.<param>.momentum_buffer`` are DTensors of the parameter's global
+shape holding this rank's piece, so DCP reshards them to any world size, level
+or mesh; ``matrix_groups.0.<hyperparameter>`` holds the matrix optimizer's
+hyperparameters. The momentum exists from the start (zeros are exactly the
+state ``torch.optim.Muon`` creates on its first step).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, List, Mapping, Tuple
+
+import torch
+
+from .checkpoint import _qualified, _shape_of, agreed, check_against, install_pieces
+from .dcp_pieces import local_piece, sharded_piece
+
+MOMENTUM = "momentum_buffer"
+
+
+def _entries(optimizer):
+    """``(key, matrix unit, index, piece range)`` of every matrix on this rank."""
+    for mu in optimizer.matrix.units:
+        for j, m in enumerate(mu.matrices):
+            yield _qualified(optimizer, mu.model, m.name), mu, j, mu.pieces[j]
+
+
+def matrix_keys(optimizer) -> Dict[str, Any]:
+    """Every key of the matrix entries with its expected shape (``None``: not a tensor)."""
+    keys: Dict[str, Any] = {}
+    for key, mu, j, _ in _entries(optimizer):
+        shape = mu.matrices[j].shape
+        keys[f"main.{key}"] = shape
+        keys[f"state.{key}.{MOMENTUM}"] = shape
+    for hp, value in optimizer.matrix.param_groups[0].items():
+        if hp != "params":
+            keys[f"matrix_groups.0.{hp}"] = _shape_of(value)
+    return keys
+
+
+def matrix_state_dict(optimizer) -> Dict[str, Any]:
+    """Copies of this rank's pieces (collective-free)."""
+    out: Dict[str, Any] = {}
+    with torch.no_grad():
+        for key, mu, j, (a, b) in _entries(optimizer):
+            m = mu.matrices[j]
+            out[f"main.{key}"] = sharded_piece(mu.params[j].clone(), m.shape, a - m.start)
+            out[f"state.{key}.{MOMENTUM}"] = sharded_piece(mu.bufs[j].clone(), m.shape, a - m.start)
+    for hp, value in optimizer.matrix.param_groups[0].items():
+        if hp != "params":
+            out[f"matrix_groups.0.{hp}"] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+    return out
+
+
+def split_state_dict(optimizer, state_dict: Mapping[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``(elementwise entries, matrix entries)`` of a full optimizer state dict."""
+    mine = set(matrix_keys(optimizer))
+    matrix = {k: v for k, v in state_dict.items() if k in mine or k.startswith("matrix_groups.")}
+    return {k: v for k, v in state_dict.items() if k not in matrix}, matrix
+
+
+def check_matrix_state_dict(optimizer, state_dict: Mapping[str, Any]) -> List[tuple]:
+    """Validate every matrix entry on every rank before anything is written; the writes to make."""
+    def check():
+        check_against("optimizer load_state_dict (matrix optimizer)", state_dict, matrix_keys(optimizer))
+        writes = []
+        for key, mu, j, (a, b) in _entries(optimizer):
+            lo = a - mu.matrices[j].start
+            writes.append((mu.params[j], local_piece(state_dict[f"main.{key}"], lo, lo + b - a, f"main.{key}")))
+            writes.append((mu.bufs[j], local_piece(state_dict[f"state.{key}.{MOMENTUM}"], lo, lo + b - a, key)))
+        return writes
+    return agreed(optimizer.models, check)
+
+
+@torch.no_grad()
+def write_matrix_state(optimizer, state_dict: Mapping[str, Any], writes: List[tuple]) -> None:
+    """Write the validated pieces and hyperparameters, then rebuild compute weights (a collective)."""
+    for target, piece in writes:
+        target.copy_(piece)
+    group = optimizer.matrix.param_groups[0]
+    for hp in [hp for hp in group if hp != "params"]:
+        value = state_dict[f"matrix_groups.0.{hp}"]
+        group[hp] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+    for model in optimizer.models:
+        install_pieces(model, {})

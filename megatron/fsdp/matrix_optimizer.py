@@ -1,0 +1,361 @@
+"""Muon on fully-sharded state: the elementwise part on this rank's pieces, the matrix part on one owner.
+
+``torch.optim.Muon`` (torch 2.13) per matrix ``W`` with gradient ``G``::
+
+    B <- lerp(B, G, 1 - mu)                         # elementwise
+    U <- lerp(G, B, mu) if nesterov else B          # elementwise
+    O <- NewtonSchulz(bf16(U))                      # needs the whole matrix
+    W <- W * (1 - lr * wd) - adjusted_lr(W.shape) * O   # elementwise
+
+Here the momentum ``B`` lives on each rank's flat pieces, like any other
+optimizer state; every rank computes ``bf16(U)`` on its pieces, the matrix's
+owner (``matrix_plan.py``) receives the other pieces, runs Newton-Schulz, and
+sends the pieces of ``O`` back; every rank then updates its own piece of ``W``.
+Both directions carry bf16, which is exact: torch casts ``U`` to bf16 first
+thing and ``O`` is bf16. Per unit and direction there is one all-to-all-v per
+exchange stage; the next unit's exchange is in flight while the owner computes,
+and the first one while the elementwise optimizer steps.
+
+Contract for a matrix optimizer class: ``torch.optim.Muon`` or a subclass; its
+constructor validates the hyperparameters (one param group, which the LR
+scheduler may edit between steps); a subclass may define
+``adjusted_lr(group, shape) -> float`` to replace torch's ``adjust_lr_fn``
+(how Megatron's scale modes are expressed, see docs/engine.md). It keeps one
+state tensor per matrix, ``momentum_buffer``, sharded like the matrix.
+
+Tensor-parallel ``duplicated`` mode: ``matrix_shards(name, param)`` may return
+a ``TensorShards(axis, dim)`` saying the parameter is one of ``axis.size``
+shards of a larger matrix along ``dim``; the owner then all-gathers the shards
+over ``axis`` (batched per unit), orthogonalises the whole matrix and keeps its
+own shard of the result, and the learning-rate adjustment sees the whole shape.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+from .comm import CommAxis, Handle
+from .matrix_plan import MatrixSlot, Stage, exchange_stages, matrix_slots, overlap, owner_set
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TensorShards:
+    """A parameter that is shard ``axis.rank`` of ``axis.size`` of a larger matrix, concatenated along ``dim``."""
+
+    axis: CommAxis
+    dim: int
+
+
+def default_matrix_params(name: str, param: torch.nn.Parameter, in_root: bool) -> bool:
+    """Megatron's rule: trainable 2-D weights outside the root unit (not embeddings, not the output layer)."""
+    return param.requires_grad and param.dim() == 2 and not in_root
+
+
+def _view_param(spec, original: torch.nn.Parameter) -> torch.nn.Parameter:
+    """A meta parameter of the true shape carrying the original's attributes (under ZeRO-3 the real
+    one is an empty placeholder between uses)."""
+    meta = torch.nn.Parameter(torch.empty(spec.shape, device="meta"), spec.trainable)
+    meta.__dict__.update(getattr(original, "__dict__", {}))
+    return meta
+
+
+class _MatrixUnit:
+    """One unit's matrices on this rank: pieces of main weights, gradients and momentum; exchange stages."""
+
+    def __init__(self, model: int, unit, matrices: List[MatrixSlot], owners, shards: Dict[int, TensorShards]):
+        s = unit.storage
+        self.model, self.unit, self.storage, self.matrices = model, unit, s, matrices
+        self.tag = f"matrix:{unit.name}"
+        self.axes = {"inner": s.inner, "outer": s.outer}
+        self.stages: Tuple[Stage, ...] = exchange_stages(s.layout, s.levels, s.inner.rank, s.outer.size)
+        self.owners = owners
+        self.me = owners.index(s.inner.rank, s.outer.rank)
+        self.shards = shards  # matrix index -> TensorShards (duplicated tensor parallelism)
+        m0, m1 = s.regions.main
+        self.pieces = [overlap((m0, m1), m.start, m.end) for m in matrices]
+        total = sum(b - a for a, b in self.pieces)
+        self.momentum = torch.zeros(total, dtype=s.main_dtype, device=s.main.device)
+        self.bufs, self.params, self.grads = [], [], []
+        offset = 0
+        for a, b in self.pieces:
+            self.bufs.append(self.momentum[offset:offset + b - a])
+            self.params.append(s.main[a - m0:b - m0])
+            self.grads.append(s.main_grad[a - m0:b - m0])
+            offset += b - a
+
+    def coordinate(self, m: MatrixSlot, axis: str) -> int:
+        inner, outer = self.owners.coordinates(m.owner)
+        return inner if axis == "inner" else outer
+
+    def active(self, stage: Stage) -> List[int]:
+        if not stage.outer_owner_only:
+            return list(range(len(self.matrices)))
+        mine = self.storage.outer.rank
+        return [j for j, m in enumerate(self.matrices) if self.coordinate(m, "outer") == mine]
+
+    def full_shape(self, j: int) -> Tuple[int, int]:
+        shape = list(self.matrices[j].shape)
+        spec = self.shards.get(j)
+        if spec is not None:
+            shape[spec.dim] *= spec.axis.size
+        return tuple(shape)
+
+
+class MatrixOptimizer:
+    """Steps the selected matrices of ``models`` with ``matrix_cls`` semantics; see the module docstring."""
+
+    def __init__(self, models: Sequence, matrix_cls: Callable, matrix_kwargs: Optional[dict] = None,
+                 matrix_params: Optional[Callable] = None, matrix_shards: Optional[Callable] = None):
+        if not (isinstance(matrix_cls, type) and issubclass(matrix_cls, torch.optim.Muon)):
+            raise TypeError(f"matrix_optimizer must be torch.optim.Muon or a subclass of it, got {matrix_cls!r}; "
+                            "other matrix optimizers are not supported yet")
+        self.cls = matrix_cls
+        placeholder = torch.nn.Parameter(torch.zeros(1, 1))
+        # The constructor validates the hyperparameters; its one param group is the live copy
+        # (an LR scheduler edits it); the placeholder is never stepped.
+        self.hyper = matrix_cls([placeholder], **(matrix_kwargs or {}))
+        if len(self.hyper.param_groups) != 1:
+            raise ValueError("the matrix optimizer takes one param group")
+        self.steps = collections.Counter()  # matrix name -> Newton-Schulz runs on this rank
+        self.units: List[_MatrixUnit] = []
+        self.names = set()  # (model index, parameter name) of every matrix
+        by_section: Dict[str, list] = collections.OrderedDict()
+        for k, model in enumerate(models):
+            root = model._runtime.root
+            for unit in model.units:
+                s = unit.storage
+                chosen = []
+                for name, slot, p in zip(unit.param_names, s.layout.slots, s.params):
+                    view = _view_param(slot.spec, p)
+                    pick = default_matrix_params(name, view, unit is root) if matrix_params is None \
+                        else bool(matrix_params(name, view))
+                    if pick and (len(slot.spec.shape) != 2 or not slot.spec.trainable):
+                        what = "frozen" if slot.spec.trainable is False else f"{len(slot.spec.shape)}-D"
+                        raise ValueError(
+                            f"matrix_params selected {name!r} of shape {tuple(slot.spec.shape)}, a {what} "
+                            "parameter; the matrix optimizer steps trainable 2-D parameters only: make the "
+                            "selector return False for it (the elementwise optimizer then steps it)")
+                    chosen.append(pick)
+                by_section.setdefault(s.section, []).append((k, unit, chosen))
+        for section, entries in by_section.items():
+            s0 = entries[0][1].storage
+            owners = owner_set(s0.levels, s0.inner.size, s0.outer.size)
+            slots = matrix_slots([(k, u.index, u.storage.layout, u.param_names) for k, u, _ in entries],
+                                 [c for _, _, c in entries], owners)
+            for k, unit, _ in entries:
+                mine = [m for m in slots if m.model == k and m.unit == unit.index]
+                if not mine:
+                    continue
+                shards = {}
+                if matrix_shards is not None:
+                    for j, m in enumerate(mine):
+                        spec = matrix_shards(m.name, _view_param(unit.storage.layout.slots[m.slot].spec,
+                                                                  unit.storage.params[m.slot]))
+                        if spec is not None and spec.axis.size > 1:
+                            shards[j] = spec
+                self.units.append(_MatrixUnit(k, unit, mine, owners, shards))
+                self.names.update((k, m.name) for m in mine)
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def param_groups(self) -> List[dict]:
+        return self.hyper.param_groups
+
+    def is_matrix(self, model: int, name: str) -> bool:
+        return (model, name) in self.names
+
+    def grad_pieces(self) -> List[Tuple[str, torch.Tensor]]:
+        """``(section, this rank's gradient piece)`` of every matrix (for the global norm and clipping)."""
+        return [(mu.storage.section, g) for mu in self.units for g in mu.grads if g.numel()]
+
+    def state_bytes(self) -> int:
+        return sum(mu.momentum.untyped_storage().nbytes() for mu in self.units)
+
+    # ------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, overlap_with: Optional[Callable[[], None]] = None) -> None:
+        """One Muon step of every matrix; ``overlap_with`` (the elementwise optimizer's step) runs while
+        the first unit's pieces travel."""
+        group = self.hyper.param_groups[0]
+        pending = self._toward_owner(self.units[0], group) if self.units else None
+        if overlap_with is not None:
+            overlap_with()
+        back: collections.deque = collections.deque()
+        for i, mu in enumerate(self.units):
+            held = pending()
+            pending = self._toward_owner(self.units[i + 1], group) if i + 1 < len(self.units) else None
+            self._orthogonalise(mu, held, group)
+            back.append((mu, held, self._from_owner(mu, held)))
+            while len(back) > 2:
+                self._apply(*back.popleft(), group)
+        while back:
+            self._apply(*back.popleft(), group)
+
+    def _toward_owner(self, mu: _MatrixUnit, group) -> Callable[[], Dict[int, torch.Tensor]]:
+        """Momentum update on this rank's pieces; start moving ``bf16(U)`` toward the owners.
+
+        Returns a function that completes the exchange and gives the held pieces
+        (the whole matrix for the ones this rank owns).
+        """
+        momentum, nesterov = group["momentum"], group["nesterov"]
+        held: Dict[int, torch.Tensor] = {}
+        for j, (g, buf) in enumerate(zip(mu.grads, mu.bufs)):
+            buf.lerp_(g, 1 - momentum)
+            update = g.lerp(buf, momentum) if nesterov else buf
+            held[j] = update.bfloat16()
+        stages = list(mu.stages)
+        first = self._stage_toward(mu, stages[0], held) if stages else Handle()
+
+        def finish() -> Dict[int, torch.Tensor]:
+            first.wait()
+            for stage in stages[1:]:
+                self._stage_toward(mu, stage, held).wait()
+            return held
+        return finish
+
+    def _stage_toward(self, mu: _MatrixUnit, stage: Stage, held: Dict[int, torch.Tensor]) -> Handle:
+        axis = mu.axes[stage.axis]
+        me = axis.rank
+        active = mu.active(stage)
+        dest = {j: mu.coordinate(mu.matrices[j], stage.axis) for j in active}
+        send_parts, in_splits = [], []
+        for k in range(axis.size):
+            parts = [held[j] for j in active if dest[j] == k]
+            send_parts += parts
+            in_splits.append(sum(p.numel() for p in parts))
+        mine = [j for j in active if dest[j] == me]
+        lengths = [[_length(overlap(stage.ranges[k], mu.matrices[j].start, mu.matrices[j].end)) for j in mine]
+                   for k in range(axis.size)]
+        out_splits = [sum(row) for row in lengths]
+        send = _cat(send_parts, held)
+        out = torch.empty(sum(out_splits), dtype=torch.bfloat16, device=send.device)
+
+        def unpack():
+            chunks = {j: [] for j in mine}
+            offset = 0
+            for k in range(axis.size):
+                for j, n in zip(mine, lengths[k]):
+                    chunks[j].append(out[offset:offset + n])
+                    offset += n
+            for j in active:
+                held.pop(j, None)
+            for j in mine:
+                held[j] = torch.cat(chunks[j])
+        return Handle(axis.all_to_all(out, send, out_splits, in_splits, mu.tag), then=unpack)
+
+    def _stage_back(self, mu: _MatrixUnit, stage: Stage, held: Dict[int, torch.Tensor]) -> Handle:
+        axis = mu.axes[stage.axis]
+        me = axis.rank
+        active = mu.active(stage)
+        dest = {j: mu.coordinate(mu.matrices[j], stage.axis) for j in active}
+        mine = [j for j in active if dest[j] == me]
+        union = (stage.ranges[0][0], stage.ranges[-1][1])
+        send_parts, in_splits = [], []
+        for k in range(axis.size):
+            n = 0
+            for j in mine:
+                m = mu.matrices[j]
+                base = overlap(union, m.start, m.end)[0]
+                a, b = overlap(stage.ranges[k], m.start, m.end)
+                send_parts.append(held[j][a - base:b - base])
+                n += b - a
+            in_splits.append(n)
+        recv = [(j, _length(overlap(stage.ranges[me], mu.matrices[j].start, mu.matrices[j].end))) for j in active]
+        out_splits = [sum(n for j, n in recv if dest[j] == k) for k in range(axis.size)]
+        send = _cat(send_parts, held)
+        out = torch.empty(sum(out_splits), dtype=torch.bfloat16, device=send.device)
+
+        def unpack():
+            offset = 0
+            for k in range(axis.size):
+                for j, n in recv:
+                    if dest[j] == k:
+                        held[j] = out[offset:offset + n]
+                        offset += n
+        return Handle(axis.all_to_all(out, send, out_splits, in_splits, mu.tag), then=unpack)
+
+    def _orthogonalise(self, mu: _MatrixUnit, held: Dict[int, torch.Tensor], group) -> None:
+        """Newton-Schulz on every matrix this rank owns (whole: duplicated TP shards gathered first)."""
+        owned = [j for j, m in enumerate(mu.matrices) if m.owner == mu.me]
+        gathered = self._gather_shards(mu, owned, held)
+        for j in owned:
+            m = mu.matrices[j]
+            matrix = gathered.get(j, held[j].view(m.shape))
+            result = _zeropower_via_newtonschulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
+            spec = mu.shards.get(j)
+            if spec is not None:
+                result = result.chunk(spec.axis.size, dim=spec.dim)[spec.axis.rank]
+            held[j] = result.contiguous().view(-1)
+            self.steps[m.name] += 1
+
+    def _gather_shards(self, mu: _MatrixUnit, owned: List[int], held) -> Dict[int, torch.Tensor]:
+        """Duplicated tensor parallelism: one all-gather per unit and axis of the owned shards."""
+        out: Dict[int, torch.Tensor] = {}
+        by_axis: Dict[int, List[int]] = collections.OrderedDict()
+        for j in owned:
+            if j in mu.shards:
+                by_axis.setdefault(id(mu.shards[j].axis), []).append(j)
+        for js in by_axis.values():
+            axis = mu.shards[js[0]].axis
+            local = torch.cat([held[j] for j in js])
+            full = torch.empty(axis.size * local.numel(), dtype=local.dtype, device=local.device)
+            axis.all_gather(full, local, tag=mu.tag).wait()
+            rows = full.view(axis.size, local.numel())
+            offset = 0
+            for j in js:
+                m = mu.matrices[j]
+                parts = [rows[r, offset:offset + m.numel].view(m.shape) for r in range(axis.size)]
+                out[j] = torch.cat(parts, dim=mu.shards[j].dim)
+                offset += m.numel
+        return out
+
+    def _from_owner(self, mu: _MatrixUnit, held: Dict[int, torch.Tensor]) -> Callable[[], None]:
+        stages = list(reversed(mu.stages))
+        first = self._stage_back(mu, stages[0], held) if stages else Handle()
+
+        def finish():
+            first.wait()
+            for stage in stages[1:]:
+                self._stage_back(mu, stage, held).wait()
+        return finish
+
+    def _apply(self, mu: _MatrixUnit, held: Dict[int, torch.Tensor], finish: Callable[[], None], group) -> None:
+        """Decoupled weight decay and the orthogonalised update, on this rank's pieces."""
+        finish()
+        lr, wd = group["lr"], group["weight_decay"]
+        lr = lr.item() if isinstance(lr, torch.Tensor) else lr
+        adjust = getattr(self.cls, "adjusted_lr", None)
+        for j, param in enumerate(mu.params):
+            shape = mu.full_shape(j)
+            adjusted = adjust(group, shape) if adjust is not None else _adjust_lr(lr, group["adjust_lr_fn"], shape)
+            param.mul_(1 - lr * wd)
+            param.add_(held[j], alpha=-adjusted)
+
+    # ------------------------------------------------------------- reporting
+    def traffic_theory(self) -> Dict[str, float]:
+        """Per section: bf16 bytes of every matrix, and the owner-set size (for ledger checks)."""
+        out: Dict[str, float] = {}
+        for mu in self.units:
+            out[mu.storage.section] = out.get(mu.storage.section, 0) + 2 * sum(m.numel for m in mu.matrices)
+        return out
+
+
+def _length(r) -> int:
+    return r[1] - r[0]
+
+
+def _cat(parts: List[torch.Tensor], held: Dict[int, torch.Tensor]) -> torch.Tensor:
+    if parts:
+        return torch.cat(parts)
+    some = next(iter(held.values()), None)
+    return torch.empty(0, dtype=torch.bfloat16, device=some.device if some is not None else "cpu")
+
+
+def matrix_numel(optimizer: MatrixOptimizer) -> int:
+    return sum(m.numel for mu in optimizer.units for m in mu.matrices)
+

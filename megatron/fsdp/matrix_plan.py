@@ -1,0 +1,146 @@
+"""Which parameters a matrix optimizer steps, who owns each, and how pieces travel: pure functions.
+
+A matrix optimizer (Muon, and any per-matrix optimizer) needs each weight
+matrix whole, while every level splits matrices unevenly across ranks. Each
+matrix gets one owner among the ranks that shard optimizer state (the "owner
+set": the inner axis, times the outer axis when its level shards optimizer
+state too); the owner receives the other ranks' pieces, runs the matrix step,
+and sends the pieces of the result back. Everything here is a function of the
+layouts and the levels, so every rank computes the same plan without talking,
+and collective order follows unit order.
+
+Owners are dealt largest-cost first onto the least-loaded rank (ties: the
+lowest owner index), the cost being the Newton-Schulz work of a matrix
+(``rows * cols * min(rows, cols)``). With ``N`` owners each rank receives and
+sends back about ``(N-1)/N^2`` of the matrix bytes per direction.
+
+Exchange stages: on a flat axis one stage (inner). When the outer level shards
+optimizer state too, a rank's piece is an outer piece of an inner shard, so the
+pieces travel in two stages: over the outer axis to the rank of the owner's
+outer coordinate (which then holds the matrix's part of its inner shard), then
+over the inner axis to the owner. The result returns the same way reversed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, List, Sequence, Tuple
+
+from .layout import FlatLayout
+from .strategy import MeshStrategy
+
+Range = Tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixSlot:
+    """One matrix: where it lives (model chunk, unit, slot, buffer range ``[start, end)``) and its owner."""
+
+    model: int
+    unit: int
+    slot: int
+    name: str
+    shape: Tuple[int, int]
+    start: int
+    end: int
+    owner: int  # index in the section's owner set (inner coordinate + N * outer coordinate)
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    @property
+    def cost(self) -> int:
+        rows, cols = self.shape
+        return rows * cols * min(rows, cols)
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnerSet:
+    """The ranks of one section that shard optimizer state: ``inner`` x ``outer`` coordinates."""
+
+    inner: int  # inner axis size if the inner level shards optimizer state, else 1
+    outer: int  # outer axis size if the outer level shards optimizer state, else 1
+
+    @property
+    def size(self) -> int:
+        return self.inner * self.outer
+
+    def coordinates(self, owner: int) -> Tuple[int, int]:
+        return owner % self.inner, owner // self.inner
+
+    def index(self, inner_rank: int, outer_rank: int) -> int:
+        return (inner_rank if self.inner > 1 else 0) + self.inner * (outer_rank if self.outer > 1 else 0)
+
+
+def owner_set(levels: MeshStrategy, inner_size: int, outer_size: int) -> OwnerSet:
+    return OwnerSet(inner_size if levels.inner.shard_optim else 1,
+                    outer_size if levels.outer.shard_optim else 1)
+
+
+def assign_owners(costs: Sequence[int], owners: int) -> List[int]:
+    """Largest cost first onto the least-loaded owner; ties go to the lower index. Deterministic."""
+    load = [0] * owners
+    result = [0] * len(costs)
+    for k in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):
+        o = min(range(owners), key=lambda r: (load[r], r))
+        result[k] = o
+        load[o] += costs[k]
+    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One exchange over one axis for one unit.
+
+    ``axis`` is "inner" or "outer"; ``ranges[k]`` the buffer range coordinate
+    ``k`` of the axis holds before the stage (toward the owner); the owner's
+    coordinate on this axis receives their concatenation, in ``k`` order.
+    ``outer_owner_only``: the stage runs only for matrices whose owner has this
+    rank's outer coordinate (the second stage of a two-axis exchange).
+    """
+
+    axis: str
+    ranges: Tuple[Range, ...]
+    outer_owner_only: bool
+
+
+def exchange_stages(layout: FlatLayout, levels: MeshStrategy, inner_rank: int, outer_size: int) -> Tuple[Stage, ...]:
+    """The stages toward the owner for a unit with ``layout`` on this rank (reverse them for the way back)."""
+    stages = []
+    sharded_outer = levels.outer.shard_optim and outer_size > 1
+    if sharded_outer:
+        lo, hi = layout.shard_range(inner_rank)
+        width = (hi - lo) // outer_size
+        stages.append(Stage("outer", tuple((lo + k * width, lo + (k + 1) * width) for k in range(outer_size)), False))
+    if levels.inner.shard_optim and layout.world_size > 1:
+        stages.append(Stage("inner", tuple(layout.shard_range(k) for k in range(layout.world_size)), sharded_outer))
+    return tuple(stages)
+
+
+def overlap(r: Range, start: int, end: int) -> Range:
+    """``r`` clipped to ``[start, end)``; an empty range sits at ``start``."""
+    a, b = max(r[0], start), min(r[1], end)
+    return (a, b) if a < b else (start, start)
+
+
+def matrix_slots(units: Sequence[Tuple[int, int, FlatLayout, Sequence[str]]], selected: Sequence[Sequence[bool]],
+                 owners: OwnerSet) -> List[MatrixSlot]:
+    """Every selected slot of ``units`` (``(model, unit index, layout, names)``) with its owner, in unit order."""
+    found = []
+    for (model, unit, layout, names), flags in zip(units, selected):
+        for i, (slot, name, chosen) in enumerate(zip(layout.slots, names, flags)):
+            if chosen:
+                found.append((model, unit, i, name, tuple(slot.spec.shape), slot.start, slot.end))
+    costs = [math.prod(shape) * min(shape) for *_, shape, _, _ in found]
+    owner_of = assign_owners(costs, owners.size)
+    return [MatrixSlot(m, u, i, n, shape, s, e, o) for (m, u, i, n, shape, s, e), o in zip(found, owner_of)]
+
+
+def loads(slots: Sequence[MatrixSlot], owners: int) -> Dict[int, int]:
+    """Newton-Schulz cost per owner (for reports and tests)."""
+    out = {o: 0 for o in range(owners)}
+    for m in slots:
+        out[m.owner] += m.cost
+    return out

@@ -1,0 +1,115 @@
+"""``--optimizer muon`` for chunks wrapped by ``FullyShardedDataParallel``: Megatron-LM's flags on the engine.
+
+Megatron-Core 0.16.1's own Muon (``TensorParallelMuon``) subclasses
+``emerging_optimizers``' ``OrthogonalizedOptimizer``; that package cannot be
+installed for Python 3.11 here, and Megatron-Core refuses Muon with its
+distributed optimizer anyway. This module maps Megatron-LM's flags onto
+``torch.optim.Muon`` semantics run by the engine (``megatron/fsdp/matrix_optimizer.py``):
+
+* which parameters: Megatron's rule, trainable 2-D parameters that are not the
+  embedding or output layer (``is_embedding_or_output_parameter``); AdamW (Megatron's
+  Adam config) steps the rest;
+* ``--muon-momentum``, ``--muon-use-nesterov``, ``--muon-num-ns-steps``: torch's
+  ``momentum``, ``nesterov``, ``ns_steps`` (the same EMA momentum and Nesterov blend);
+* ``--muon-scale-mode`` x ``--muon-extra-scale-factor``: the update scale, as
+  ``adjusted_lr`` of ``MegatronMuon`` below (``spectral`` with factor 0.2 is torch's
+  ``match_rms_adamw``, ``shape_scaling`` with factor 1 is torch's ``original``);
+* ``--muon-tp-mode``: ``blockwise`` (each TP shard is its own matrix) or ``duplicated``
+  (the owner gathers the TP shards along ``partition_dim``, orthogonalises the whole
+  matrix, keeps its shard; the scale sees the whole shape).
+
+Newton-Schulz is torch's: Keller Jordan's fixed coefficients (emerging_optimizers'
+``"simple"``) in bf16; Megatron's default ``"quintic"`` per-step coefficient set and
+``--muon-split-qkv`` are not reproduced (docs/training.md).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.optim._muon import _zeropower_via_newtonschulz
+
+from megatron.fsdp.comm import CommAxis
+from megatron.fsdp.matrix_optimizer import TensorShards
+
+SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
+TP_MODES = ("blockwise", "duplicated")
+
+
+def muon_scale(mode: str, rows: int, cols: int) -> float:
+    """Megatron's (emerging_optimizers') update scale for a ``rows x cols`` matrix."""
+    if mode == "shape_scaling":
+        return max(1.0, rows / cols) ** 0.5
+    if mode == "spectral":
+        return max(rows, cols) ** 0.5
+    if mode == "unit_rms_norm":
+        return (rows / cols) ** 0.5
+    raise ValueError(f"--muon-scale-mode {mode!r}: expected one of {', '.join(SCALE_MODES)}")
+
+
+class MegatronMuon(torch.optim.Muon):
+    """``torch.optim.Muon`` whose step size is ``lr * extra_scale_factor * muon_scale(scale_mode, shape)``."""
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                 nesterov: bool = False, ns_steps: int = 5, scale_mode: str = "spectral",
+                 extra_scale_factor: float = 1.0):
+        muon_scale(scale_mode, 1, 1)  # validates the mode
+        if ns_steps < 1:
+            raise ValueError(f"--muon-num-ns-steps must be at least 1, got {ns_steps}")
+        super().__init__(params, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                         ns_steps=ns_steps)
+        self.defaults.update(scale_mode=scale_mode, extra_scale_factor=float(extra_scale_factor))
+        for group in self.param_groups:
+            group.setdefault("scale_mode", scale_mode)
+            group.setdefault("extra_scale_factor", float(extra_scale_factor))
+
+    @staticmethod
+    def adjusted_lr(group, shape) -> float:
+        lr = group["lr"]
+        lr = lr.item() if isinstance(lr, torch.Tensor) else lr
+        return lr * group["extra_scale_factor"] * muon_scale(group["scale_mode"], shape[0], shape[1])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """The unsharded step (torch's, with this class's step size); the engine runs its sharded form."""
+        for group in self.param_groups:
+            lr = group["lr"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+                update = _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update, alpha=-self.adjusted_lr(group, p.shape))
+        return None
+
+
+def megatron_matrix_params(name: str, param: torch.nn.Parameter) -> bool:
+    """Megatron's Muon rule: trainable 2-D parameters except the embedding and the output layer."""
+    return param.requires_grad and param.dim() == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
+
+
+def muon_kwargs(config) -> dict:
+    return dict(lr=config.lr, weight_decay=config.weight_decay, momentum=config.muon_momentum,
+                nesterov=config.muon_use_nesterov, ns_steps=config.muon_num_ns_steps,
+                scale_mode=config.muon_scale_mode, extra_scale_factor=config.muon_extra_scale_factor)
+
+
+def tensor_parallel_shards(mode: str, ledger, tp_group, expert_tp_group):
+    """``matrix_shards`` for the engine: ``None`` (blockwise) or the TP shards of each matrix (duplicated)."""
+    if mode not in TP_MODES:
+        raise ValueError(f"--muon-tp-mode {mode!r} is not supported by megatron.fsdp; use one of {', '.join(TP_MODES)}")
+    if mode == "blockwise":
+        return None
+    axes = {False: CommAxis("tp", tp_group, ledger), True: CommAxis("expert_tp", expert_tp_group, ledger)}
+
+    def shards(name: str, param) -> Optional[TensorShards]:
+        dim = getattr(param, "partition_dim", -1)
+        if not getattr(param, "tensor_model_parallel", False) or dim not in (0, 1):
+            return None
+        expert = not getattr(param, "allreduce", True)  # Megatron marks expert parameters allreduce=False
+        return TensorShards(axes[expert], dim)
+    return shards

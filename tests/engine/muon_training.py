@@ -1,0 +1,74 @@
+"""Muon + AdamW: one unsharded process (torch.optim.Muon on the matrices) against the sharded engine.
+
+The matrices are the trainable 2-D parameters of the blocks (the engine's
+default rule: non-root units); everything else (embedding, positions, norms,
+biases) is stepped by AdamW. Both sides clip by one global norm over all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional
+
+import torch
+
+import megatron.fsdp as mfsdp
+from tests.engine.training import (GLOBAL_MICRO_BATCH, OPTIMIZERS, RunConfig, build_model, reference_training,
+                                   train_step, wrap)
+from tests.models import make_batches
+
+MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5)
+
+
+def is_matrix(name: str, param) -> bool:
+    return param.requires_grad and param.dim() == 2 and name.startswith("blocks.")
+
+
+def muon_reference(cfg: RunConfig, muon: Optional[dict] = None) -> Dict[str, object]:
+    model = build_model(cfg)
+    cls, kwargs = OPTIMIZERS["adamw"]
+    matrices = [p for n, p in model.named_parameters() if is_matrix(n, p)]
+    decay, no_decay = [], []
+    for n, p in model.named_parameters():
+        if p.requires_grad and not is_matrix(n, p):
+            (no_decay if mfsdp.megatron_no_weight_decay(n, p) else decay).append(p)
+    adamw = cls([{"params": decay, "weight_decay": kwargs["weight_decay"]},
+                 {"params": no_decay, "weight_decay": 0.0}], **kwargs)
+    return reference_training(model, cfg, [torch.optim.Muon(matrices, **(muon or MUON)), adamw])
+
+
+def muon_wrap(ctx, cfg: RunConfig, muon: Optional[dict] = None):
+    fsdp, _ = wrap(ctx, cfg)
+    cls, kwargs = OPTIMIZERS["adamw"]
+    opt = mfsdp.FullyShardedOptimizer(fsdp, cls, clip_grad=cfg.clip_grad, matrix_optimizer=torch.optim.Muon,
+                                      matrix_kwargs=muon or MUON, **kwargs)
+    return fsdp, opt
+
+
+def muon_run(ctx, cfg: RunConfig, muon: Optional[dict] = None) -> Dict[str, object]:
+    """Worker side: losses, norms, full parameters (rank 0), per-step matrix traffic and step counts."""
+    fsdp, opt = muon_wrap(ctx, cfg, muon)
+    losses: List[float] = []
+    norms: List[float] = []
+    wire: List[int] = []
+    calls: List[int] = []
+    for step in make_batches(cfg.steps, cfg.micro_batches, GLOBAL_MICRO_BATCH):
+        fsdp.ledger.reset()
+        loss, norm = train_step(ctx, fsdp, opt, step, cfg)
+        wire.append(fsdp.ledger.wire_bytes("all_to_all"))
+        calls.append(fsdp.ledger.calls("all_to_all"))
+        losses.append(loss)
+        norms.append(norm)
+    matrix = opt.matrix
+    params = fsdp.full_state_dict()  # a collective
+    return {
+        "losses": losses, "grad_norms": norms,
+        "params": params if ctx.rank == 0 else None,
+        "wire": wire, "calls": calls, "steps": dict(matrix.steps),
+        "matrix_bytes": {k: v for k, v in matrix.traffic_theory().items()},
+        "matrix_units": len(matrix.units),
+    }
+
+
+def replace(cfg: RunConfig, **kw) -> RunConfig:
+    return dataclasses.replace(cfg, **kw)

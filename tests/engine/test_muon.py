@@ -1,0 +1,135 @@
+"""Muon on fully-sharded state: parity with one unsharded torch.optim.Muon + AdamW process, traffic, checkpoints.
+
+Sampled so every level, world sizes 1-4, 1 and 3 micro-batches, a two-axis
+mesh (the two-stage exchange) and an expert section each appear at least once.
+Every case checks parity (losses within 2e-4 relative over 6 steps; Newton-Schulz
+runs in bf16, as torch's does), that each matrix ran Newton-Schulz exactly once
+per step on its owner set, one all-to-all per unit and direction per stage, and
+the bytes each rank sent.
+"""
+
+import functools
+
+import pytest
+import torch
+
+from tests.engine.muon_training import muon_reference
+from tests.engine.training import RunConfig
+
+LOSS_RTOL = 2e-4
+
+
+@functools.lru_cache(maxsize=None)
+def reference(cfg: RunConfig):
+    return muon_reference(cfg)
+
+
+def _run(pool, cfg, size):
+    results = pool.run("tests.engine.muon_training:muon_run", size=size, cfg=cfg)
+    for r in results[1:]:
+        assert r["losses"] == results[0]["losses"]
+    return results
+
+
+def _check_parity(results, ref):
+    got = results[0]
+    errs = [abs(a - b) / abs(b) for a, b in zip(got["losses"], ref["losses"])]
+    assert len(errs) == 6 and max(errs) <= LOSS_RTOL, f"losses {got['losses']} vs {ref['losses']}"
+    for name, expected in ref["params"].items():
+        err = (got["params"][name] - expected).abs().max().item()
+        assert err <= 1e-2, f"{name}: max abs err {err:.2e}"
+
+
+def _check_steps(results, owners_per_replica: int, replicas: int, steps: int = 6):
+    """Each matrix: Newton-Schulz once per optimizer step per replica of the owner set."""
+    names = set().union(*(r["steps"] for r in results))
+    for name in names:
+        total = sum(r["steps"].get(name, 0) for r in results)
+        assert total == steps * replicas, f"{name}: {total} Newton-Schulz runs in {steps} steps"
+    counts = [sum(r["steps"].values()) for r in results]
+    assert max(counts) > 0 and (owners_per_replica == 1 or min(counts) < steps * len(names))
+
+
+# (level, world size, micro-batches)
+FLAT = [("no_shard", 2, 3), ("optim", 3, 1), ("optim_grads", 4, 3), ("optim_grads_params", 2, 1),
+        ("optim_grads_params", 4, 1)]
+
+
+@pytest.mark.parametrize("strategy,size,micro_batches", FLAT)
+def test_muon_parity_and_traffic_flat(pool, strategy, size, micro_batches):
+    cfg = RunConfig(strategy=strategy, steps=6, micro_batches=micro_batches)
+    results = _run(pool, cfg, size)
+    _check_parity(results, reference(cfg))
+    sharded = strategy != "no_shard"
+    _check_steps(results, size if sharded else 1, 1 if sharded else size)
+    matrix_bytes = results[0]["matrix_bytes"]["dense"]  # bf16 bytes of every matrix
+    theory = 2 * (size - 1) / size ** 2 * matrix_bytes
+    for r in results:
+        assert r["calls"] == [2 * r["matrix_units"] * sharded] * 6  # one all-to-all per unit and direction
+        assert len(set(r["wire"])) == 1  # the same every step, whatever the micro-batch count
+    wire = [r["wire"][-1] for r in results]
+    if not sharded:
+        assert wire == [0] * size
+    elif size == 2:  # two owners: every rank sends exactly the other's half of its pieces
+        assert wire == [theory] * size
+    else:  # owners hold part of their own matrices: never above theory on average, each rank near it
+        mean = sum(wire) / size
+        assert 0.8 * theory <= mean <= 1.1 * theory, (wire, theory)
+        assert max(wire) <= 1.35 * theory, (wire, theory)
+
+
+def test_muon_world_size_one_is_bitwise(pool):
+    """One rank, no clipping (the engine's norm sums in another order than clip_grad_norm_): bitwise."""
+    cfg = RunConfig(strategy="optim_grads_params", steps=6, micro_batches=3, clip_grad=0.0)
+    got = _run(pool, cfg, 1)[0]
+    ref = reference(cfg)
+    assert got["losses"] == ref["losses"]
+    assert all(torch.equal(got["params"][n], p) for n, p in ref["params"].items())
+
+
+MESHES = {
+    # HFSDP: both axes shard optimizer state: the two-stage exchange (outer, then inner)
+    "hfsdp": (RunConfig(strategy="optim_grads_params", steps=6, micro_batches=3, mesh=(2, 2),
+                        outer_strategy="optim"), 4, 1),
+    # an expert section on its own 2 x 2 mesh (each expert matrix owned separately), dense ZeRO-1
+    "experts": (RunConfig(strategy="optim", steps=6, expert_strategy="optim_grads_params", expert_mesh=(2, 2),
+                          expert_outer_strategy="optim"), 4, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MESHES))
+def test_muon_parity_meshes_and_experts(pool, name):
+    cfg, owners, replicas = MESHES[name]
+    results = _run(pool, cfg, 4)
+    _check_parity(results, reference(cfg))
+    _check_steps(results, owners, replicas)
+    if name == "hfsdp":
+        # two stages per unit and direction; each moves (M-1)/(N M^2) + (N-1)/(N^2 M) of the matrix bytes
+        matrix_bytes = results[0]["matrix_bytes"]["dense"]
+        two_stage = 2 * (1 / 8 + 1 / 8) * matrix_bytes
+        for r in results:
+            assert r["calls"] == [4 * r["matrix_units"]] * 6
+        mean = sum(r["wire"][-1] for r in results) / 4
+        assert 0.8 * two_stage <= mean <= 1.1 * two_stage
+
+
+def test_muon_resume_exact_and_reshard(pool, tmp_path):
+    """Exact resume with Muon momentum (bitwise), and DP 4 ZeRO-3 -> DP 2 ZeRO-1 within 1e-5."""
+    path = str(tmp_path / "resume")
+    results = pool.run("tests.engine.muon_cases:resume", size=3, path=path, strategy="optim_grads_params")
+    for r in results:
+        assert r["momentum_keys"] > 0 and r["momentum_loaded_bitwise"] and r["momentum_after_bitwise"]
+    assert results[0]["resumed"] == results[0]["straight"]
+    path = str(tmp_path / "reshard")
+    straight = pool.run("tests.engine.muon_cases:save_then_continue", size=4, path=path,
+                        strategy="optim_grads_params")[0]["after"]
+    resumed = pool.run("tests.engine.muon_cases:load_and_continue", size=2, path=path, strategy="optim")[0]["after"]
+    assert max(abs(a - b) / abs(b) for a, b in zip(resumed, straight)) <= 1e-5, (resumed, straight)
+
+
+def test_muon_selector_errors(pool):
+    errors = pool.run("tests.engine.muon_cases:selector_errors", size=2)[0]
+    assert "'blocks.0.norm1.weight'" in errors["one_d"] and "2-D" in errors["one_d"]
+    assert "frozen" in errors["frozen"] and "'frozen_scale'" in errors["frozen"]
+    assert "torch.optim.Muon" in errors["not_muon"]
+    assert errors["root_matrix_ok"] is None
