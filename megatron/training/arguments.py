@@ -194,6 +194,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.eval_interval = args.train_iters
     _validate_moe(args, world_size)
     _validate_checkpointing(args)
+    _validate_data(args)
     if args.transformer_impl == "transformer_engine":
         try:
             import transformer_engine  # noqa: F401
@@ -241,6 +242,16 @@ def _validate_moe(args: argparse.Namespace, world_size: int) -> None:
             mfsdp.parse_mesh_strategy(inner, outer, instances > 1)
         except ValueError as exc:
             _fail(f"--expert-data-parallel-sharding-strategy / --expert-outer-dp-sharding-strategy: {exc}")
+
+
+def _validate_data(args: argparse.Namespace) -> None:
+    """Every split the run reads has documents (an empty one would make Megatron-Core loop forever)."""
+    from .data_splits import DataSplitError, check_splits
+
+    try:
+        check_splits(args)
+    except DataSplitError as exc:
+        _fail(str(exc))
 
 
 def _validate_checkpointing(args: argparse.Namespace) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 from typing import Dict, Optional
@@ -10,8 +11,16 @@ import torch
 import torch.distributed as dist
 
 
+def is_rank_0() -> bool:
+    """Rank 0 of the job, also before the process group exists (torchrun's RANK then)."""
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
+
+
 def print_rank_0(message: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    """Print once per job, not once per rank (start-up errors included)."""
+    if is_rank_0():
         print(message, flush=True)
 
 
