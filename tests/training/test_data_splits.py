@@ -85,7 +85,21 @@ def test_default_split_builds_only_used_splits(corpora):
 
 
 def test_small_corpus_default_split_trains_on_4_ranks(mcore_pool, corpora):
+    """Trains at the default split; the log: persistent bytes after step 1, peak memory per interval, summary."""
     argv = SMALL + ["--data-path", corpora[40], "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
-                    "optim_grads_params", "--eval-interval", "1", "--eval-iters", "1"]
-    got = mcore_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=120, argv=argv)[0]
-    assert len(got["losses"]) == 2 and len(got["valid"]) == 2
+                    "optim_grads_params", "--num-distributed-optimizer-instances", "2", "--eval-interval", "2",
+                    "--eval-iters", "1", "--train-iters", "4", "--log-interval", "2"]
+    got = mcore_pool.run("tests.training.pretrain_cases:pretrain_printing_in_pool", timeout=120, argv=argv)[0]
+    assert len(got["losses"]) == 4 and len(got["valid"]) == 2
+    lines = got["stdout"].splitlines()
+    assert "mesh dp_shard 2 x dp_outer 2" in got["stdout"]  # HSDP: the mesh sizes
+    persistent = next(i for i, line in enumerate(lines) if "persistent bytes per rank" in line)
+    assert "optimizer state" in lines[persistent] and len(lines[persistent].split(":")[1].split()) == 4
+    logged = [i for i, line in enumerate(lines) if line.startswith(" iteration ")]
+    assert len(logged) == 2 and persistent < logged[0]  # printed after step 1, before the first log line
+    assert all(lines[i + 1].startswith(" peak memory (MiB) per rank:") for i in logged)  # every interval
+    mean = sum(got["losses"][:2]) / 2  # lm loss averaged over the interval, as Megatron-LM does
+    assert f"lm loss: {mean:.6E}" in lines[logged[0]]
+    done = [line for line in lines if line.startswith(" training done |")]
+    assert len(done) == 1 and "iterations: 4 |" in done[0] and "tokens per second:" in done[0]
+    assert f"max over ranks and iterations: {got['max_peak_mib']:.0f} |" in done[0]

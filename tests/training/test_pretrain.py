@@ -77,7 +77,12 @@ def test_pretrain_gpt_moe_4_ranks_matches_megatron_ddp(moe_pool, dispatcher, ep,
     levels = _fsdp("optim_grads_params") + (
         ["--expert-data-parallel-sharding-strategy", expert_level] if expert_level else [])
     base = moe_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300, argv=MODEL + moe)[0]
-    got = moe_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300, argv=MODEL + moe + levels)[0]
+    got = moe_pool.run("tests.training.pretrain_cases:pretrain_printing_in_pool", timeout=300,
+                       argv=MODEL + moe + levels)[0]
+    # The router's load-balancing loss is logged as Megatron-LM logs it, the same as the baseline's.
+    assert len(got["load_balancing_loss"]) == len(got["losses"]) and "load_balancing_loss: " in got["stdout"]
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got["load_balancing_loss"], base["load_balancing_loss"]))
+    assert f"experts (EP {ep}, expert DP {4 // ep}): levels {expert_level or 'optim_grads_params'}" in got["stdout"]
     for key in ("losses", "grad_norms", "valid"):
         assert len(got[key]) == len(base[key]) > 0
         for a, b in zip(got[key], base[key]):
