@@ -38,6 +38,14 @@ _MODULE_PATTERNS = (
     (r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed", r"megatron\.fsdp\.mcore\.cpu_mode"),
 )
 
+# Notices a person running one job should see once, but that a pool of CPU workers running
+# many cases (tests, the report tools) would repeat per rank and per case between the rows
+# of a table: CPU mode being on, and the CUDA tuning hint, which does not apply on CPU.
+_POOL_NOTICES = (
+    r"Megatron-Core CPU mode is on",
+    r"When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+)
+
 # Megatron-Core's own log records (logger name, message start) that announce defaults.
 _LOG_RECORDS = (
     ("megatron.core.datasets.gpt_dataset", "Unable to save MockGPTDataset indexes"),  # mock data is generated
@@ -57,9 +65,9 @@ class _RecordFilter(logging.Filter):
         return not record.getMessage().startswith(self.starts)
 
 
-def silence_unactionable_warnings() -> None:
-    """Install the filters (idempotent: filters and logging filters are added once)."""
-    for pattern in _PATTERNS:
+def silence_unactionable_warnings(cpu_worker_pool: bool = False) -> None:
+    """Install the filters (idempotent); ``cpu_worker_pool``: also the notices a CPU worker pool repeats."""
+    for pattern in _PATTERNS + (_POOL_NOTICES if cpu_worker_pool else ()):
         warnings.filterwarnings("ignore", message=pattern)
     for pattern, module in _MODULE_PATTERNS:
         warnings.filterwarnings("ignore", message=pattern, module=module)

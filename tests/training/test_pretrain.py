@@ -126,3 +126,14 @@ def test_startup_error_from_the_command_line():
                          capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
     assert out.returncode == 2
     assert "error: --global-batch-size 6 is not a multiple of --micro-batch-size 4" in out.stdout
+
+
+def test_help_shows_every_default():
+    from megatron.training.arguments import build_parser
+
+    parser = build_parser()
+    text = " ".join(parser.format_help().split())
+    assert "plain data parallel like DDP" in text and "(default: no_shard)" in text
+    for action in parser._actions:  # every argument says its default (argparse prints none without a help text)
+        if action.option_strings and action.dest != "help":
+            assert "default" in parser._get_formatter()._get_help_string(action), action.option_strings
