@@ -400,7 +400,8 @@ def to_json(model: ModelSpec, topology: Topology, budget: Budget, rows: Sequence
 
 # ----------------------------------------------------------------------------- command line
 
-GPT_REQUIRED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length", "vocab_size")
+GPT_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size")
+FFN_DEFAULT_FACTOR = 4  # --ffn-hidden-size defaults to 4 x --hidden-size, as in pretrain_gpt.py
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -412,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in GPT_REQUIRED + ("num_experts", "moe_ffn_hidden_size", "num_query_groups", "kv_channels",
                                 "max_position_embeddings"):
         g.add_argument("--" + name.replace("_", "-"), type=int)
+    g.add_argument("--ffn-hidden-size", type=int, help=f"default: {FFN_DEFAULT_FACTOR} x --hidden-size (as pretrain_gpt.py)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
@@ -437,19 +439,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def inputs_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Tuple[ModelSpec, Topology, Budget]:
     """Validate the arguments; every problem ends in ``parser.error`` (usage + message, exit 2)."""
-    given = [name for name in GPT_REQUIRED if getattr(args, name) is not None]
+    given = [name for name in GPT_REQUIRED + ("ffn_hidden_size",) if getattr(args, name) is not None]
     if args.params is not None and given:
         parser.error("give either --params or the Megatron arguments, not both")
     if args.params is None:
         if not given:
-            parser.error("give the model size: --params 7e9, or --num-layers --hidden-size --ffn-hidden-size "
-                         "--num-attention-heads --seq-length --vocab-size")
+            parser.error("give the model size: --params 7e9, or --num-layers --hidden-size "
+                         "--num-attention-heads --seq-length --vocab-size [--ffn-hidden-size]")
         missing = ["--" + n.replace("_", "-") for n in GPT_REQUIRED if getattr(args, n) is None]
         if missing:
             parser.error("the Megatron arguments also need " + " ".join(missing))
+        if args.ffn_hidden_size is None:
+            args.ffn_hidden_size = FFN_DEFAULT_FACTOR * args.hidden_size
         fields = {f.name for f in dataclasses.fields(GPTShape)}
         shape = GPTShape(**{k: v for k, v in vars(args).items() if k in fields and v is not None})
-        bad = [n for n in GPT_REQUIRED + ("num_experts", "num_query_groups") if (getattr(shape, n) or 1) < 1]
+        bad = [n for n in GPT_REQUIRED + ("ffn_hidden_size", "num_experts", "num_query_groups") if (getattr(shape, n) or 1) < 1]
         if bad:
             parser.error("must be positive: " + ", ".join("--" + n.replace("_", "-") for n in bad))
         if shape.kv_channels is None and shape.hidden_size % shape.num_attention_heads:

@@ -287,5 +287,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+# Input problems the tool explains itself; their messages name the file, line and fix.
+INPUT_ERRORS = (ValueError, FileNotFoundError, ImportError, NotImplementedError, UnicodeError)
+
+
+def cli(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line: an input error prints its message (one line, no traceback) and exits 2."""
+    try:
+        return main(argv)
+    except INPUT_ERRORS as exc:
+        print(f"preprocess_data.py: error: {exc}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

@@ -11,10 +11,12 @@ from typing import List, Optional
 
 import megatron.fsdp as mfsdp
 
+from .argument_help import DefaultsHelpFormatter, show_every_default
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Pretrain a GPT with Megatron-Core (--use-megatron-fsdp for megatron.fsdp)",
-                                allow_abbrev=False)
+                                allow_abbrev=False, formatter_class=DefaultsHelpFormatter)
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4)
     g.add_argument("--hidden-size", type=int, default=128)
@@ -83,12 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--use-megatron-fsdp", action="store_true")
+    g.add_argument("--use-megatron-fsdp", action="store_true",
+                   help="data parallelism by megatron.fsdp (default: off, Megatron-Core's DDP). Alone it keeps "
+                        "--data-parallel-sharding-strategy at no_shard, i.e. plain data parallel like DDP: add "
+                        "--data-parallel-sharding-strategy optim_grads_params for ZeRO-3")
     g.add_argument("--data-parallel-sharding-strategy", default="no_shard",
-                   help="no_shard | optim | optim_grads | optim_grads_params (with --use-megatron-fsdp)")
-    g.add_argument("--outer-dp-sharding-strategy", default="no_shard")
-    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1)
-    g.add_argument("--no-grad-reduce-in-fp32", dest="grad_reduce_in_fp32", action="store_false")
+                   help="level of the inner (dp_shard) axis with --use-megatron-fsdp: no_shard (DDP) | optim "
+                        "(ZeRO-1) | optim_grads (ZeRO-2) | optim_grads_params (ZeRO-3)")
+    g.add_argument("--outer-dp-sharding-strategy", default="no_shard",
+                   help="level of the outer (dp_outer) axis: no_shard = HSDP, optim = HFSDP (needs "
+                        "--num-distributed-optimizer-instances > 1)")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                   help="size of the outer axis: the data-parallel ranks split into this many domains")
+    g.add_argument("--no-grad-reduce-in-fp32", dest="grad_reduce_in_fp32", action="store_false",
+                   help="reduce gradients in the compute dtype instead of fp32")
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--data-path", nargs="*", default=None)
@@ -120,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load the weights only; iteration, optimizer, scheduler and data start afresh")
     g.add_argument("--exit-interval", type=int, default=None, help="exit after an iteration divisible by N "
                    "(saving first with --save)")
-    return p
+    return show_every_default(p)
 
 
 class ArgumentError(ValueError):
@@ -203,6 +213,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.eval_interval = args.train_iters
     _validate_moe(args, world_size)
     _validate_checkpointing(args)
+    _validate_data(args)
     if args.transformer_impl == "transformer_engine":
         try:
             import transformer_engine  # noqa: F401
@@ -264,6 +275,16 @@ def _validate_moe(args: argparse.Namespace, world_size: int) -> None:
             mfsdp.parse_mesh_strategy(inner, outer, instances > 1)
         except ValueError as exc:
             _fail(f"--expert-data-parallel-sharding-strategy / --expert-outer-dp-sharding-strategy: {exc}")
+
+
+def _validate_data(args: argparse.Namespace) -> None:
+    """Every split the run reads has documents (an empty one would make Megatron-Core loop forever)."""
+    from .data_splits import DataSplitError, check_splits
+
+    try:
+        check_splits(args)
+    except DataSplitError as exc:
+        _fail(str(exc))
 
 
 def _validate_checkpointing(args: argparse.Namespace) -> None:

@@ -28,21 +28,27 @@ def padded_vocab_size(vocab_size: int, args) -> int:
 
 
 def build_datasets(args, tokenizer):
-    """Train, validation and test datasets sized for the whole run."""
+    """Train, validation and test datasets sized for the whole run; None for a split the run never reads.
+
+    Only the used splits are built (megatron/training/data_splits.py says why); their
+    document counts were checked at start-up.
+    """
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
     from megatron.core.datasets.utils import get_blend_from_list
 
-    eval_runs = args.train_iters // args.eval_interval + 1 if args.eval_interval else 0
-    sizes = [args.train_iters * args.global_batch_size,
-             max(1, eval_runs * args.eval_iters * args.global_batch_size),
-             args.global_batch_size]
+    from .data_splits import split_samples, used_split_matrix
+
     config = GPTDatasetConfig(
         random_seed=args.seed, sequence_length=args.seq_length,
         blend=None if args.mock_data else get_blend_from_list(args.data_path),
         split=args.split, tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
         eod_mask_loss=False, create_attention_mask=True,
         path_to_cache=args.data_cache_path, mmap_bin_files=True)
+    used = used_split_matrix(args)
+    config.split_matrix = [bookend if wanted is not None else None
+                           for bookend, wanted in zip(config.split_matrix, used)]
+    sizes = [size or 0 for size in split_samples(args)]  # an unbuilt split's size is never read
     cls = MockGPTDataset if args.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
 

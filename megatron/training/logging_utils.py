@@ -2,44 +2,112 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 
+def is_rank_0() -> bool:
+    """Rank 0 of the job, also before the process group exists (torchrun's RANK then)."""
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0") == "0"
+
+
 def print_rank_0(message: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    """Print once per job, not once per rank (start-up errors included)."""
+    if is_rank_0():
         print(message, flush=True)
 
 
 def memory_mib() -> Dict[str, float]:
-    """Allocated and peak memory of this rank (CUDA memory on a GPU, resident set size on CPU)."""
+    """Allocated and peak memory of this rank (CUDA memory on a GPU, resident set size on CPU).
+
+    On CUDA the peak is that since the last ``reset_peak_memory()`` (one log interval);
+    on CPU the resident-set peak can only be the process's so far.
+    """
     if torch.cuda.is_available():
         return {"allocated": torch.cuda.memory_allocated() / 2**20, "peak": torch.cuda.max_memory_allocated() / 2**20}
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"allocated": float("nan"), "peak": peak_kib / 1024 if sys.platform != "darwin" else peak_kib / 2**20}
 
 
-def memory_line() -> str:
-    """Peak memory of every rank, gathered to rank 0 as one line."""
-    peak = torch.tensor([memory_mib()["peak"]], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
-        dist.all_gather(everyone, peak)
-        peak = torch.cat(everyone)
-    return "peak memory (MiB) per rank: " + " ".join(f"{v:.0f}" for v in peak.tolist())
+def reset_peak_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
 
 
-def iteration_line(iteration: int, total: int, consumed: int, elapsed_ms: float, lr: float, batch: int,
-                   loss: float, grad_norm: Optional[float], skipped: int) -> str:
-    norm = "nan" if grad_norm is None else f"{grad_norm:.6f}"
-    return (f" iteration {iteration:8d}/{total:8d} | consumed samples: {consumed:12d} | "
-            f"elapsed time per iteration (ms): {elapsed_ms:.1f} | learning rate: {lr:.6E} | "
-            f"global batch size: {batch:5d} | lm loss: {loss:.6E} | grad norm: {norm} | "
-            f"number of skipped iterations: {skipped:3d} |")
+def gather_per_rank(values: List[float]) -> List[List[float]]:
+    """``values`` of every rank, on every rank (one all-gather; a collective: call on all ranks)."""
+    mine = torch.tensor(values, dtype=torch.float64)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [mine.tolist()]
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [t.tolist() for t in everyone]
+
+
+def memory_line(peaks: Optional[List[float]] = None) -> str:
+    """Peak memory of every rank as one line (``peaks``: gathered already, else gathered here)."""
+    peaks = peaks if peaks is not None else [row[0] for row in gather_per_rank([memory_mib()["peak"]])]
+    return "peak memory (MiB) per rank: " + " ".join(f"{v:.0f}" for v in peaks)
+
+
+# --------------------------------------------------------------------------- the iteration line
+# Megatron-LM's ``training_log``: one line per --log-interval iterations, with the
+# elapsed time and every loss averaged over the iterations of the interval, the
+# learning rate and grad norm of the last one, and the skipped iterations counted
+# over the interval. The line is an ordered list of (name, value) fields, so a
+# module that measures something else (throughput, say) adds its fields with
+# ``insert_field`` without touching this assembly.
+
+LogFields = List[Tuple[str, str]]
+
+
+def insert_field(fields: LogFields, name: str, value: str, after: Optional[str] = None) -> LogFields:
+    """Insert ``name: value`` after the field ``after`` (at the end when absent or None); returns ``fields``."""
+    names = [n for n, _ in fields]
+    fields.insert(names.index(after) + 1 if after in names else len(fields), (name, value))
+    return fields
+
+
+_SPACE_ONLY = {"iteration"}  # Megatron-LM writes "iteration   3/  20", the others "name: value"
+
+
+def format_fields(fields: LogFields) -> str:
+    return " " + " | ".join(f"{name}{' ' if name in _SPACE_ONLY else ': '}{value}" for name, value in fields) + " |"
+
+
+class IntervalLog:
+    """What happens between two log lines: iterations, time, losses (in order of first sight), skips."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.iterations, self.seconds, self.skipped = 0, 0.0, 0
+        self.losses: Dict[str, float] = {}
+
+    def add(self, seconds: float, losses: Dict[str, float], skipped: bool) -> None:
+        self.iterations += 1
+        self.seconds += seconds
+        self.skipped += int(skipped)
+        for name, value in losses.items():
+            self.losses[name] = self.losses.get(name, 0.0) + value
+
+    def fields(self, iteration: int, total: int, consumed: int, lr: float, batch: int,
+               grad_norm: Optional[float]) -> LogFields:
+        n = max(1, self.iterations)
+        norm = "nan" if grad_norm is None else f"{grad_norm:.6f}"
+        return ([("iteration", f"{iteration:8d}/{total:8d}"), ("consumed samples", f"{consumed:12d}"),
+                 ("elapsed time per iteration (ms)", f"{self.seconds * 1000 / n:.1f}"),
+                 ("learning rate", f"{lr:.6E}"), ("global batch size", f"{batch:5d}")]
+                + [(name, f"{value / n:.6E}") for name, value in self.losses.items()]
+                + [("grad norm", norm), ("number of skipped iterations", f"{self.skipped:3d}")])
 
 
 class TensorBoard:
@@ -65,32 +133,68 @@ class TensorBoard:
             self.writer.close()
 
 
+def _section_text(section) -> str:
+    """``levels X (dp_shard) x Y (dp_outer), mesh dp_shard A x dp_outer B`` for one engine section."""
+    inner, outer = section.inner, section.outer
+    return (f"levels {section.levels.inner.name} ({inner.name}) x {section.levels.outer.name} ({outer.name}), "
+            f"mesh {inner.name} {inner.size} x {outer.name} {outer.size}")
+
+
+def data_parallel_text(args, model) -> str:
+    """The data-parallel backend with its levels and mesh sizes (dense, and the experts with their EP size)."""
+    if not args.use_megatron_fsdp:
+        return "Megatron-Core DistributedDataParallel" + (
+            " + DistributedOptimizer" if args.use_distributed_optimizer else "") + (
+            f" ({args.num_distributed_optimizer_instances} optimizer instances)"
+            if args.num_distributed_optimizer_instances > 1 else "")
+    sections = model[0].fsdp.sections
+    text = f"megatron.fsdp, {_section_text(sections['dense'])}"
+    if "expert" in sections:
+        text += (f"; experts (EP {args.expert_model_parallel_size}, expert DP {args.expert_data_parallel_size}): "
+                 f"{_section_text(sections['expert'])}")
+    elif args.num_experts is not None:
+        text += f"; experts (EP {args.expert_model_parallel_size}): none on this rank"
+    return text
+
+
 def summary(args, model, optimizer) -> None:
-    """One-time layout report: parallel sizes, levels per axis, parameters and persistent bytes per rank."""
+    """One-time layout report: parallel sizes, levels and mesh per axis, parameters per rank."""
     if args.use_megatron_fsdp:  # ZeRO-3 parameters are empty placeholders between uses: count the layouts
         params = sum(slot.spec.numel for chunk in model for unit in chunk.fsdp.units for slot in unit.storage.layout.slots)
     else:
         params = sum(p.numel() for chunk in model for p in chunk.module.parameters())
-    if args.use_megatron_fsdp:
-        report = [chunk.fsdp.memory_report() for chunk in model]
-        persistent = sum(r.total for r in report) + optimizer.engine.state_bytes()
-        levels = model[0].fsdp.levels
-        backend = f"megatron.fsdp, levels {levels.inner.name} (dp_shard) x {levels.outer.name} (dp_outer)"
-    else:
-        persistent = None
-        backend = "Megatron-Core DistributedDataParallel" + (
-            " + DistributedOptimizer" if args.use_distributed_optimizer else "")
-    counts = torch.tensor([params, -1 if persistent is None else persistent], dtype=torch.float64)
-    everyone = [torch.zeros_like(counts) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, counts)
+    everyone = gather_per_rank([params])
     print_rank_0(
         f"> parallel layout: world {dist.get_world_size()} = TP {args.tensor_model_parallel_size} x "
         f"PP {args.pipeline_model_parallel_size} x CP {args.context_parallel_size} x DP {args.data_parallel_size}"
         f"{'' if args.virtual_pipeline_model_parallel_size is None else f' (VPP {args.virtual_pipeline_model_parallel_size})'}; "
         f"micro-batches per step {args.num_micro_batches}")
-    print_rank_0(f"> data parallel: {backend}")
+    print_rank_0(f"> data parallel: {data_parallel_text(args, model)}")
     print_rank_0("> parameters per rank (model-parallel shard, before data-parallel sharding): "
                  + " ".join(str(int(c[0])) for c in everyone))
-    if persistent is not None:
-        print_rank_0("> persistent bytes per rank (weights, main weights, grads; optimizer state after step 1): "
-                     + " ".join(str(int(c[1])) for c in everyone))
+
+
+def persistent_line(args, model, optimizer) -> Optional[str]:
+    """Persistent bytes per rank once the optimizer state exists (after the first step); a collective.
+
+    None for the Megatron-Core baseline, whose buffers this job does not itemise.
+    """
+    if not args.use_megatron_fsdp:
+        return None
+    persistent = sum(chunk.fsdp.memory_report().total for chunk in model) + optimizer.engine.state_bytes()
+    everyone = gather_per_rank([persistent])
+    return ("persistent bytes per rank (weights, main weights, grads, optimizer state): "
+            + " ".join(str(int(c[0])) for c in everyone))
+
+
+def end_of_run_line(iterations: int, wall_seconds: float, train_seconds: float, tokens: int,
+                    peak_mib: float) -> str:
+    """The end-of-run summary: iterations, time (wall, and in training steps), tokens/s, highest peak memory.
+
+    Tokens per second count the training steps only (as the per-iteration time does),
+    not evaluation or checkpoint saves, which the wall time includes.
+    """
+    rate = tokens / train_seconds if train_seconds > 0 else float("nan")
+    return (f" training done | iterations: {iterations} | total time (s): {wall_seconds:.1f} | "
+            f"time in training steps (s): {train_seconds:.1f} | tokens per second: {rate:.1f} | "
+            f"peak memory (MiB), max over ranks and iterations: {peak_mib:.0f} |")

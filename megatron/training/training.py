@@ -12,7 +12,9 @@ import torch.distributed as dist
 from . import checkpointing, data, model as model_lib
 from .checkpoint_files import CheckpointError
 from .initialize import initialize, shutdown
-from .logging_utils import TensorBoard, iteration_line, memory_line, print_rank_0, summary
+from .logging_utils import (IntervalLog, TensorBoard, end_of_run_line, format_fields, gather_per_rank, memory_line,
+                            memory_mib, persistent_line, print_rank_0, reset_peak_memory, summary)
+from .moe_logging import moe_aux_losses
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -113,7 +115,7 @@ def pretrain(args) -> dict:
             print_rank_0(f" validation loss at iteration {iteration}{note} | lm loss value: {valid:.6E} |")
         return valid
 
-    start_iteration, consumed, skipped = 0, 0, 0
+    start_iteration, consumed = 0, 0
     if args.load:
         start_iteration, consumed = checkpointing.load_checkpoint(args, model, optimizer, scheduler)
         history["start_iteration"] = start_iteration
@@ -124,6 +126,8 @@ def pretrain(args) -> dict:
     for chunk in model:
         chunk.train()
     iteration = start_iteration
+    interval, highest_peak, trained_seconds, loop_start = IntervalLog(), 0.0, 0.0, time.perf_counter()
+    reset_peak_memory()
     for iteration in range(start_iteration + 1, args.train_iters + 1):
         start = time.perf_counter()
         for chunk in model:
@@ -135,21 +139,31 @@ def pretrain(args) -> dict:
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
             decoder_seq_length=args.seq_length, forward_only=False)
         ok, grad_norm, _zeros = optimizer.step()
-        skipped += 0 if ok else 1
         consumed += args.global_batch_size
         scheduler.step(increment=args.global_batch_size)
-        loss = _mean_loss(reduced)
-        elapsed = (time.perf_counter() - start) * 1000
+        losses = {"lm loss": _mean_loss(reduced), **moe_aux_losses(args, device)}
+        elapsed = time.perf_counter() - start
+        trained_seconds += elapsed
+        interval.add(elapsed, losses, skipped=not ok)
         lr = optimizer.param_groups[0]["lr"]
-        history["losses"].append(loss)
+        history["losses"].append(losses["lm loss"])
         history["grad_norms"].append(None if grad_norm is None else float(grad_norm))
-        board.scalars(iteration, {"lm loss": loss, "grad norm": grad_norm, "learning rate": lr})
-        if iteration % args.log_interval == 0:
-            print_rank_0(iteration_line(iteration, args.train_iters, consumed, elapsed, lr, args.global_batch_size,
-                                        loss, grad_norm, skipped))
-            if iteration == start_iteration + args.log_interval:
-                line = memory_line()
+        for name, value in losses.items():
+            if name != "lm loss":
+                history.setdefault(name, []).append(value)
+        board.scalars(iteration, {**losses, "grad norm": grad_norm, "learning rate": lr})
+        if iteration == start_iteration + 1:  # the optimizer state exists only now
+            line = persistent_line(args, model, optimizer)
+            if line is not None:
                 print_rank_0(" " + line)
+        if iteration % args.log_interval == 0:
+            print_rank_0(format_fields(interval.fields(iteration, args.train_iters, consumed, lr,
+                                                       args.global_batch_size, grad_norm)))
+            interval.reset()
+            peaks = [row[0] for row in gather_per_rank([memory_mib()["peak"]])]
+            highest_peak = max([highest_peak] + peaks)
+            print_rank_0(" " + memory_line(peaks))
+            reset_peak_memory()
         if args.eval_interval and iteration % args.eval_interval == 0:
             valid = validate(iteration)
             if valid is not None:
@@ -163,6 +177,11 @@ def pretrain(args) -> dict:
             break
     if args.save and iteration > saved_at:
         checkpointing.save_checkpoint(args, iteration, consumed, model, optimizer, scheduler)
+    highest_peak = max([highest_peak] + [row[0] for row in gather_per_rank([memory_mib()["peak"]])])
+    done = iteration - start_iteration
+    history.update(max_peak_mib=highest_peak, iterations=done)
+    print_rank_0(end_of_run_line(done, time.perf_counter() - loop_start, trained_seconds,
+                                 done * args.global_batch_size * args.seq_length, highest_peak))
     board.close()
     return history
 

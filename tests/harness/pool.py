@@ -78,6 +78,9 @@ def _worker_main(rank: int, world: int, init_file: str, conn) -> None:
     import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)
+    from megatron.fsdp.library_warnings import silence_unactionable_warnings
+
+    silence_unactionable_warnings(cpu_worker_pool=True)  # notices would interleave with report tools' rows
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     groups = {k: dist.new_group(list(range(k))) for k in range(1, world + 1)}

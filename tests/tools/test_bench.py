@@ -7,15 +7,30 @@ throughput, memory and collective bytes, theory to compare with, and the JSON fi
 
 import json
 import math
+import sys
 
-from tools.bench import run
+from tools.bench import bf16_support, report, run
 from tools.bench.spec import SYSTEMS
 
 
-def test_quick_torch_two_ranks(tmp_path):
+def test_quick_torch_two_ranks(tmp_path, monkeypatch, capsys):
     out = tmp_path / "results.json"
-    run.main(["--quick", "--workloads", "torch", "--ranks", "2", "--timeout", "120", "--out", str(out)])
+    written = []  # --out is rewritten after every run (a killed benchmark keeps its rows), whole each time
+    write = run.write_json
+    monkeypatch.setattr(run, "write_json", lambda path, results: (written.append(json.loads(json.dumps(results))),
+                                                                   write(path, results)))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # absent: said, not silently skipped
+    run.main(["--quick", "--workloads", "torch", "--ranks", "2", "--timeout", "120", "--out", str(out),
+              "--plot", str(tmp_path / "plot.png")])
     results = json.loads(out.read_text())
+    assert [len(w["runs"]) for w in written] == list(range(1, len(results["runs"]) + 1)) + [len(results["runs"])]
+    assert [w["meta"]["complete"] for w in written] == [False] * len(results["runs"]) + [True]
+    printed = capsys.readouterr()
+    native = bf16_support.native_bf16()[0]
+    assert results["meta"]["dtype"] == ("bf16" if native else "fp32")
+    assert f"dtype: {results['meta']['dtype']} (" in printed.err
+    assert printed.err.count(": running (") == len(results["runs"]) and "[1/" in printed.err  # progress per run
+    assert "plot: skipped: matplotlib is not installed (pip install -e '.[plot]'" in printed.out
     rows = {row["system"]: row for row in results["rows"]}
     expected = [s for s in SYSTEMS["torch"] if s != "unwrapped"]  # world size 1 only
     assert sorted(rows) == sorted(expected)
@@ -33,3 +48,23 @@ def test_quick_torch_two_ranks(tmp_path):
     assert rows["ours:optim_grads_params"]["bytes_source"] == "ledger" and rows["fsdp2"]["bytes_source"] != "ledger"
     assert set(rows["ours:no_shard"]["ratios"]) == {"fsdp2"}
     assert [t["target"] for t in results["targets"]] and all("status" in t for t in results["targets"])
+
+
+def _row(median, p25, p75, ranks=1, system="ours:no_shard"):
+    return {"workload": "torch", "size": "5M", "ranks": ranks, "system": system, "label": system, "rounds_ok": 3,
+            "step_s": {"median": median, "p25": p25, "p75": p75}, "bytes": {}, "bytes_theory": {},
+            "persistent_bytes": 1.0, "persistent_theory": 1.0, "tokens_per_s": 1.0 / median, "peak_bytes": 1.0}
+
+
+def test_verdicts_say_noise_when_the_spread_hides_the_effect():
+    base = _row(1.0, 0.99, 1.01, system="unwrapped")
+    single = lambda ours: report.targets([base, ours])[3]  # noqa: E731  world size 1 vs the unwrapped model
+    assert single(_row(1.02, 1.01, 1.03))["status"] == "pass"  # +2% +-1.4%: within 5%
+    assert single(_row(1.20, 1.19, 1.21))["status"] == "fail"  # +20%
+    assert single(_row(1.40, 0.60, 1.80))["status"] == report.NOISE  # +40% at +-43%: [fail] before
+    assert single(_row(0.45, 0.10, 0.80))["status"] == report.NOISE  # -55% at +-78%: [pass] before
+    assert single(_row(1.05, 1.0, 1.1))["status"] == report.NOISE  # at the threshold itself
+    assert "(spread ±" in single(_row(1.02, 1.01, 1.03))["details"][0]
+    assert report.resolved(0.5, 0.15, 0.1, True) is True and report.resolved(0.1, 0.15, 0.1, True) is None
+    native, reason = bf16_support.native_bf16()
+    assert isinstance(native, bool) and reason

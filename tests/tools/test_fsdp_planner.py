@@ -284,7 +284,7 @@ def test_budget_that_nothing_fits_is_a_clear_message(capsys):
     (["--gpus-per-domain", "8", "--memory-gb", "80"], "give the model size"),
     (WORKED + ["--num-layers", "2", "--memory-gb", "80"], "not both"),
     (["--num-layers", "2", "--hidden-size", "64", "--gpus-per-domain", "8", "--memory-gb", "80"],
-     "also need --ffn-hidden-size --num-attention-heads --seq-length --vocab-size"),
+     "also need --num-attention-heads --seq-length --vocab-size"),
     (["--num-layers", "2", "--hidden-size", "65", "--ffn-hidden-size", "4", "--num-attention-heads", "4",
       "--seq-length", "8", "--vocab-size", "8", "--gpus-per-domain", "8", "--memory-gb", "80"], "not divisible"),
     (WORKED + ["--memory-gb", "0"], "--memory-gb must be positive"),
@@ -299,3 +299,12 @@ def test_argument_errors_name_the_problem(argv, message, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_ffn_hidden_size_defaults_to_4_x_hidden_like_the_job():
+    parser = fp.build_parser()
+    model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+             "--vocab-size", "1000", "--gpus-per-domain", "8", "--memory-gb", "80"]
+    implicit = fp.inputs_from_args(parser, parser.parse_args(model))[0]
+    explicit = fp.inputs_from_args(parser, parser.parse_args(model + ["--ffn-hidden-size", "256"]))[0]
+    assert implicit == explicit

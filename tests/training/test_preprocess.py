@@ -318,3 +318,18 @@ def test_preprocess_bad_arguments(tmp_path, capsys):
                    "ByteLevelTokenizer", "--output-prefix", str(tmp_path / "c")])
     with pytest.raises(SystemExit):
         tool.main(["--input", "x", "--tokenizer-type", "Nope", "--output-prefix", "c"])
+
+
+def test_preprocess_command_line_prints_the_message_only(tmp_path, capsys):
+    """On the command line an input error is its message on one line (exit status 2), not a traceback."""
+    tool = _load_tool()
+    status = tool.cli(["--input", str(tmp_path / "*.jsonl"), "--tokenizer-type", "ByteLevelTokenizer",
+                       "--output-prefix", str(tmp_path / "c")])
+    err = capsys.readouterr().err
+    assert status == 2 and err.startswith("preprocess_data.py: error: --input ") and "no file matches" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    (tmp_path / "in.txt").write_text("text")
+    status = tool.cli(["--input", str(tmp_path / "in.txt"), "--input-format", "text", "--tokenizer-type",
+                       "GPT2BPETokenizer", "--output-prefix", str(tmp_path / "c")])
+    assert status == 2 and capsys.readouterr().err.strip() == (
+        "preprocess_data.py: error: GPT2BPETokenizer needs --vocab-file")

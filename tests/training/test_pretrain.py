@@ -106,7 +106,12 @@ def test_pretrain_gpt_moe_4_ranks_matches_megatron_ddp(moe_pool, dispatcher, ep,
     levels = _fsdp("optim_grads_params") + (
         ["--expert-data-parallel-sharding-strategy", expert_level] if expert_level else [])
     base = moe_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300, argv=MODEL + moe)[0]
-    got = moe_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300, argv=MODEL + moe + levels)[0]
+    got = moe_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300, capture_log=True,
+                       argv=MODEL + moe + levels)[0]
+    # The router's load-balancing loss is logged as Megatron-LM logs it, the same as the baseline's.
+    assert len(got["load_balancing_loss"]) == len(got["losses"]) and "load_balancing_loss: " in got["log"]
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got["load_balancing_loss"], base["load_balancing_loss"]))
+    assert f"experts (EP {ep}, expert DP {4 // ep}): levels {expert_level or 'optim_grads_params'}" in got["log"]
     for key in ("losses", "grad_norms", "valid"):
         assert len(got[key]) == len(base[key]) > 0
         for a, b in zip(got[key], base[key]):
@@ -152,3 +157,12 @@ def test_startup_error_from_the_command_line(capsys):
         main(["--mock-data", "--global-batch-size", "6", "--micro-batch-size", "4"])
     assert exit_info.value.code == 2
     assert "error: --global-batch-size 6 is not a multiple of --micro-batch-size 4" in capsys.readouterr().out
+def test_help_shows_every_default():
+    from megatron.training.arguments import build_parser
+
+    parser = build_parser()
+    text = " ".join(parser.format_help().split())
+    assert "plain data parallel like DDP" in text and "(default: no_shard)" in text
+    for action in parser._actions:  # every argument says its default (argparse prints none without a help text)
+        if action.option_strings and action.dest != "help":
+            assert "default" in parser._get_formatter()._get_help_string(action), action.option_strings

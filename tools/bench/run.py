@@ -51,15 +51,18 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="world sizes; 1 is the torch workload's overhead check (ours vs the unwrapped model, fp32)")
     p.add_argument("--sizes", nargs="+", choices=list(SIZES), default=None, help="default: 5M 50M (--quick: tiny)")
     p.add_argument("--systems", nargs="+", choices=every, default=every)
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
-                   help="bf16: bf16 compute, fp32 main weights and gradient reduction (world size 1 runs fp32)")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
+                   help="bf16: bf16 compute, fp32 main weights and gradient reduction (world size 1 runs fp32); "
+                        "default: bf16 where this machine computes it natively (AVX512-BF16, AMX, a CUDA GPU), "
+                        "else fp32")
     p.add_argument("--rounds", type=int, default=None, help="round-robin rounds (default 3; --quick: 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per run (default 2; --quick: 1)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 5; --quick: 2)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores // ranks)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take before it counts as a hang")
     p.add_argument("--quick", action="store_true", help="tiny model, one round, few steps: a smoke run")
-    p.add_argument("--out", default=None, help="write every run, row and target as JSON here")
+    p.add_argument("--out", default=None, help="write every run, row and target as JSON here (rewritten after "
+                                               "every run, so a killed benchmark keeps the runs it finished)")
     p.add_argument("--plot", default=None, help=f"PNG of the table (default {os.path.relpath(DEFAULT_PLOT)}; "
                                                 "--quick: none); '' for none")
     p.add_argument("--from-json", default=None, help="re-report a saved --out file instead of running")
@@ -72,6 +75,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.plot is None:
         args.plot = "" if quick else DEFAULT_PLOT
     return args
+
+
+def choose_dtype(args, log=print) -> None:
+    """Default --dtype: bf16 only where it is native; say which and why."""
+    if args.dtype is not None or args.from_json:
+        return
+    from tools.bench.bf16_support import native_bf16
+
+    native, reason = native_bf16()
+    args.dtype = "bf16" if native else "fp32"
+    log(f"dtype: {args.dtype} ({reason}{'' if native else '; pass --dtype bf16 to measure the emulation anyway'})")
 
 
 def plan(args) -> List[tuple]:
@@ -134,10 +148,12 @@ class _Pool:
             self.pool.close(kill=kill)
 
 
-def run_matrix(args, log=print) -> List[dict]:
-    """Every run of the plan, as records ``report.aggregate`` reads."""
+def run_matrix(args, log=print, on_run=None) -> List[dict]:
+    """Every run of the plan, as records ``report.aggregate`` reads; ``on_run(runs)`` after each one."""
     runs = []
-    for workload, ranks, systems in plan(args):
+    the_plan = plan(args)
+    total = sum(len(systems) for _, _, systems in the_plan) * len(args.sizes) * args.rounds
+    for workload, ranks, systems in the_plan:
         dtype = "fp32" if ranks == 1 else args.dtype
         pool = _Pool(workload, ranks, dtype, args.threads or max(1, (os.cpu_count() or 1) // ranks), args.timeout)
         try:
@@ -146,6 +162,9 @@ def run_matrix(args, log=print) -> List[dict]:
                     for system in systems[rnd % len(systems):] + systems[:rnd % len(systems)]:
                         record = {"workload": workload, "ranks": ranks, "size": size, "system": system,
                                   "dtype": dtype, "round": rnd, "status": "ok", "reason": None}
+                        where = (f"[{len(runs) + 1}/{total} {workload} {size} N={ranks} {dtype} "
+                                 f"round {rnd + 1}/{args.rounds}] {system}")
+                        log(f"{where}: running ({args.warmup} warm-up + {args.steps} timed steps)...")
                         start = time.perf_counter()
                         try:
                             record["per_rank"] = pool.run(system, size, args.warmup, args.steps)
@@ -155,11 +174,20 @@ def run_matrix(args, log=print) -> List[dict]:
                             record.update(status="crashed", reason=_reason(exc))
                             note = f"crashed ({record['reason']})"
                         runs.append(record)
-                        log(f"[{workload} {size} N={ranks} round {rnd + 1}/{args.rounds}] {system}: {note} "
-                            f"({time.perf_counter() - start:.1f} s)")
+                        log(f"{where}: {note} ({time.perf_counter() - start:.1f} s)")
+                        if on_run is not None:
+                            on_run(runs)
         finally:
             pool.close()
     return runs
+
+
+def write_json(path: str, results: dict) -> None:
+    """Write ``results`` whole or not at all (a temporary file renamed over ``path``)."""
+    temporary = f"{path}.tmp{os.getpid()}"
+    with open(temporary, "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(temporary, path)
 
 
 def meta(args) -> dict:
@@ -185,21 +213,29 @@ def main(argv: Optional[List[str]] = None) -> dict:
         results["rows"] = report.aggregate(results["runs"])
         results["targets"] = report.targets(results["rows"])
     else:
+        log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+        choose_dtype(args, log)
         info = meta(args)
-        runs = run_matrix(args, log=lambda line: print(line, file=sys.stderr, flush=True))
+
+        def partial(runs):  # a killed benchmark keeps every run it finished
+            if args.out:
+                rows = report.aggregate(runs)
+                write_json(args.out, {"meta": dict(info, complete=False), "runs": runs, "rows": rows,
+                                      "targets": report.targets(rows)})
+        runs = run_matrix(args, log=log, on_run=partial)
         rows = report.aggregate(runs)
-        results = {"meta": info, "runs": runs, "rows": rows, "targets": report.targets(rows)}
+        results = {"meta": dict(info, complete=True), "runs": runs, "rows": rows, "targets": report.targets(rows)}
     print(report.format_table(results["rows"]))
     print()
     print(report.format_targets(results["targets"]))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.out, results)
     if args.plot:
         info = results.get("meta", {})
         title = f"{'SMOKE RUN (--quick): ' if info.get('quick') else ''}{info.get('command', '')} ({info.get('date', '')})"
         where = report.plot(results["rows"], args.plot, title=title)
-        print(f"plot: {where}" if where else "plot: skipped (matplotlib is not installed)")
+        print(f"plot: {where}" if where else "plot: skipped: matplotlib is not installed "
+                                             "(pip install -e '.[plot]', or pip install matplotlib)")
     return results
 
 

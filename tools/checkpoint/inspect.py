@@ -58,7 +58,8 @@ def describe(directory: Path) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("checkpoint")
-    p.add_argument("--iteration", type=int, default=None)
+    p.add_argument("--iteration", type=int, default=None,
+                   help="read iter_N of the save directory instead of the latest (the tracker's)")
     p.add_argument("--keys", default=None, help="only keys matching this regular expression")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)

@@ -3,7 +3,7 @@
 Importing this package imports Megatron-Core; the engine itself never does.
 """
 
-from .quiet import silence_unactionable_warnings
+from megatron.fsdp.library_warnings import silence_unactionable_warnings
 
 silence_unactionable_warnings()
 

@@ -1,0 +1,102 @@
+"""Which dataset splits a run reads, and the start-up check that each has documents.
+
+Megatron-Core's ``GPTDataset`` repeats a split's documents until it holds the
+requested number of samples; a split that ``--split`` rounds to zero documents
+(or zero tokens) makes that loop run forever, silently. So the job builds only
+the splits it reads (validation only with evaluation, test never: this job has
+no test phase, as Megatron-LM has none without ``--eval-iters`` and a test run),
+and before anything is built it checks every used split of every ``--data-path``
+prefix, stopping with one line that names the split, its document count and a
+``--split`` that works.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Tuple
+
+SPLIT_NAMES = ("train", "validation", "test")
+
+
+class DataSplitError(ValueError):
+    """A used split that would hold no documents, or data files that are missing."""
+
+
+def split_samples(args) -> List[Optional[int]]:
+    """Samples each split must supply over the whole run; None for a split the run never reads."""
+    train = args.train_iters * args.global_batch_size
+    eval_runs = args.train_iters // args.eval_interval + 1 if args.eval_interval else 0
+    valid = eval_runs * args.eval_iters * args.global_batch_size if args.eval_iters > 0 else 0
+    return [train, valid or None, None]
+
+
+def split_matrix(split: str) -> List[Optional[Tuple[float, float]]]:
+    """Megatron-Core's book-ends of each split, as fractions of the documents (None: empty split)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (convert_split_vector_to_split_matrix,
+                                                                         parse_and_normalize_split)
+
+    try:
+        return convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    except (AssertionError, ValueError, ZeroDivisionError):
+        raise DataSplitError(f"--split {split!r}: expected up to three non-negative weights with a positive "
+                             "sum, train,validation,test (e.g. 969,30,1)") from None
+
+
+def used_split_matrix(args) -> List[Optional[Tuple[float, float]]]:
+    """The split matrix with the splits this run never reads set to None, so they are not built.
+
+    The book-ends of the used splits stay where ``--split`` puts them: dropping a
+    split does not move documents between the others.
+    """
+    return [bookend if size is not None else None
+            for bookend, size in zip(split_matrix(args.split), split_samples(args))]
+
+
+def _document_range(bookend: Optional[Tuple[float, float]], documents: int) -> Tuple[int, int]:
+    if bookend is None:
+        return 0, 0
+    return int(round(bookend[0] * float(documents))), int(round(bookend[1] * float(documents)))
+
+
+def _working_split(documents: int, args) -> str:
+    """A ``--split`` (in documents) that gives every used split at least one document, or advice."""
+    needs_valid = split_samples(args)[1] is not None
+    if not needs_valid:
+        return "--split 1,0,0"
+    if documents < 2:
+        return "--eval-iters 0 (no validation), or more documents"
+    valid_fraction = (split_matrix(args.split)[1] or (0.0, 0.0))
+    valid = min(documents - 1, max(1, int(round((valid_fraction[1] - valid_fraction[0]) * documents))))
+    return f"--split {documents - valid},{valid},0 (or --eval-iters 0 for no validation)"
+
+
+def check_splits(args) -> None:
+    """Raise DataSplitError when a used split of a ``--data-path`` prefix has no documents or tokens.
+
+    Reads only each prefix's ``.idx`` (document count and lengths): cheap, on every
+    rank, before any process group or collective exists.
+    """
+    if args.mock_data or not args.data_path:
+        return
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    matrix = used_split_matrix(args)
+    prefixes = get_blend_from_list(args.data_path)[0]
+    for prefix in prefixes:
+        missing = [p for p in (prefix + ".idx", prefix + ".bin") if not os.path.isfile(p)]
+        if missing:
+            raise DataSplitError(f"--data-path {prefix}: no file {missing[0]} (give the prefix that "
+                                 "tools/preprocess_data.py printed, without .bin/.idx)")
+        index = IndexedDataset(prefix, mmap=True)
+        documents = index.document_indices.shape[0] - 1
+        for name, bookend in zip(SPLIT_NAMES, matrix):
+            if bookend is None and name != "train":
+                continue
+            begin, end = _document_range(bookend, documents)
+            tokens = int(index.sequence_lengths[begin:end].sum()) if end > begin else 0
+            if end <= begin or tokens == 0:
+                what = f"{end - begin} documents" if end <= begin else f"{end - begin} documents but no tokens"
+                raise DataSplitError(
+                    f"--split {args.split} leaves the {name} split of {prefix} with {what} (of its {documents}); "
+                    f"use {_working_split(documents, args)}")
