@@ -11,6 +11,8 @@ from typing import List, Optional
 
 import megatron.fsdp as mfsdp
 
+from .architecture import add_architecture_args, validate_architecture
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Pretrain a GPT with Megatron-Core (--use-megatron-fsdp for megatron.fsdp)",
@@ -30,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-num-layers", type=int, default=1)
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
                    help="no biases in linear layers (needed with --num-experts)")
+    add_architecture_args(p)
     g = p.add_argument_group("mixture of experts")
     g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: dense MLPs)")
     g.add_argument("--moe-router-topk", type=int, default=2)
@@ -62,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    default="cosine")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: train iters")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warm-up as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -165,8 +170,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             _fail(f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage} needs "
                   f"--pipeline-model-parallel-size > 1 and must divide the {per_stage} layers per stage")
         args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage
-    if args.hidden_size % args.num_attention_heads:
-        _fail(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}")
+    validate_architecture(args)
     if args.num_attention_heads % tp:
         _fail(f"--num-attention-heads {args.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}")
     if args.sequence_parallel and tp == 1:
@@ -187,6 +191,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.max_position_embeddings < args.seq_length:
         _fail(f"--max-position-embeddings {args.max_position_embeddings} is shorter than --seq-length {args.seq_length}")
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    _validate_lr_warmup(args)
     if args.lr_warmup_iters >= args.lr_decay_iters:
         _fail(f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters (default --train-iters) "
               f"{args.lr_decay_iters}")
@@ -200,6 +205,16 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         except ImportError:
             _fail("--transformer-impl transformer_engine needs Transformer Engine installed; use --transformer-impl local")
     return args
+
+
+def _validate_lr_warmup(args: argparse.Namespace) -> None:
+    """Megatron-LM's --lr-warmup-fraction: warm-up iterations = fraction x --lr-decay-iters."""
+    if args.lr_warmup_fraction is None:
+        return
+    if args.lr_warmup_iters:
+        _fail("--lr-warmup-fraction and --lr-warmup-iters both set the warm-up; give one of them")
+    if not 0.0 <= args.lr_warmup_fraction < 1.0:
+        _fail(f"--lr-warmup-fraction={args.lr_warmup_fraction} must be in [0, 1)")
 
 
 def _validate_moe(args: argparse.Namespace, world_size: int) -> None:
