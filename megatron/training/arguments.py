@@ -12,6 +12,7 @@ from typing import List, Optional
 import megatron.fsdp as mfsdp
 
 from .architecture import add_architecture_args, validate_architecture
+from .writers import add_writer_args, validate_writers
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=int, default=None)
     g.add_argument("--eval-iters", type=int, default=2)
     g.add_argument("--tensorboard-dir", default=None)
+    add_writer_args(p)
     g = p.add_argument_group("checkpointing (docs/checkpoints.md)")
     g.add_argument("--save", default=None, help="directory to save checkpoints to")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between saves (and one at the end)")
@@ -199,6 +201,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.eval_interval = args.train_iters
     _validate_moe(args, world_size)
     _validate_checkpointing(args)
+    validate_writers(args)
     if args.transformer_impl == "transformer_engine":
         try:
             import transformer_engine  # noqa: F401

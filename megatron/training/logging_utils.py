@@ -1,4 +1,4 @@
-"""Megatron-shaped log lines, memory per rank, the start-up summary, TensorBoard scalars."""
+"""Megatron-shaped log lines, memory per rank, the start-up summary (scalar writers: writers.py)."""
 
 from __future__ import annotations
 
@@ -34,35 +34,13 @@ def memory_line() -> str:
 
 
 def iteration_line(iteration: int, total: int, consumed: int, elapsed_ms: float, lr: float, batch: int,
-                   loss: float, grad_norm: Optional[float], skipped: int) -> str:
+                   loss: float, grad_norm: Optional[float], skipped: int, extra: str = "") -> str:
+    """``extra``: fields after the elapsed time, as Megatron-LM places its throughput (throughput.py)."""
     norm = "nan" if grad_norm is None else f"{grad_norm:.6f}"
     return (f" iteration {iteration:8d}/{total:8d} | consumed samples: {consumed:12d} | "
-            f"elapsed time per iteration (ms): {elapsed_ms:.1f} | learning rate: {lr:.6E} | "
+            f"elapsed time per iteration (ms): {elapsed_ms:.1f} | {extra + ' ' if extra else ''}learning rate: {lr:.6E} | "
             f"global batch size: {batch:5d} | lm loss: {loss:.6E} | grad norm: {norm} | "
             f"number of skipped iterations: {skipped:3d} |")
-
-
-class TensorBoard:
-    """Scalars on rank 0 when ``--tensorboard-dir`` is given (needs the tensorboard package)."""
-
-    def __init__(self, directory: Optional[str]):
-        self.writer = None
-        if directory and (not dist.is_initialized() or dist.get_rank() == 0):
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as exc:
-                raise RuntimeError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from exc
-            self.writer = SummaryWriter(log_dir=directory)
-
-    def scalars(self, iteration: int, values: Dict[str, float]) -> None:
-        if self.writer is not None:
-            for key, value in values.items():
-                if value is not None:
-                    self.writer.add_scalar(key, value, iteration)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
 
 
 def summary(args, model, optimizer) -> None:

@@ -12,7 +12,10 @@ import torch.distributed as dist
 from . import checkpointing, data, model as model_lib
 from .checkpoint_files import CheckpointError
 from .initialize import initialize, shutdown
-from .logging_utils import TensorBoard, iteration_line, memory_line, print_rank_0, summary
+from .logging_utils import iteration_line, memory_line, memory_mib, print_rank_0, summary
+from .throughput import throughput
+from .timers import IterationTimers
+from .writers import ScalarWriters
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -100,7 +103,9 @@ def pretrain(args) -> dict:
     device, tokenizer, model, optimizer, scheduler = setup(args)
     train_ds, valid_ds, _test_ds = data.build_datasets(args, tokenizer)
     summary(args, model, optimizer)
-    board = TensorBoard(args.tensorboard_dir)
+    board = ScalarWriters(args)
+    timers = IterationTimers(args.log_timers_to_tensorboard)
+    _time_grad_sync(model, timers)
     forward_backward = get_forward_backward_func()
     forward_step = make_forward_step(device)
     history = {"losses": [], "grad_norms": [], "valid": [], "start_iteration": 0, "valid_at_load": None}
@@ -129,12 +134,14 @@ def pretrain(args) -> dict:
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        reduced = forward_backward(
-            forward_step_func=forward_step, data_iterator=_iterators(model, train_ds, args, consumed),
-            model=model if len(model) > 1 else model[0], num_microbatches=args.num_micro_batches,
-            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-            decoder_seq_length=args.seq_length, forward_only=False)
-        ok, grad_norm, _zeros = optimizer.step()
+        with timers.time("forward-backward"):
+            reduced = forward_backward(
+                forward_step_func=forward_step, data_iterator=_iterators(model, train_ds, args, consumed),
+                model=model if len(model) > 1 else model[0], num_microbatches=args.num_micro_batches,
+                seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                decoder_seq_length=args.seq_length, forward_only=False)
+        with timers.time("optimizer"):
+            ok, grad_norm, _zeros = optimizer.step()
         skipped += 0 if ok else 1
         consumed += args.global_batch_size
         scheduler.step(increment=args.global_batch_size)
@@ -143,10 +150,12 @@ def pretrain(args) -> dict:
         lr = optimizer.param_groups[0]["lr"]
         history["losses"].append(loss)
         history["grad_norms"].append(None if grad_norm is None else float(grad_norm))
-        board.scalars(iteration, {"lm loss": loss, "grad norm": grad_norm, "learning rate": lr})
+        rates = throughput(args, elapsed / 1000, dist.get_world_size()) if args.log_throughput else None
+        board.scalars(iteration, _iteration_scalars(args, loss, grad_norm, lr, elapsed, rates))
+        board.scalars(iteration, timers.take())
         if iteration % args.log_interval == 0:
             print_rank_0(iteration_line(iteration, args.train_iters, consumed, elapsed, lr, args.global_batch_size,
-                                        loss, grad_norm, skipped))
+                                        loss, grad_norm, skipped, extra=rates.log_fields() if rates else ""))
             if iteration == start_iteration + args.log_interval:
                 line = memory_line()
                 print_rank_0(" " + line)
@@ -165,6 +174,23 @@ def pretrain(args) -> dict:
         checkpointing.save_checkpoint(args, iteration, consumed, model, optimizer, scheduler)
     board.close()
     return history
+
+
+def _time_grad_sync(model, timers: IterationTimers) -> None:
+    """``all-grads-sync``: the schedule's finalize_model_grads (data-parallel and model-parallel grad reductions)."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model[0])
+    config.finalize_model_grads_func = timers.wrap("all-grads-sync", config.finalize_model_grads_func)
+
+
+def _iteration_scalars(args, loss, grad_norm, lr, elapsed_ms, rates) -> dict:
+    """The iteration line's values under Megatron-LM's TensorBoard names."""
+    values = {"lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm, "batch-size": args.global_batch_size,
+              "iteration-time": elapsed_ms / 1000, "mem-max-allocated-bytes": memory_mib()["peak"] * 2**20}
+    if rates is not None:
+        values.update({"throughput": rates.tflops_per_gpu, "tokens-per-second-per-rank": rates.tokens_per_second_per_rank})
+    return values
 
 
 def main(argv=None) -> None:

@@ -18,3 +18,14 @@ def pretrain_in_pool(ctx, argv: List[str]) -> dict:
         finally:
             disable_cpu_mode()
             ps.destroy_model_parallel()
+
+
+def pretrain_logged(ctx, argv: List[str]) -> dict:
+    """``pretrain_in_pool`` that also returns what rank 0 printed (the log lines), under ``"stdout"``."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        history = pretrain_in_pool(ctx, argv)
+    return {**history, "stdout": out.getvalue()}

@@ -28,7 +28,8 @@ after ``parallel_state.initialize_model_parallel``, warns once per process and i
    synchronize, Stream, Event}`` -> device 0 and inert stand-ins (a CPU build raises
    on all of them); ``torch.cuda.is_available`` is left alone.
 7. ``_CudaToCpu``, a ``TorchFunctionMode`` on the calling thread: ``cuda``/``cuda:N``/
-   integer devices become ``cpu``, ``Tensor.cuda()`` is the identity and
+   integer devices become ``cpu``, ``Tensor.cuda()`` and ``Tensor.pin_memory()`` are the identity,
+   ``pin_memory=True`` is dropped (RoPE's context-parallel slicing asks for it) and
    ``Tensor.type()`` says ``torch.cuda.*Tensor`` for CPU tensors (``clip_grads`` and
    ``DistributedOptimizer`` assert on it). Sequence parallel, the MoE router,
    schedules, p2p, DDP buffers and the optimizers allocate with ``device="cuda"``.
@@ -38,8 +39,11 @@ with other work after a Megatron case should call it, since the mode intercepts 
 torch call on its thread and rewrites ``Tensor.type()``. Enabling again is fine.
 
 ``cpu_layer_spec(config)`` is GPTModel's block spec: Megatron's local spec with
-``SDPACoreAttention`` (``scaled_dot_product_attention``; under context parallelism
-it all-gathers K/V over the CP group) and ``CpuNorm`` (accepts sequence parallel).
+``SDPACoreAttention`` (``scaled_dot_product_attention``, grouped-query attention through its
+``enable_gqa``; under context parallelism it all-gathers K/V over the CP group) and
+``CpuNorm`` (torch LayerNorm or RMSNorm, also for qk-layernorm; accepts sequence parallel),
+dense or MoE per layer as ``config.moe_layer_freq`` says. Rotary embeddings need no kernel:
+with ``apply_rope_fusion=False`` Megatron-Core's unfused RoPE is plain torch.
 """
 
 from __future__ import annotations
@@ -260,10 +264,12 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _BACKWARDS:
             return self._backward(func, args, kwargs)
-        if func is torch.Tensor.cuda:
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]
         if "device" in kwargs and _names_cuda(kwargs["device"]):
             kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):  # no pinned allocator without an accelerator (RoPE under CP asks for one)
+            kwargs = {**kwargs, "pin_memory": False}
         if func is torch.Tensor.to and len(args) > 1 and _names_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
         elif func is torch.Tensor.type:
