@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 from typing import Dict, Optional
@@ -11,7 +12,9 @@ import torch.distributed as dist
 
 
 def print_rank_0(message: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    """Print on global rank 0; before the process group exists (start-up errors) torchrun's RANK says which."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
         print(message, flush=True)
 
 

@@ -73,6 +73,19 @@ def test_writer_startup_errors(monkeypatch, package, argv, pattern):
         validate_args(parse_args(["--mock-data"] + argv), 1)
 
 
+def test_missing_package_stops_the_job_once(monkeypatch, capsys):
+    """From the job's entry point: exit status 2, the message printed by rank 0 only (before any group)."""
+    from megatron.training.training import main
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    for rank, printed in (("0", 1), ("1", 0)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--mock-data", "--tensorboard-dir", "tb"])
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().out.count("error: --tensorboard-dir needs the tensorboard package") == printed
+
+
 def test_hf_tokenizer_error_without_transformers(monkeypatch):
     from megatron.training.tokenizer import build_tokenizer
 
