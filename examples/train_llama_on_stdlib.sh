@@ -8,7 +8,7 @@
 #   bash examples/train_llama_on_stdlib.sh [extra pretrain_gpt.py arguments]
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-export TORCHDYNAMO_DISABLE=1 OMP_NUM_THREADS=1
+export TORCHDYNAMO_DISABLE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 
 out="${DATA_DIR:-/tmp/mfsdp-stdlib-llama}"
 mkdir -p "$out"
@@ -19,7 +19,7 @@ fi
 if [ ! -f "$out/stdlib_text_document.idx" ]; then
     python tools/preprocess_data.py --input "$stdlib/*.py" --input-format text \
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$out/bpe" --append-eod --workers 2 \
-        --log-interval 200 --output-prefix "$out/stdlib"
+        --log-interval 25 --output-prefix "$out/stdlib"
 fi
 
 # Llama-3's shape, scaled down: 8 query heads sharing 2 key/value groups, SwiGLU MLP,

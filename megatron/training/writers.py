@@ -31,7 +31,7 @@ def add_writer_args(p: argparse.ArgumentParser) -> None:
                    help="write forward-backward, optimizer and data-parallel sync times (ms) as scalars")
     g.add_argument("--wandb-project", default=None, help="wandb project name (enables wandb; needs the wandb package)")
     g.add_argument("--wandb-exp-name", default=None, help="wandb run name")
-    g.add_argument("--wandb-save-dir", default=None, help="directory of the wandb run (default: ./wandb)")
+    g.add_argument("--wandb-save-dir", default=None, help="directory of the wandb run (default: --save/wandb, else ./wandb)")
 
 
 def _missing(package: str) -> bool:
@@ -96,7 +96,7 @@ class ScalarWriters:
 def _wandb_run(args):
     import wandb
 
-    save_dir = args.wandb_save_dir or os.path.join(os.getcwd(), "wandb")
+    save_dir = args.wandb_save_dir or os.path.join(args.save or os.getcwd(), "wandb")  # Megatron-LM: --save/wandb
     os.makedirs(save_dir, exist_ok=True)
     mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
     if mode == "offline":
