@@ -134,14 +134,12 @@ def pretrain(args) -> dict:
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        with timers.time("forward-backward"):
-            reduced = forward_backward(
-                forward_step_func=forward_step, data_iterator=_iterators(model, train_ds, args, consumed),
-                model=model if len(model) > 1 else model[0], num_microbatches=args.num_micro_batches,
-                seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                decoder_seq_length=args.seq_length, forward_only=False)
-        with timers.time("optimizer"):
-            ok, grad_norm, _zeros = optimizer.step()
+        reduced = timers.wrap("forward-backward", forward_backward)(
+            forward_step_func=forward_step, data_iterator=_iterators(model, train_ds, args, consumed),
+            model=model if len(model) > 1 else model[0], num_microbatches=args.num_micro_batches,
+            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+            decoder_seq_length=args.seq_length, forward_only=False)
+        ok, grad_norm, _zeros = timers.wrap("optimizer", optimizer.step)()
         skipped += 0 if ok else 1
         consumed += args.global_batch_size
         scheduler.step(increment=args.global_batch_size)
