@@ -122,17 +122,17 @@ def test_moe_layer_freq_rejects_code():
         parse_args(["--moe-layer-freq", "__import__('os').getcwd()"])
 
 
-def test_gpu_block_spec_builds_the_same_model():
+def test_gpu_block_spec_builds_the_same_model(mcore_pool):
     """What a GPU run builds (Megatron-Core's block spec, local layers) equals the CPU spec: same layer
-    pattern (--moe-layer-freq), same logits from the same seed (GQA, RoPE, RMSNorm, qk-layernorm)."""
-    from tests.conftest import _pool_of
+    pattern (--moe-layer-freq), same logits from the same seed (GQA, RoPE, RMSNorm, qk-layernorm).
+    Each rank of the pool builds both models by itself (DP 4, no collective)."""
 
     argv = ["--mock-data", "--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "16", "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
             "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear", "--qk-layernorm",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--num-experts", "2", "--moe-layer-freq", "[1,0,1]",
             "--moe-shared-expert-intermediate-size", "16"]
-    got = _pool_of(1).run("tests.training.llama_cases:local_spec_matches_cpu_spec", timeout=300, argv=argv)[0]
+    got = mcore_pool.run("tests.training.llama_cases:local_spec_matches_cpu_spec", timeout=300, argv=argv)[0]
     assert got["cpu"]["layers"] == got["local"]["layers"] == ["MoELayer", "MLP", "MoELayer"]
     assert (got["cpu"]["attention"], got["local"]["attention"]) == ("SDPACoreAttention", "DotProductAttention")
     assert got["max_diff"] < 1e-5, got["max_diff"]
