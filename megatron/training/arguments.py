@@ -11,7 +11,9 @@ from typing import List, Optional
 
 import megatron.fsdp as mfsdp
 
+from .architecture import add_architecture_args, validate_architecture
 from .argument_help import DefaultsHelpFormatter, show_every_default
+from .writers import add_writer_args, validate_writers
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-num-layers", type=int, default=1)
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
                    help="no biases in linear layers (needed with --num-experts)")
+    add_architecture_args(p)
     g = p.add_argument_group("mixture of experts")
     g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: dense MLPs)")
     g.add_argument("--moe-router-topk", type=int, default=2)
@@ -65,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                    default="cosine")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: train iters")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warm-up as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -117,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=int, default=None)
     g.add_argument("--eval-iters", type=int, default=2)
     g.add_argument("--tensorboard-dir", default=None)
+    add_writer_args(p)
     g = p.add_argument_group("checkpointing (docs/checkpoints.md)")
     g.add_argument("--save", default=None, help="directory to save checkpoints to")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between saves (and one at the end)")
@@ -184,8 +190,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             _fail(f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage} needs "
                   f"--pipeline-model-parallel-size > 1 and must divide the {per_stage} layers per stage")
         args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage
-    if args.hidden_size % args.num_attention_heads:
-        _fail(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {args.num_attention_heads}")
+    validate_architecture(args)
     if args.num_attention_heads % tp:
         _fail(f"--num-attention-heads {args.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}")
     if args.sequence_parallel and tp == 1:
@@ -206,6 +211,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.max_position_embeddings < args.seq_length:
         _fail(f"--max-position-embeddings {args.max_position_embeddings} is shorter than --seq-length {args.seq_length}")
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    _validate_lr_warmup(args)
     if args.lr_warmup_iters >= args.lr_decay_iters:
         _fail(f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters (default --train-iters) "
               f"{args.lr_decay_iters}")
@@ -214,6 +220,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _validate_moe(args, world_size)
     _validate_checkpointing(args)
     _validate_data(args)
+    validate_writers(args)
     if args.transformer_impl == "transformer_engine":
         try:
             import transformer_engine  # noqa: F401
@@ -234,6 +241,16 @@ def _validate_muon(args: argparse.Namespace) -> None:
         _fail(f"--muon-num-ns-steps {args.muon_num_ns_steps} must be at least 1")
     if not 0.0 <= args.muon_momentum < 1.0:
         _fail(f"--muon-momentum {args.muon_momentum} must be in [0, 1)")
+
+
+def _validate_lr_warmup(args: argparse.Namespace) -> None:
+    """Megatron-LM's --lr-warmup-fraction: warm-up iterations = fraction x --lr-decay-iters."""
+    if args.lr_warmup_fraction is None:
+        return
+    if args.lr_warmup_iters:
+        _fail("--lr-warmup-fraction and --lr-warmup-iters both set the warm-up; give one of them")
+    if not 0.0 <= args.lr_warmup_fraction < 1.0:
+        _fail(f"--lr-warmup-fraction={args.lr_warmup_fraction} must be in [0, 1)")
 
 
 def _validate_moe(args: argparse.Namespace, world_size: int) -> None:

@@ -1,4 +1,4 @@
-"""Megatron-shaped log lines, memory per rank, the start-up summary, TensorBoard scalars."""
+"""Megatron-shaped log lines, memory per rank, the start-up summary (scalar writers: writers.py)."""
 
 from __future__ import annotations
 
@@ -108,29 +108,6 @@ class IntervalLog:
                  ("learning rate", f"{lr:.6E}"), ("global batch size", f"{batch:5d}")]
                 + [(name, f"{value / n:.6E}") for name, value in self.losses.items()]
                 + [("grad norm", norm), ("number of skipped iterations", f"{self.skipped:3d}")])
-
-
-class TensorBoard:
-    """Scalars on rank 0 when ``--tensorboard-dir`` is given (needs the tensorboard package)."""
-
-    def __init__(self, directory: Optional[str]):
-        self.writer = None
-        if directory and (not dist.is_initialized() or dist.get_rank() == 0):
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as exc:
-                raise RuntimeError("--tensorboard-dir needs the tensorboard package: pip install tensorboard") from exc
-            self.writer = SummaryWriter(log_dir=directory)
-
-    def scalars(self, iteration: int, values: Dict[str, float]) -> None:
-        if self.writer is not None:
-            for key, value in values.items():
-                if value is not None:
-                    self.writer.add_scalar(key, value, iteration)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
 
 
 def _section_text(section) -> str:

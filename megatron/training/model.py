@@ -16,6 +16,8 @@ import torch
 def transformer_config(args, cpu: bool):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from .architecture import transformer_config_fields
+
     interleaved = args.virtual_pipeline_model_parallel_size is not None
     return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
@@ -26,7 +28,7 @@ def transformer_config(args, cpu: bool):
         context_parallel_size=args.context_parallel_size, sequence_parallel=args.sequence_parallel,
         bf16=args.bf16, params_dtype=torch.float32,
         pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-        hidden_dropout=0.0, attention_dropout=0.0, use_cpu_initialization=True,
+        use_cpu_initialization=True,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
         recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
@@ -36,7 +38,7 @@ def transformer_config(args, cpu: bool):
         masked_softmax_fusion=not cpu, persist_layer_norm=not cpu, apply_rope_fusion=False,
         cross_entropy_loss_fusion=False, deallocate_pipeline_outputs=True,
         overlap_p2p_comm=interleaved, batch_p2p_comm=not interleaved,
-        add_bias_linear=args.add_bias_linear, **_moe_settings(args),
+        add_bias_linear=args.add_bias_linear, **_moe_settings(args), **transformer_config_fields(args),
     )
 
 
@@ -57,22 +59,22 @@ def _layer_spec(args, config, cpu: bool, vp_stage):
         from megatron.fsdp.mcore.cpu_mode import cpu_layer_spec
 
         return cpu_layer_spec(config, vp_stage=vp_stage)
-    if args.transformer_impl == "transformer_engine":
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    # Megatron-LM's block spec: per-layer dense/MoE specs (--moe-layer-freq), qk-layernorm and the
+    # normalization from the config, this stage's layers only.
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=args.num_experts,
-                                                          moe_grouped_gemm=args.moe_grouped_gemm)
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    return get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm)
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=args.transformer_impl == "transformer_engine",
+                                      normalization=config.normalization, vp_stage=vp_stage)
 
 
 def gpt_chunks(config, layer_spec_for, vocab_size: int, max_sequence_length: int,
-               tie_embeddings: bool = True) -> List[torch.nn.Module]:
+               tie_embeddings: bool = True, **gpt_model_kwargs) -> List[torch.nn.Module]:
     """One ``GPTModel`` per virtual pipeline stage of this rank, as Megatron-LM's ``get_model`` builds them.
 
-    ``layer_spec_for(vp_stage)`` gives the layer spec of each chunk.
+    ``layer_spec_for(vp_stage)`` gives the layer spec of each chunk; ``gpt_model_kwargs`` are further
+    ``GPTModel`` arguments (position embedding type, rotary base and percent).
     """
+    gpt_model_kwargs.setdefault("position_embedding_type", "learned_absolute")
     from megatron.core import parallel_state as ps, tensor_parallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.enums import ModelType
@@ -88,7 +90,7 @@ def gpt_chunks(config, layer_spec_for, vocab_size: int, max_sequence_length: int
         model = GPTModel(config=config, transformer_layer_spec=layer_spec_for(vp_stage), vocab_size=vocab_size,
                          max_sequence_length=max_sequence_length, pre_process=pre, post_process=post,
                          parallel_output=True, share_embeddings_and_output_weights=tie_embeddings,
-                         position_embedding_type="learned_absolute", vp_stage=vp_stage)
+                         vp_stage=vp_stage, **gpt_model_kwargs)
         model.model_type = ModelType.encoder_or_decoder
         for param in model.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
@@ -97,8 +99,11 @@ def gpt_chunks(config, layer_spec_for, vocab_size: int, max_sequence_length: int
 
 
 def build_model_chunks(args, config, vocab_size: int, cpu: bool) -> List[torch.nn.Module]:
+    from .architecture import gpt_model_fields
+
     chunks = gpt_chunks(config, lambda vp_stage: _layer_spec(args, config, cpu, vp_stage), vocab_size,
-                        args.max_position_embeddings, not args.untie_embeddings_and_output_weights)
+                        args.max_position_embeddings, not args.untie_embeddings_and_output_weights,
+                        **gpt_model_fields(args))
     if not cpu:
         for model in chunks:
             model.cuda(torch.cuda.current_device())
@@ -171,8 +176,11 @@ def scheduler(args, optimizer):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     samples = args.global_batch_size
+    decay_steps = args.lr_decay_iters * samples
+    fraction = getattr(args, "lr_warmup_fraction", None)  # Megatron-LM: a fraction of the decay steps
+    warmup_steps = fraction * decay_steps if fraction is not None else args.lr_warmup_iters * samples
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * samples, lr_decay_steps=args.lr_decay_iters * samples,
+        optimizer, init_lr=0.0 if warmup_steps else args.lr, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters * samples, wd_incr_style="constant")

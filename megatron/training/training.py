@@ -12,9 +12,12 @@ import torch.distributed as dist
 from . import checkpointing, data, model as model_lib
 from .checkpoint_files import CheckpointError
 from .initialize import initialize, shutdown
-from .logging_utils import (IntervalLog, TensorBoard, end_of_run_line, format_fields, gather_per_rank, memory_line,
+from .logging_utils import (IntervalLog, end_of_run_line, format_fields, gather_per_rank, insert_field, memory_line,
                             memory_mib, persistent_line, print_rank_0, reset_peak_memory, summary)
 from .moe_logging import moe_aux_losses
+from .throughput import throughput
+from .timers import IterationTimers
+from .writers import ScalarWriters
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -102,7 +105,9 @@ def pretrain(args) -> dict:
     device, tokenizer, model, optimizer, scheduler = setup(args)
     train_ds, valid_ds, _test_ds = data.build_datasets(args, tokenizer)
     summary(args, model, optimizer)
-    board = TensorBoard(args.tensorboard_dir)
+    board = ScalarWriters(args)
+    timers = IterationTimers(args.log_timers_to_tensorboard)
+    _time_grad_sync(model, timers)
     forward_backward = get_forward_backward_func()
     forward_step = make_forward_step(device)
     history = {"losses": [], "grad_norms": [], "valid": [], "start_iteration": 0, "valid_at_load": None}
@@ -133,12 +138,12 @@ def pretrain(args) -> dict:
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        reduced = forward_backward(
+        reduced = timers.wrap("forward-backward", forward_backward)(
             forward_step_func=forward_step, data_iterator=_iterators(model, train_ds, args, consumed),
             model=model if len(model) > 1 else model[0], num_microbatches=args.num_micro_batches,
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
             decoder_seq_length=args.seq_length, forward_only=False)
-        ok, grad_norm, _zeros = optimizer.step()
+        ok, grad_norm, _zeros = timers.wrap("optimizer", optimizer.step)()
         consumed += args.global_batch_size
         scheduler.step(increment=args.global_batch_size)
         losses = {"lm loss": _mean_loss(reduced), **moe_aux_losses(args, device)}
@@ -151,14 +156,20 @@ def pretrain(args) -> dict:
         for name, value in losses.items():
             if name != "lm loss":
                 history.setdefault(name, []).append(value)
-        board.scalars(iteration, {**losses, "grad norm": grad_norm, "learning rate": lr})
+        rates = throughput(args, elapsed, dist.get_world_size()) if args.log_throughput else None
+        board.scalars(iteration, _iteration_scalars(args, losses, grad_norm, lr, elapsed, rates))
+        board.scalars(iteration, timers.take())
         if iteration == start_iteration + 1:  # the optimizer state exists only now
             line = persistent_line(args, model, optimizer)
             if line is not None:
                 print_rank_0(" " + line)
         if iteration % args.log_interval == 0:
-            print_rank_0(format_fields(interval.fields(iteration, args.train_iters, consumed, lr,
-                                                       args.global_batch_size, grad_norm)))
+            fields = interval.fields(iteration, args.train_iters, consumed, lr, args.global_batch_size, grad_norm)
+            if args.log_throughput:  # over the interval, after the elapsed time, where Megatron-LM prints it
+                rates = throughput(args, interval.seconds / max(1, interval.iterations), dist.get_world_size())
+                for name, value in reversed(rates.log_fields()):
+                    insert_field(fields, name, value, after="elapsed time per iteration (ms)")
+            print_rank_0(format_fields(fields))
             interval.reset()
             peaks = [row[0] for row in gather_per_rank([memory_mib()["peak"]])]
             highest_peak = max([highest_peak] + peaks)
@@ -184,6 +195,23 @@ def pretrain(args) -> dict:
                                  done * args.global_batch_size * args.seq_length, highest_peak))
     board.close()
     return history
+
+
+def _time_grad_sync(model, timers: IterationTimers) -> None:
+    """``all-grads-sync``: the schedule's finalize_model_grads (data-parallel and model-parallel grad reductions)."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model[0])
+    config.finalize_model_grads_func = timers.wrap("all-grads-sync", config.finalize_model_grads_func)
+
+
+def _iteration_scalars(args, losses, grad_norm, lr, elapsed_seconds, rates) -> dict:
+    """The iteration line's values under Megatron-LM's TensorBoard names (every loss under its own name)."""
+    values = {**losses, "learning-rate": lr, "grad-norm": grad_norm, "batch-size": args.global_batch_size,
+              "iteration-time": elapsed_seconds, "mem-max-allocated-bytes": memory_mib()["peak"] * 2**20}
+    if rates is not None:
+        values.update({"throughput": rates.tflops_per_gpu, "tokens-per-second-per-rank": rates.tokens_per_second_per_rank})
+    return values
 
 
 def main(argv=None) -> None:

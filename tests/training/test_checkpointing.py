@@ -27,7 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--train-iters", "10", "--lr", "1e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
          "--min-lr", "1e-4", "--mock-data", "--log-interval", "1", "--eval-interval", "5", "--eval-iters", "1",
-         "--seed", "7"]
+         "--seed", "7",
+         "--hidden-dropout", "0", "--attention-dropout", "0"]  # runs on other layouts must match: no dropout masks
 B8 = ["--micro-batch-size", "2", "--global-batch-size", "8"]
 B12 = ["--micro-batch-size", "1", "--global-batch-size", "12"]  # divides DP 1, 2, 3 and 4
 LEVELS = ["no_shard", "optim", "optim_grads", "optim_grads_params"]

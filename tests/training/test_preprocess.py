@@ -15,7 +15,6 @@ from megatron.training import tokenizer as tk
 from megatron.training.tokenizer import TOKENIZER_TYPES, build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
-HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 
 def _load_tool():
@@ -86,7 +85,7 @@ def test_gpt2_round_trip(gpt2):
 def test_re_fallback_matches_regex():
     """The `re` approximation of GPT-2's pattern splits like the `regex` one, except for
     numeric characters that are not decimal digits (documented)."""
-    regex = pytest.importorskip("regex")
+    import regex  # a runtime dependency (pyproject.toml)
     exact, approx = regex.compile(tk.GPT2_PATTERN), re.compile(tk.GPT2_PATTERN_RE)
     samples = ROUND_TRIP + ["Ünïcödé ΑΒΓ αβγ Кириллица العربية ٣٤ हिन्दी ไทย 中文",
                             "tabs\t\tand\r\nCRLF  ", "x=1+2*(y-3)/z; // ok?!", "''quotes'' \"d\"",
@@ -161,16 +160,8 @@ def test_unknown_type():
         assert name in str(e.value)
 
 
-@pytest.mark.skipif(HAS_TRANSFORMERS, reason="transformers is installed: see test_hf_tokenizer")
-def test_hf_without_transformers():
-    with pytest.raises(ImportError, match=r"pip install transformers.*ByteLevelTokenizer"):
-        build_tokenizer("HuggingFaceTokenizer", tokenizer_model="/nonexistent")
-
-
 @pytest.fixture(scope="module")
 def hf_dir(gpt2_files, tmp_path_factory):
-    if not HAS_TRANSFORMERS:
-        return None
     import shutil
 
     d = tmp_path_factory.mktemp("hf")  # GPT-2's files and a config naming the class
@@ -182,7 +173,6 @@ def hf_dir(gpt2_files, tmp_path_factory):
     return str(d)
 
 
-@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="see test_hf_without_transformers")
 def test_hf_tokenizer(hf_dir, gpt2, tmp_path):
     t = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=hf_dir)
     assert (t.vocab_size, t.eod) == (gpt2.vocab_size, gpt2.eod)
@@ -251,8 +241,6 @@ CASES = [(kind, fmt, workers, (kind, fmt, workers) in {
 @pytest.mark.parametrize("kind,fmt,workers,eod", CASES,
                          ids=[f"{k}-{f}-w{w}-{'eod' if e else 'noeod'}" for k, f, w, e in CASES])
 def test_preprocess_round_trip(kind, fmt, workers, eod, gpt2_files, hf_dir, tmp_path, capsys):
-    if kind == "HuggingFaceTokenizer" and not HAS_TRANSFORMERS:
-        pytest.skip("transformers is not installed (test_hf_without_transformers checks that)")
     docs = NULL_DOCS if kind == "NullTokenizer" else TEXT_DOCS
     tok_args = ["--tokenizer-type", kind] + _tokenizer_args(kind, gpt2_files, hf_dir)
     prefix = str(tmp_path / "out" / "corpus")

@@ -17,6 +17,7 @@ dict alone, loadable by ``GPTModel.load_state_dict`` of an unsharded model
 import argparse
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -89,11 +90,22 @@ def main(argv=None) -> None:
     b.add_argument("torch_file")
     b.add_argument("save_dir")
     args = p.parse_args(argv)
+    start = time.perf_counter()
     if args.command == "to-torch":
+        print(f"> reading {args.checkpoint} (full tensors, one process) ...", flush=True)
         directory = to_torch(args.checkpoint, args.out, args.model_only, args.iteration)
-        print(f"wrote {args.out} from {directory}")
+        print(f"wrote {args.out} from {directory}{_rate(Path(args.out), start)}")
     else:
-        print(f"wrote {from_torch(args.torch_file, args.save_dir)}")
+        print(f"> writing {args.torch_file} as a checkpoint under {args.save_dir} ...", flush=True)
+        written = from_torch(args.torch_file, args.save_dir)
+        print(f"wrote {written}{_rate(written, start)}")
+
+
+def _rate(path: Path, start: float) -> str:
+    """Progress for a user waiting on a large conversion: bytes written, seconds, MB/s."""
+    size = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    seconds = max(time.perf_counter() - start, 1e-9)
+    return f" ({size / 2**20:.1f} MB in {seconds:.1f} s, {size / 2**20 / seconds:.1f} MB/s)"
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ after ``parallel_state.initialize_model_parallel``, warns once per process and i
    synchronize, Stream, Event}`` -> device 0 and inert stand-ins (a CPU build raises
    on all of them); ``torch.cuda.is_available`` is left alone.
 7. ``_CudaToCpu``, a ``TorchFunctionMode`` on the calling thread: ``cuda``/``cuda:N``/
-   integer devices become ``cpu``, ``Tensor.cuda()`` is the identity and
+   integer devices become ``cpu``, ``Tensor.cuda()`` and ``Tensor.pin_memory()`` are the identity,
+   ``pin_memory=True`` is dropped (RoPE's context-parallel slicing asks for it) and
    ``Tensor.type()`` says ``torch.cuda.*Tensor`` for CPU tensors (``clip_grads`` and
    ``DistributedOptimizer`` assert on it). Sequence parallel, the MoE router,
    schedules, p2p, DDP buffers and the optimizers allocate with ``device="cuda"``.
@@ -38,8 +39,11 @@ with other work after a Megatron case should call it, since the mode intercepts 
 torch call on its thread and rewrites ``Tensor.type()``. Enabling again is fine.
 
 ``cpu_layer_spec(config)`` is GPTModel's block spec: Megatron's local spec with
-``SDPACoreAttention`` (``scaled_dot_product_attention``; under context parallelism
-it all-gathers K/V over the CP group) and ``CpuNorm`` (accepts sequence parallel).
+``SDPACoreAttention`` (``scaled_dot_product_attention``, grouped-query attention through its
+``enable_gqa``; under context parallelism it all-gathers K/V over the CP group) and
+``CpuNorm`` (torch LayerNorm or RMSNorm, also for qk-layernorm; accepts sequence parallel),
+dense or MoE per layer as ``config.moe_layer_freq`` says. Rotary embeddings need no kernel:
+with ``apply_rope_fusion=False`` Megatron-Core's unfused RoPE is plain torch.
 """
 
 from __future__ import annotations
@@ -260,10 +264,12 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _BACKWARDS:
             return self._backward(func, args, kwargs)
-        if func is torch.Tensor.cuda:
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]
         if "device" in kwargs and _names_cuda(kwargs["device"]):
             kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):  # no pinned allocator without an accelerator (RoPE under CP asks for one)
+            kwargs = {**kwargs, "pin_memory": False}
         if func is torch.Tensor.to and len(args) > 1 and _names_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
         elif func is torch.Tensor.type:
@@ -483,26 +489,12 @@ class CpuNorm:
         return norm
 
 
-def cpu_layer_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None,
-                   **local_spec_kwargs):
-    """GPT spec for CPU: Megatron's local layer spec with SDPA attention and CPU norms.
-
-    A ``TransformerBlockSubmodules`` (GPTModel's ``transformer_layer_spec`` accepts it) of this
-    stage's layers (``vp_stage``/``pp_rank`` as in ``get_num_layers_to_build``) and a CPU final
-    norm: with a bare layer spec TransformerBlock picks a final norm that rejects sequence
-    parallel. ``local_spec_kwargs`` go to ``get_gpt_layer_local_spec`` (MoE ones default from config).
-    """
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def _cpu_layer(spec):
+    """A copy of one local layer spec with SDPA core attention and CPU norms."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.torch_norm import L2Norm
-    from megatron.core.transformer.transformer_block import (
-        TransformerBlockSubmodules, get_num_layers_to_build)
 
-    local_spec_kwargs.setdefault("num_experts", config.num_moe_experts)
-    local_spec_kwargs.setdefault("moe_grouped_gemm", config.moe_grouped_gemm)
-    local_spec_kwargs.setdefault("qk_layernorm", config.qk_layernorm)
-    local_spec_kwargs.setdefault("normalization", config.normalization)
-    layer = copy.deepcopy(get_gpt_layer_local_spec(**local_spec_kwargs))
+    layer = copy.deepcopy(spec)
     sub = layer.submodules
     for name in ("input_layernorm", "pre_mlp_layernorm"):
         if getattr(sub, name) is not IdentityOp:
@@ -512,5 +504,48 @@ def cpu_layer_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int
     for name in ("q_layernorm", "k_layernorm"):
         if getattr(attention, name, IdentityOp) not in (IdentityOp, L2Norm):
             setattr(attention, name, CpuNorm)
+    return layer
+
+
+def _moe_layer_pattern(config):
+    """1 (MoE) or 0 (dense) per layer of the whole model, as ``get_gpt_decoder_layer_specs`` reads
+    ``moe_layer_freq``: an int N is an MoE layer every N layers from the first, a list is per layer."""
+    if config.num_moe_experts is None:
+        return [0] * config.num_layers
+    freq = config.moe_layer_freq
+    pattern = [1 if i % freq == 0 else 0 for i in range(config.num_layers)] if isinstance(freq, int) else list(freq)
+    if len(pattern) != config.num_layers:
+        raise ValueError(f"moe_layer_freq {freq} has {len(pattern)} entries for {config.num_layers} layers")
+    return pattern
+
+
+def cpu_layer_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None,
+                   **local_spec_kwargs):
+    """GPT spec for CPU: Megatron's local layer specs with SDPA attention and CPU norms.
+
+    A ``TransformerBlockSubmodules`` (GPTModel's ``transformer_layer_spec`` accepts it) of this
+    stage's layers (``vp_stage``/``pp_rank`` as in ``get_num_layers_to_build``), dense or MoE per
+    layer as ``config.moe_layer_freq`` says (``get_gpt_decoder_block_spec``'s reading), and a CPU
+    final norm: with a bare layer spec TransformerBlock picks a final norm that rejects sequence
+    parallel. Normalization (LayerNorm/RMSNorm), qk-layernorm and the MoE settings come from the
+    config; ``local_spec_kwargs`` override what goes to ``get_gpt_layer_local_spec``.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules, get_num_layers_to_build, get_transformer_layer_offset)
+
+    local_spec_kwargs.setdefault("num_experts", config.num_moe_experts)
+    local_spec_kwargs.setdefault("moe_grouped_gemm", config.moe_grouped_gemm)
+    local_spec_kwargs.setdefault("qk_layernorm", config.qk_layernorm)
+    local_spec_kwargs.setdefault("normalization", config.normalization)
+    moe = _cpu_layer(get_gpt_layer_local_spec(**local_spec_kwargs))
+    dense = _cpu_layer(get_gpt_layer_local_spec(**{**local_spec_kwargs, "num_experts": None,
+                                                   "moe_grouped_gemm": False}))
+    if local_spec_kwargs["num_experts"] is None:
+        pattern = [0] * config.num_layers
+    else:
+        pattern = _moe_layer_pattern(config) if config.num_moe_experts is not None else [1] * config.num_layers
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=CpuNorm)
+    layers = [moe if is_moe else dense for is_moe in pattern[offset:offset + count]]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=CpuNorm)

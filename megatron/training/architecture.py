@@ -1,0 +1,197 @@
+"""Model-architecture arguments with Megatron-LM's names, defaults and meanings, and their checks.
+
+These describe Llama-, Qwen-, Mistral- and DeepSeek-shaped models (RMSNorm, SwiGLU,
+rotary embeddings, grouped-query attention, qk-layernorm, shared experts, dense and
+MoE layers mixed) and map one to one onto Megatron-Core's ``TransformerConfig`` and
+``GPTModel`` arguments (``transformer_config_fields``, ``gpt_model_fields``): the
+model code is Megatron-Core's, nothing here builds layers.
+
+Validation runs before any process group exists; each inconsistency raises one
+``ArgumentError`` naming the arguments and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+from typing import List, Union
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
+
+
+def moe_layer_freq_type(text: str) -> Union[int, List[int]]:
+    """Megatron-LM's ``--moe-layer-freq``: an int N (an MoE layer every N layers, starting with
+    the first) or a Python list expression of 0/1 per layer, e.g. ``"([0]*1+[1]*3)"``.
+
+    Megatron-LM ``eval``s the expression; this accepts only list literals, integers, ``+``
+    and ``*``, so a command line can never run code.
+    """
+    text = text.strip().strip("'\"")
+    if text.lstrip("-").isdigit():
+        return int(text)
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(node)
+
+    try:
+        result = value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        result = None
+    if not (isinstance(result, list) and all(type(v) is int for v in result)):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither an integer nor a list of 0/1 per layer such as '([0]*1+[1]*3)'")
+    return result
+
+
+def add_architecture_args(p: argparse.ArgumentParser) -> None:
+    """The architecture flags (Megatron-LM's ``_add_network_size_args`` / ``_add_regularization_args``)."""
+    g = p.add_argument_group("model architecture (Megatron-LM's flags: Llama, Qwen, Mistral, DeepSeek shapes)")
+    g.add_argument("--normalization", choices=NORMALIZATIONS, default="LayerNorm",
+                   help="normalization layer (default: %(default)s; Llama: RMSNorm)")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="epsilon of the norms (default: %(default)s)")
+    g.add_argument("--swiglu", action="store_true",
+                   help="SwiGLU MLP (gated, SiLU); --ffn-hidden-size then defaults to Megatron-LM's "
+                        "int(8 x hidden / 3 / 64) x 64")
+    g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDINGS, default="learned_absolute",
+                   help="position embeddings (default: %(default)s; Llama: rope)")
+    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base (default: %(default)s)")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="fraction of each head's channels rotated by RoPE (default: %(default)s)")
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="grouped-query attention with --num-query-groups key/value heads")
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="key/value heads with --group-query-attention (default: 1, multi-query attention)")
+    g.add_argument("--kv-channels", type=int, default=None,
+                   help="channels per attention head (default: hidden size / attention heads)")
+    g.add_argument("--qk-layernorm", action="store_true", help="normalize queries and keys (--normalization type)")
+    g.add_argument("--hidden-dropout", type=float, default=0.1,
+                   help="dropout after attention and MLP (default: %(default)s, Megatron-LM's)")
+    g.add_argument("--attention-dropout", type=float, default=0.1,
+                   help="dropout on the attention probabilities (default: %(default)s, Megatron-LM's)")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="average the loss over all tokens of the global batch, not per micro-batch "
+                        "then over micro-batches")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="FFN size of the shared expert(s) every token passes (DeepSeek, Qwen-MoE); "
+                        "default: none")
+    g.add_argument("--moe-layer-freq", type=moe_layer_freq_type, default=1,
+                   help="MoE layers: every N-th layer from the first (int), or a 0/1 list per layer, "
+                        "e.g. '([0]*1+[1]*3)' (default: %(default)s, every layer)")
+
+
+def _fail(message: str) -> None:
+    from .arguments import ArgumentError
+
+    raise ArgumentError(message)
+
+
+def swiglu_ffn_hidden_size(hidden_size: int) -> int:
+    """Megatron-LM's default MLP size under --swiglu: 2/3 of 4 x hidden, rounded down to a multiple of 64."""
+    return int((4 * hidden_size * 2 / 3) / 64) * 64
+
+
+def moe_layer_pattern(args) -> List[int]:
+    """1 for an MoE layer, 0 for a dense one, per layer (Megatron-Core's reading of moe_layer_freq)."""
+    freq = args.moe_layer_freq
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(args.num_layers)]
+    return list(freq)
+
+
+def validate_architecture(args) -> None:
+    """Derive Megatron-LM's architecture defaults and check them; called from ``validate_args``
+    before the head and MLP sizes are checked (kv-channels relaxes hidden % heads)."""
+    tp = args.tensor_model_parallel_size
+    heads = args.num_attention_heads
+    if args.kv_channels is None:
+        if heads < 1 or args.hidden_size % heads:
+            _fail(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {heads}; "
+                  "change one, or set --kv-channels (channels per head) explicitly")
+        args.kv_channels = args.hidden_size // heads
+    elif args.kv_channels < 1:
+        _fail(f"--kv-channels={args.kv_channels} must be at least 1")
+    if args.num_query_groups is not None and not args.group_query_attention:
+        _fail("--num-query-groups needs --group-query-attention (without it every head has its own keys "
+              "and values)")
+    if args.group_query_attention:
+        groups = args.num_query_groups = args.num_query_groups or 1
+        if groups < 1 or heads % groups:
+            _fail(f"--num-query-groups {groups} must divide --num-attention-heads {heads}")
+        if groups % tp:
+            _fail(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}: every "
+                  "tensor-parallel rank needs whole key/value groups")
+    for name in ("hidden_dropout", "attention_dropout"):
+        value = getattr(args, name)
+        if not 0.0 <= value < 1.0:
+            _fail(f"--{name.replace('_', '-')}={value} must be in [0, 1)")
+    if args.norm_epsilon <= 0:
+        _fail(f"--norm-epsilon={args.norm_epsilon} must be positive")
+    if args.position_embedding_type == "rope":
+        if not 0.0 < args.rotary_percent <= 1.0:
+            _fail(f"--rotary-percent={args.rotary_percent} must be in (0, 1]")
+        rotated = int(args.kv_channels * args.rotary_percent)
+        if rotated < 2 or rotated % 2:
+            _fail(f"--rotary-percent {args.rotary_percent} x --kv-channels {args.kv_channels} = {rotated} rotated "
+                  "channels per head; RoPE needs an even number of at least 2")
+        if args.rotary_base < 1:
+            _fail(f"--rotary-base={args.rotary_base} must be positive")
+    if args.swiglu and args.ffn_hidden_size is None:
+        args.ffn_hidden_size = swiglu_ffn_hidden_size(args.hidden_size)
+        if args.ffn_hidden_size < 1:
+            _fail(f"--swiglu: the default --ffn-hidden-size for --hidden-size {args.hidden_size} rounds to 0; "
+                  "set --ffn-hidden-size")
+    _validate_moe_shape(args)
+
+
+def _validate_moe_shape(args) -> None:
+    moe_flags = args.moe_shared_expert_intermediate_size is not None or args.moe_layer_freq != 1
+    if args.num_experts is None:
+        if moe_flags:
+            _fail("--moe-shared-expert-intermediate-size and --moe-layer-freq need --num-experts")
+        return
+    shared = args.moe_shared_expert_intermediate_size
+    if shared is not None and shared < 1:
+        _fail(f"--moe-shared-expert-intermediate-size={shared} must be at least 1")
+    freq = args.moe_layer_freq
+    if isinstance(freq, int):
+        if freq < 1:
+            _fail(f"--moe-layer-freq={freq} must be at least 1")
+    else:
+        if len(freq) != args.num_layers or any(v not in (0, 1) for v in freq):
+            _fail(f"--moe-layer-freq {freq}: needs one 0 (dense) or 1 (MoE) per layer, "
+                  f"{args.num_layers} in all (--num-layers)")
+    if not any(moe_layer_pattern(args)):
+        _fail(f"--moe-layer-freq {freq} makes no layer an MoE layer; drop --num-experts for a dense model")
+
+
+def transformer_config_fields(args) -> dict:
+    """The TransformerConfig fields these flags set (Megatron-LM's core_transformer_config_from_args)."""
+    import torch.nn.functional as F
+
+    fields = dict(
+        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
+        kv_channels=args.kv_channels, qk_layernorm=args.qk_layernorm,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        calculate_per_token_loss=args.calculate_per_token_loss,
+    )
+    if args.swiglu:
+        fields.update(gated_linear_unit=True, activation_func=F.silu)
+    if args.num_experts is not None:
+        fields.update(moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+                      moe_layer_freq=args.moe_layer_freq)
+    return fields
+
+
+def gpt_model_fields(args) -> dict:
+    """The GPTModel arguments these flags set."""
+    return dict(position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+                rotary_base=args.rotary_base)

@@ -1,0 +1,138 @@
+"""Llama-shaped models through pretrain_gpt.py: --use-megatron-fsdp equals Megatron-Core DDP.
+
+RMSNorm, SwiGLU, RoPE, grouped-query attention, untied embeddings, no biases and
+Megatron-LM's default dropouts (0.1: the dropout masks must match too), in one shape
+per topology, the four levels spread over the topologies (the full DP 4 x level matrix
+is ``slow``), each topology adding a feature of its own (qk-layernorm, --kv-channels,
+--calculate-per-token-loss, --lr-warmup-fraction, a shared expert with dense and MoE
+layers mixed). Every case runs inside the long-lived 4-rank pools (no new processes).
+"""
+
+import pytest
+
+from megatron.training.arguments import ArgumentError, parse_args, validate_args
+from megatron.training.architecture import moe_layer_freq_type, swiglu_ffn_hidden_size
+
+LLAMA = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3",
+         "--lr-warmup-iters", "1", "--min-lr", "1e-4", "--mock-data", "--eval-interval", "3", "--eval-iters", "1",
+         "--seed", "11", "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+         "--group-query-attention", "--num-query-groups", "2", "--untie-embeddings-and-output-weights",
+         "--disable-bias-linear"]
+LEVELS = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+TOPOLOGIES = {  # name -> (pool fixture, extra arguments, levels checked in the default suite)
+    "dp4": ("mcore_pool", ["--qk-layernorm"], ["no_shard", "optim_grads_params"]),
+    "tp2-dp2-sp": ("mcore_pool", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--kv-channels", "24",
+                                  "--calculate-per-token-loss"], ["optim_grads"]),
+    "pp2-dp2": ("mcore_pool", ["--pipeline-model-parallel-size", "2", "--lr-warmup-iters", "0",
+                               "--lr-warmup-fraction", "0.4", "--rotary-percent", "0.5"], ["optim"]),
+    "cp2-dp2-rope": ("mcore_pool", ["--context-parallel-size", "2", "--rotary-base", "500000"],
+                     ["optim_grads_params"]),
+    "moe-ep2-shared": ("moe_pool", ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+                                    "--moe-token-dispatcher-type", "alltoall", "--moe-shared-expert-intermediate-size",
+                                    "32", "--moe-layer-freq", "([0]*1+[1]*1)", "--moe-aux-loss-coeff", "0.01"],
+                       ["optim_grads_params"]),
+}
+
+
+def _fsdp(level):
+    return ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", level]
+
+
+def _run(pool, argv):
+    return pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300, argv=argv)[0]
+
+
+def _assert_parity(got, base, what):
+    for key in ("losses", "grad_norms", "valid"):
+        assert len(got[key]) == len(base[key]) > 0, (what, key)
+        for a, b in zip(got[key], base[key]):
+            assert abs(a - b) <= 1e-5 * abs(b), (what, key, got[key], base[key])
+
+
+def _check_topology(request, name, levels):
+    pool_name, extra, _ = TOPOLOGIES[name]
+    pool = request.getfixturevalue(pool_name)
+    base = _run(pool, LLAMA + extra)
+    assert base["losses"][-1] < base["losses"][0] * 1.05  # trains, not diverging
+    for level in levels:
+        _assert_parity(_run(pool, LLAMA + extra + _fsdp(level)), base, (name, level))
+
+
+@pytest.mark.parametrize("name", list(TOPOLOGIES))
+def test_llama_matches_megatron_ddp(request, name):
+    """One Llama shape per topology at the level(s) of TOPOLOGIES, against Megatron-Core DDP."""
+    _check_topology(request, name, TOPOLOGIES[name][2])
+
+
+@pytest.mark.slow
+def test_llama_dp4_every_level(request):
+    _check_topology(request, "dp4", LEVELS)
+
+
+# ------------------------------------------------------------------ start-up checks
+def _validated(argv, world=4):
+    return validate_args(parse_args(["--mock-data"] + argv), world)
+
+
+def test_architecture_defaults_follow_megatron_lm():
+    args = _validated([])
+    assert (args.normalization, args.norm_epsilon, args.position_embedding_type) == ("LayerNorm", 1e-5,
+                                                                                      "learned_absolute")
+    assert (args.hidden_dropout, args.attention_dropout, args.rotary_base, args.rotary_percent) == (0.1, 0.1,
+                                                                                                   10000, 1.0)
+    assert args.kv_channels == args.hidden_size // args.num_attention_heads and args.num_query_groups is None
+    args = _validated(["--swiglu", "--hidden-size", "4096", "--num-attention-heads", "32", "--group-query-attention"])
+    assert args.ffn_hidden_size == swiglu_ffn_hidden_size(4096) == 10880  # Llama-2-7B's 11008 is set explicitly
+    assert args.num_query_groups == 1  # Megatron-LM: GQA without a count is multi-query attention
+    args = _validated(["--lr-warmup-fraction", "0.1", "--train-iters", "50"])
+    assert args.lr_warmup_iters == 0 and args.lr_warmup_fraction == 0.1
+    assert moe_layer_freq_type("2") == 2 and moe_layer_freq_type("'([0]*1+[1]*3)'") == [0, 1, 1, 1]
+    assert moe_layer_freq_type("[1,0]*2") == [1, 0, 1, 0]
+
+
+@pytest.mark.parametrize("argv, pattern", [
+    (["--num-query-groups", "2"], "--num-query-groups needs --group-query-attention"),
+    (["--group-query-attention", "--num-query-groups", "3"], "must divide --num-attention-heads 4"),
+    (["--group-query-attention", "--num-query-groups", "1", "--tensor-model-parallel-size", "2"],
+     "not divisible by --tensor-model-parallel-size 2"),
+    (["--hidden-size", "66"], "set --kv-channels"),
+    (["--kv-channels", "0"], "--kv-channels=0 must be at least 1"),
+    (["--hidden-dropout", "1.0"], r"--hidden-dropout=1.0 must be in \[0, 1\)"),
+    (["--attention-dropout", "-0.1"], "--attention-dropout=-0.1 must be in"),
+    (["--norm-epsilon", "0"], "--norm-epsilon=0.0 must be positive"),
+    (["--position-embedding-type", "rope", "--rotary-percent", "0"], "--rotary-percent=0.0 must be in"),
+    (["--position-embedding-type", "rope", "--kv-channels", "5"], "RoPE needs an even number"),
+    (["--moe-layer-freq", "2"], "need --num-experts"),
+    (["--moe-shared-expert-intermediate-size", "8"], "need --num-experts"),
+    (["--num-experts", "4", "--disable-bias-linear", "--moe-layer-freq", "[1,0,1]"], "one 0 \\(dense\\) or 1"),
+    (["--num-experts", "4", "--disable-bias-linear", "--moe-layer-freq", "[0,0,0,0]"], "makes no layer an MoE"),
+    (["--num-experts", "4", "--disable-bias-linear", "--moe-shared-expert-intermediate-size", "0"],
+     "must be at least 1"),
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], "give one of them"),
+    (["--lr-warmup-fraction", "1.5"], r"--lr-warmup-fraction=1.5 must be in \[0, 1\)"),
+])
+def test_architecture_startup_errors(argv, pattern):
+    with pytest.raises(ArgumentError, match=pattern):
+        _validated(argv)
+
+
+def test_moe_layer_freq_rejects_code():
+    with pytest.raises(SystemExit):
+        parse_args(["--moe-layer-freq", "__import__('os').getcwd()"])
+
+
+def test_gpu_block_spec_builds_the_same_model(mcore_pool):
+    """What a GPU run builds (Megatron-Core's block spec, local layers) equals the CPU spec: same layer
+    pattern (--moe-layer-freq), same logits from the same seed (GQA, RoPE, RMSNorm, qk-layernorm).
+    Each rank of the pool builds both models by itself (DP 4, no collective)."""
+
+    argv = ["--mock-data", "--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "16", "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+            "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear", "--qk-layernorm",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--num-experts", "2", "--moe-layer-freq", "[1,0,1]",
+            "--moe-shared-expert-intermediate-size", "16"]
+    got = mcore_pool.run("tests.training.llama_cases:local_spec_matches_cpu_spec", timeout=300, argv=argv)[0]
+    assert got["cpu"]["layers"] == got["local"]["layers"] == ["MoELayer", "MLP", "MoELayer"]
+    assert (got["cpu"]["attention"], got["local"]["attention"]) == ("SDPACoreAttention", "DotProductAttention")
+    assert got["max_diff"] < 1e-5, got["max_diff"]
