@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=int, default=None)
     g.add_argument("--eval-iters", type=int, default=2)
     g.add_argument("--tensorboard-dir", default=None)
+    g = p.add_argument_group("initialisation (docs/adapter.md, meta device)")
+    g.add_argument("--init-model-with-meta-device", action="store_true",
+                   help="build the model on the meta device; megatron.fsdp materialises and initialises it unit "
+                        "by unit, keeping only this rank's shards (needs --use-megatron-fsdp)")
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="initialise weights on the CPU (always so on CPU runs); GPU runs build on the device")
     g = p.add_argument_group("checkpointing (docs/checkpoints.md)")
     g.add_argument("--save", default=None, help="directory to save checkpoints to")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between saves (and one at the end)")
@@ -193,6 +199,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.eval_interval is None:
         args.eval_interval = args.train_iters
     _validate_moe(args, world_size)
+    _validate_initialisation(args)
     _validate_checkpointing(args)
     if args.transformer_impl == "transformer_engine":
         try:
@@ -200,6 +207,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         except ImportError:
             _fail("--transformer-impl transformer_engine needs Transformer Engine installed; use --transformer-impl local")
     return args
+
+
+def _validate_initialisation(args: argparse.Namespace) -> None:
+    if args.init_model_with_meta_device and not args.use_megatron_fsdp:
+        _fail("--init-model-with-meta-device needs --use-megatron-fsdp (Megatron-Core's own DDP cannot "
+              "materialise a meta-device model)")
 
 
 def _validate_moe(args: argparse.Namespace, world_size: int) -> None:
