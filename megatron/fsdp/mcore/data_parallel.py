@@ -182,7 +182,6 @@ class FullyShardedDataParallel(_BaseDataParallel):
         average = not getattr(config, "calculate_per_token_loss", False)
         # Not a registered submodule: ``self.module`` stays the model, as Megatron expects.
         object.__setattr__(self, "_fsdp", mfsdp.fully_shard(
-            **meta_init_arguments(module),
             module,
             strategy=ddp_config.data_parallel_sharding_strategy,
             unit_modules=units,
@@ -191,6 +190,7 @@ class FullyShardedDataParallel(_BaseDataParallel):
             mixed_precision=mp,
             average_grads=average,
             experts=self._expert_sharding(module, experts, average),
+            **meta_init_arguments(module),
         ))
 
     def _expert_sharding(self, module: torch.nn.Module, levels: ExpertLevels,

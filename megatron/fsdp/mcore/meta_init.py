@@ -113,14 +113,29 @@ class _Recorder(TorchFunctionMode):
             kwargs.pop("device", None)
             return func(args[0], *rest, **kwargs) if rest or kwargs else args[0]
         name = getattr(func, "__name__", "")
-        if (not self.tape.suppressed and name.endswith("_") and not name.endswith("__") and args
-                and isinstance(args[0], torch.Tensor) and args[0].is_meta):
-            target, rest = args[0], args[1:]
-            replay = None if _has_meta_tensor(rest) or _has_meta_tensor(kwargs.values()) else (
-                lambda t, f=func, a=rest, k=kwargs: f(t, *a, **k))
-            self.tape.add(target, _Record(name, replay, target.storage_offset(), tuple(target.shape),
-                                          tuple(target.stride()), whole=False))
+        if not self.tape.suppressed and name.endswith("_") and not name.endswith("__"):
+            self._record_in_place(func, name, args, kwargs)
         return func(*args, **kwargs)
+
+    def _record_in_place(self, func, name: str, args, kwargs) -> None:
+        """An in-place op (``Tensor.normal_``, ``torch.nn.init.normal_(tensor=...)``) on a meta tensor."""
+        if args and isinstance(args[0], torch.Tensor):
+            target, rest, keyword = args[0], args[1:], None
+        elif isinstance(kwargs.get("tensor"), torch.Tensor):  # torch.nn.init passes its tensor by keyword
+            target, rest, keyword = kwargs["tensor"], args, "tensor"
+        else:
+            return
+        if not target.is_meta:
+            return
+        others = {k: v for k, v in kwargs.items() if k != keyword}
+        if _has_meta_tensor(rest) or _has_meta_tensor(others.values()):
+            replay = None
+        elif keyword is None:
+            replay = lambda t: func(t, *rest, **others)  # noqa: E731
+        else:
+            replay = lambda t: func(*rest, **{keyword: t}, **others)  # noqa: E731
+        self.tape.add(target, _Record(name, replay, target.storage_offset(), tuple(target.shape),
+                                      tuple(target.stride()), whole=False))
 
     @staticmethod
     def _factory_replay(func, args, kwargs):
