@@ -53,6 +53,8 @@ def _storage_tensors(fsdp) -> Dict[str, torch.Tensor]:
 
 
 def _differences(eager, meta) -> List[str]:
+    for fsdp in (eager, meta):
+        fsdp._runtime.wait_weights()  # the gathers that install the last step's weights
     a, b = _storage_tensors(eager), _storage_tensors(meta)
     if list(a) != list(b):
         return [f"different state: {list(a)} vs {list(b)}"]
@@ -106,7 +108,7 @@ def _mmap_large_allocations() -> None:
         pass
 
 
-def build_peak(ctx, layers: int = 12, hidden: int = 256, vocab: int = 4096) -> Dict[str, object]:
+def build_peak(ctx, layers: int = 8, hidden: int = 256, vocab: int = 4096) -> Dict[str, object]:
     """Resident-set high-water mark above the start of each build, eager then meta (ZeRO-3)."""
     peak_rss_bytes, reset_peak_rss, rss_bytes, trim_memory = _rss_tools()
     _mmap_large_allocations()
