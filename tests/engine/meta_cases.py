@@ -32,8 +32,9 @@ def _build(ctx, cfg: Config, meta: bool, model_kwargs: Optional[dict] = None, **
     else:
         module = ResetLM(**(model_kwargs or {}))
     where = dict(mesh=ctx.meshes[(2, 2)], outer_strategy=outer) if outer else dict(process_group=ctx.group)
-    if experts:
-        where["experts"] = mfsdp.ExpertSharding(_is_expert, mfsdp.DataParallelMesh(ctx.group), "optim_grads_params")
+    if experts:  # experts at ZeRO-3, on the dense mesh (their outer axis replicated)
+        mesh = ctx.meshes[(2, 2)] if outer else mfsdp.DataParallelMesh(ctx.group)
+        where["experts"] = mfsdp.ExpertSharding(_is_expert, mesh, "optim_grads_params", "no_shard" if outer else None)
     return mfsdp.fully_shard(module, strategy=level, unit_modules=(ResetBlock, MLP), **where, **extra)
 
 

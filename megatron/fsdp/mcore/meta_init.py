@@ -70,6 +70,7 @@ class _Tape:
     def __init__(self):
         self.records: Dict[int, List[_Record]] = {}
         self.order: List[Tuple[int, _Record]] = []
+        self.devices: Dict[int, torch.device] = {}  # where the eager constructor would have put each tensor
         self.keep: List[torch.Tensor] = []  # recorded storages stay alive, so their keys stay unique
         self.suppressed = 0
 
@@ -101,8 +102,14 @@ class _Recorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func in _FACTORIES or func in _LIKE:
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type == "cpu":
+                return func(*args, **kwargs)  # an explicit CPU tensor (index tables...): built for real
             real_kwargs = {k: v for k, v in kwargs.items() if k != "device"}
             out = func(*args, **dict(kwargs, device="meta"))
+            if device is not None and str(device) != "meta":  # the GPU path's weights: drawn there eagerly
+                self.tape.keep.append(out)
+                self.tape.devices[_key(out)] = torch.device(device)
             if not self.tape.suppressed and func not in _UNINITIALISED:
                 self.tape.add(out, _Record(func.__name__, self._factory_replay(func, args, real_kwargs)))
             return out
@@ -198,12 +205,14 @@ def _deferred_all_reduce(tape: _Tape):
 class _Holder:
     records: List[_Record]
     base_offset: int
+    eager_device: torch.device  # the eager build drew there (a CPU tensor moved later, or on the GPU)
 
 
 class MetaInitRecipe:
     """What the constructors of one model chunk did to each of its parameters and buffers."""
 
     def __init__(self, chunk: torch.nn.Module, tape: _Tape):
+        self._tape = tape
         self._params: Dict[int, _Holder] = {}
         self._buffers: Dict[Tuple[int, str], _Holder] = {}
         position: Dict[int, int] = {}
@@ -212,14 +221,18 @@ class MetaInitRecipe:
             names.append(mname or "<root>")
             for p in m._parameters.values():
                 if p is not None and id(p) not in self._params:
-                    self._params[id(p)] = _Holder(tape.records.get(_key(p), []), p.storage_offset())
+                    self._params[id(p)] = self._holder(tape, p)
                     position.setdefault(_key(p), i)
             for bname, b in m._buffers.items():
                 if b is not None:
-                    self._buffers[(id(m), bname)] = _Holder(tape.records.get(_key(b), []), b.storage_offset())
+                    self._buffers[(id(m), bname)] = self._holder(tape, b)
                     position.setdefault(_key(b), i)
         random = [(position[k], r.name) for k, r in tape.order if k in position and r.name in _RANDOM]
         self._out_of_order = sorted({names[a] for (a, _), (b, _) in zip(random, random[1:]) if b < a})
+
+    @staticmethod
+    def _holder(tape: _Tape, t: torch.Tensor) -> _Holder:
+        return _Holder(tape.records.get(_key(t), []), t.storage_offset(), tape.devices.get(_key(t), torch.device("cpu")))
 
     def out_of_order(self) -> List[str]:
         """Modules whose constructor-time draws come after a later module's: their weights cannot equal
@@ -236,13 +249,44 @@ class MetaInitRecipe:
             holder = self._buffers.get((id(module), bname))
             if b is not None and holder is not None:
                 self._replay(holder, b, module, bname)
+        self._materialise_attributes(module.__dict__, type(module).__name__, depth=1)
+
+    def _materialise_attributes(self, attributes: dict, owner: str, depth: int) -> None:
+        """Plain tensor attributes made in a constructor (not parameters or buffers), also one level
+        into helper objects (a token dispatcher's tables): rebuilt from their records where the eager
+        build made them (a plain attribute is not moved by ``.cuda()``: CPU unless recorded)."""
+        for name, value in list(attributes.items()):
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                attributes[name] = self._rebuilt(value, f"{owner}.{name}")
+            elif (depth > 0 and not isinstance(value, (torch.nn.Module, torch.Tensor, type))
+                  and hasattr(value, "__dict__")):
+                self._materialise_attributes(vars(value), f"{owner}.{name}", depth - 1)
+
+    def _rebuilt(self, value: torch.Tensor, what: str) -> torch.Tensor:
+        records = self._tape.records.get(_key(value), [])
+        if not records:
+            raise RuntimeError(f"{what} is a tensor its constructor left on the meta device with no recorded "
+                               "initialisation; build this module without --init-model-with-meta-device")
+        storage = value.untyped_storage().nbytes() // value.element_size()
+        base = torch.empty(storage, dtype=value.dtype, device=self._tape.devices.get(_key(value), "cpu"))
+        self._replay(_Holder(records, 0, self._tape.devices.get(_key(value), torch.device("cpu"))), base, None, what)
+        return base.as_strided(value.shape, value.stride(), value.storage_offset())
 
     @staticmethod
     def _replay(holder: _Holder, tensor: torch.Tensor, module: torch.nn.Module, name: str) -> None:
+        if not holder.records:
+            return
+        if tensor.device.type != holder.eager_device.type:
+            # Eagerly this tensor was made on another device (a CPU tensor the job moves with
+            # .cuda(), say): draw there, from that device's generator, then copy.
+            staged = torch.empty_like(tensor, device=holder.eager_device)
+            MetaInitRecipe._replay(dataclasses.replace(holder, eager_device=staged.device), staged, module, name)
+            tensor.copy_(staged)
+            return
         for record in holder.records:
             if record.replay is None:
                 raise RuntimeError(
-                    f"{type(module).__name__}.{name}: its constructor ran {record.name} with another meta tensor "
+                    f"{type(module).__name__ if module is not None else ''}.{name}: its constructor ran {record.name} with another meta tensor "
                     "as input, which cannot be replayed; build this module without --init-model-with-meta-device")
             if record.whole:
                 record.replay(tensor)
