@@ -18,6 +18,7 @@ from .comm import CommAxis, Ledger
 from .experts import DENSE, EXPERT, ExpertSharding, Section
 from .layout import ParamSpec, build_layout
 from .mesh import DataParallelMesh
+from .meta_init import MetaMaterialiser, check_meta_module, is_on_meta, target_device
 from .mixed_precision import MixedPrecision
 from .runtime import Overlap, Runtime
 from .strategy import MeshStrategy, ShardingStrategy, parse_mesh_strategy
@@ -320,6 +321,8 @@ def fully_shard(
     forward_prefetch: int = 1,
     backward_prefetch: int = 1,
     reductions_in_flight: int = 2,
+    device: Optional[torch.device] = None,
+    init_weights: Optional[Callable[[torch.nn.Module], None]] = None,
 ) -> FullyShardedModule:
     """Shard ``module``'s parameters, gradients and optimizer state over the data-parallel ranks.
 
@@ -332,6 +335,10 @@ def fully_shard(
     ``forward_prefetch`` / ``backward_prefetch`` (units gathered ahead) and
     ``reductions_in_flight`` (gradient reductions issued before the oldest is
     waited) set how far communication runs ahead of compute (``runtime.Overlap``).
+    A module on the ``meta`` device is materialised unit by unit on ``device``
+    (default: the current CUDA device, else CPU), each submodule initialised by
+    ``init_weights(submodule)`` or its own ``reset_parameters()`` in
+    ``module.modules()`` order, keeping only this rank's shards (``meta_init.py``).
     Every check that can fail runs before the first collective; the one
     collective here (a digest of parameter names, shapes and dtypes) makes all
     ranks fail together when the models differ.
@@ -355,10 +362,12 @@ def fully_shard(
             f"unit_modules {wanted} matched no submodule of {type(module).__name__}; "
             f"module classes present: {', '.join(present)}")
     named = list(module.named_parameters())
-    devices = sorted({str(p.device) for _, p in named})
-    if len(devices) > 1:
-        raise ValueError(f"all parameters must be on one device before fully_shard, found {devices}")
-    device = torch.device(devices[0]) if devices else torch.device("cpu")
+    on_meta = is_on_meta(module)
+    if on_meta:
+        check_meta_module(module, init_weights)
+        device = target_device(device)
+    else:
+        device = _device_of_eager(named, device, init_weights)
     for name, p in named:
         if not p.is_floating_point():
             raise TypeError(f"parameter {name!r} has non-floating dtype {p.dtype}; only floating parameters can be sharded")
@@ -379,16 +388,27 @@ def fully_shard(
                             "pass mixed_precision=MixedPrecision(param_dtype=...) or make them uniform")
     split = _split_experts(by_unit, experts)
     signature = module_signature(named)
+    groups = [((uname, section.name), plist) for uname in unit_names
+              for section, plist in ((dense, split[uname][0]), (expert, split[uname][1])) if plist]
+    sections_by_name, params_of = {DENSE: dense, EXPERT: expert}, dict(groups)
+
+    def build(key) -> UnitStorage:
+        return _unit_storage(params_of[key], sections_by_name[key[1]], mp, no_weight_decay, device)
+
+    # A meta model is materialised (and every initialiser run) before the first collective.
+    storages = MetaMaterialiser(module, device, init_weights).run(groups, build) if on_meta else None
     for axis in (inner, outer) + ((expert.inner, expert.outer) if expert is not None else ()):
         check_same_module_on_all_ranks(axis, signature, device)
+    if storages is None:
+        storages = {key: build(key) for key, _ in groups}
 
     units: List[FSDPUnit] = []
     modules = dict(module.named_modules())
     for uname in unit_names:
-        for section, plist in ((dense, split[uname][0]), (expert, split[uname][1])):
-            if not plist:
+        for section in (dense, expert):
+            storage = storages.get((uname, section.name)) if section is not None else None
+            if storage is None:
                 continue
-            storage = _unit_storage(plist, section, mp, no_weight_decay, device)
             label = uname if section is dense else f"{uname or '<root>'}[experts]"
             units.append(FSDPUnit(len(units), label, [modules[uname]], storage,
                                   [s.spec.name for s in storage.layout.slots]))
@@ -403,6 +423,22 @@ def fully_shard(
             p.register_post_accumulate_grad_hook(functools.partial(_on_grad, weakref.ref(runtime), unit.index, i))
     sections = {DENSE: dense} if expert is None else {DENSE: dense, EXPERT: expert}
     return FullyShardedModule(module, runtime, units, inner, outer, levels, mp, no_weight_decay, sections)
+
+
+def _device_of_eager(named, device, init_weights) -> torch.device:
+    """The one device an eagerly built module's parameters are on (``device``, if given, must agree)."""
+    if init_weights is not None:
+        raise ValueError("init_weights initialises a module built on the meta device; this module's parameters "
+                         "already have values (build it under `with torch.device('meta'):` to use init_weights)")
+    devices = sorted({str(p.device) for _, p in named})
+    if len(devices) > 1:
+        raise ValueError(f"all parameters must be on one device before fully_shard, found {devices}")
+    found = torch.device(devices[0]) if devices else torch.device("cpu")
+    wanted = torch.device(device) if device is not None else found
+    if wanted.type != found.type or wanted.index not in (None, found.index):
+        raise ValueError(f"device={device} but the parameters are on {found}; move the module first "
+                         "(device= chooses where a meta-device module is materialised)")
+    return found
 
 
 def _on_grad(runtime_ref, unit_index: int, param_index: int, _param) -> None:

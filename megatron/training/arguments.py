@@ -123,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-iters", type=int, default=2)
     g.add_argument("--tensorboard-dir", default=None)
     add_writer_args(p)
+    g = p.add_argument_group("initialisation (docs/adapter.md, meta device)")
+    g.add_argument("--init-model-with-meta-device", action="store_true",
+                   help="build the model on the meta device; megatron.fsdp materialises and initialises it unit "
+                        "by unit, keeping only this rank's shards (needs --use-megatron-fsdp)")
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="initialise weights on the CPU (always so on CPU runs); GPU runs build on the device")
     g = p.add_argument_group("checkpointing (docs/checkpoints.md)")
     g.add_argument("--save", default=None, help="directory to save checkpoints to")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between saves (and one at the end)")
@@ -218,6 +224,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.eval_interval is None:
         args.eval_interval = args.train_iters
     _validate_moe(args, world_size)
+    _validate_initialisation(args)
     _validate_checkpointing(args)
     _validate_data(args)
     validate_writers(args)
@@ -251,6 +258,12 @@ def _validate_lr_warmup(args: argparse.Namespace) -> None:
         _fail("--lr-warmup-fraction and --lr-warmup-iters both set the warm-up; give one of them")
     if not 0.0 <= args.lr_warmup_fraction < 1.0:
         _fail(f"--lr-warmup-fraction={args.lr_warmup_fraction} must be in [0, 1)")
+
+
+def _validate_initialisation(args: argparse.Namespace) -> None:
+    if args.init_model_with_meta_device and not args.use_megatron_fsdp:
+        _fail("--init-model-with-meta-device needs --use-megatron-fsdp (Megatron-Core's own DDP cannot "
+              "materialise a meta-device model)")
 
 
 def _validate_moe(args: argparse.Namespace, world_size: int) -> None:

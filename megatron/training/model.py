@@ -28,7 +28,9 @@ def transformer_config(args, cpu: bool):
         context_parallel_size=args.context_parallel_size, sequence_parallel=args.sequence_parallel,
         bf16=args.bf16, params_dtype=torch.float32,
         pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-        use_cpu_initialization=True,
+        # CPU runs always initialise on the CPU; GPU runs build on the device unless asked (Megatron-LM's flag).
+        use_cpu_initialization=cpu or args.use_cpu_initialization,
+        init_model_with_meta_device=args.init_model_with_meta_device,
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
         recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
@@ -99,11 +101,19 @@ def gpt_chunks(config, layer_spec_for, vocab_size: int, max_sequence_length: int
 
 
 def build_model_chunks(args, config, vocab_size: int, cpu: bool) -> List[torch.nn.Module]:
+    """Megatron-LM's ``get_model`` without the wrap: on the device, or on meta with
+    ``--init-model-with-meta-device`` (the adapter then materialises and initialises each unit)."""
     from .architecture import gpt_model_fields
 
-    chunks = gpt_chunks(config, lambda vp_stage: _layer_spec(args, config, cpu, vp_stage), vocab_size,
-                        args.max_position_embeddings, not args.untie_embeddings_and_output_weights,
-                        **gpt_model_fields(args))
+    def build():
+        return gpt_chunks(config, lambda vp_stage: _layer_spec(args, config, cpu, vp_stage), vocab_size,
+                          args.max_position_embeddings, not args.untie_embeddings_and_output_weights,
+                          **gpt_model_fields(args))
+    if config.init_model_with_meta_device:
+        from megatron.fsdp.mcore.meta_init import build_on_meta_device
+
+        return build_on_meta_device(build)
+    chunks = build()
     if not cpu:
         for model in chunks:
             model.cuda(torch.cuda.current_device())

@@ -93,6 +93,8 @@ def setup(args):
     config = model_lib.transformer_config(args, cpu)
     chunks = model_lib.build_model_chunks(args, config, vocab, cpu)
     model, optimizer, wire = model_lib.wrap_and_optimize(args, config, chunks)
+    print_rank_0(f" > model built{' on the meta device, materialised unit by unit' if args.init_model_with_meta_device else ''}"
+                 f" | build {memory_line()}")
     scheduler = model_lib.scheduler(args, optimizer)
     wire()
     return device, tokenizer, model, optimizer, scheduler

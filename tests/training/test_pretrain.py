@@ -80,19 +80,46 @@ def test_pretrain_gpt_torchrun_launch(baseline_2):
     assert "levels optim_grads_params (dp_shard) x no_shard (dp_outer)" in stdout
 
 
+META = ["--init-model-with-meta-device"]
+
+
+def _same_history(got, want, what):
+    """Bitwise: a meta-device build must train exactly as the eager build of the same --seed."""
+    for key in ("losses", "grad_norms", "valid"):
+        assert len(got[key]) == len(want[key]) > 0 and got[key] == want[key], (what, key, got[key], want[key])
+
+
 @pytest.mark.slow
 def test_pretrain_gpt_tp2_dp2_all_levels(mcore_pool):
     """TP 2 + SP x DP 2 against Megatron DDP at ZeRO-1 and ZeRO-3 (one level that keeps full gradients,
     one that shards everything); no_shard and ZeRO-2 meet TP 2 in tests/mcore/test_adapter.py's parity
-    table and in test_checkpointing's TP 2 resume, and every level runs through pretrain above."""
+    table and in test_checkpointing's TP 2 resume, and every level runs through pretrain above.
+    ZeRO-3 built on the meta device equals its eager build, bitwise."""
     tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     base = mcore_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300, argv=MODEL + tp)[0]
+    runs = {}
     for level in LEVELS if full_matrix() else ["optim", "optim_grads_params"]:
-        got = mcore_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300,
-                             argv=MODEL + tp + _fsdp(level))[0]
+        got = runs[level] = mcore_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300,
+                                           argv=MODEL + tp + _fsdp(level))[0]
         for key in ("losses", "grad_norms", "valid"):
             for a, b in zip(got[key], base[key]):
                 assert abs(a - b) <= 1e-5 * abs(b), (level, key, got[key], base[key])
+    meta = mcore_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300,
+                          argv=MODEL + tp + _fsdp("optim_grads_params") + META)[0]
+    _same_history(meta, runs["optim_grads_params"], "tp2 meta")
+
+
+@pytest.mark.parametrize("what, parallel", [
+    ("dp4-zero3", _fsdp("optim_grads_params")),
+    ("pp2-dp2-optim_grads", _fsdp("optim_grads") + ["--pipeline-model-parallel-size", "2"]),
+])
+def test_pretrain_gpt_meta_device_init_equals_eager(mcore_pool, what, parallel):
+    """--init-model-with-meta-device: the same losses, bitwise, as the eager build (PP 2: tied embedding
+    synchronised over the embedding group after materialisation, as Megatron-Core does at construction)."""
+    eager = mcore_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300, argv=MODEL + parallel)[0]
+    meta = mcore_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300,
+                          argv=MODEL + parallel + META)[0]
+    _same_history(meta, eager, what)
 
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01",
@@ -116,6 +143,10 @@ def test_pretrain_gpt_moe_4_ranks_matches_megatron_ddp(moe_pool, dispatcher, ep,
         assert len(got[key]) == len(base[key]) > 0
         for a, b in zip(got[key], base[key]):
             assert abs(a - b) <= 1e-5 * abs(b), (key, got[key], base[key])
+    if ep == 2:  # experts built on the meta device too: the same run, bitwise
+        meta = moe_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300,
+                            argv=MODEL + moe + levels + META)[0]
+        _same_history(meta, got, "moe ep2 meta")
 
 
 @pytest.mark.parametrize("argv, world, pattern", [
@@ -134,6 +165,7 @@ def test_pretrain_gpt_moe_4_ranks_matches_megatron_ddp(moe_pool, dispatcher, ep,
     (["--mock-data", "--num-experts", "3", "--disable-bias-linear", "--expert-model-parallel-size", "2"], 2,
      "not divisible by --expert-model-parallel-size"),
     (["--mock-data", "--expert-model-parallel-size", "2"], 2, "needs --num-experts"),
+    (["--mock-data", "--init-model-with-meta-device"], 2, "--init-model-with-meta-device needs --use-megatron-fsdp"),
     (["--mock-data", "--num-experts", "4", "--disable-bias-linear", "--expert-model-parallel-size", "4"], 2,
      "does not divide the 2 ranks"),
     (["--mock-data", "--num-experts", "4", "--disable-bias-linear", "--use-megatron-fsdp",

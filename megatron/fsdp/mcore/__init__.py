@@ -10,11 +10,12 @@ silence_unactionable_warnings()
 from .data_parallel import DEFAULT_UNIT_CLASSES, FullyShardedDataParallel, FullyShardedDataParallelConfig
 from .distributed_index import FSDPDistributedIndex
 from .finalize import finalize_model_grads
+from .meta_init import build_on_meta_device
 from .optimizer import FullyShardedMegatronOptimizer, get_fsdp_optimizer
 from .schedule import configure_schedule_hooks
 
 __all__ = [
     "DEFAULT_UNIT_CLASSES", "FSDPDistributedIndex", "FullyShardedDataParallel", "FullyShardedDataParallelConfig",
-    "FullyShardedMegatronOptimizer",
+    "FullyShardedMegatronOptimizer", "build_on_meta_device",
     "configure_schedule_hooks", "finalize_model_grads", "get_fsdp_optimizer",
 ]

@@ -28,9 +28,11 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 import megatron.fsdp as mfsdp
 from megatron.fsdp.checkpoint import expected_model_keys
+from megatron.fsdp.meta_init import is_on_meta
 
 from .checkpoint_keys import CheckpointKeys, ParallelRanks, chunk_keys
 from .distributed_index import FSDPDistributedIndex
+from .meta_init import recipe_of
 from .overlap import overlap_arguments
 
 logger = logging.getLogger(__name__)
@@ -135,6 +137,27 @@ def _tied_embedding_units(module: torch.nn.Module):
     return []  # both on this chunk: one parameter, in the root unit
 
 
+def meta_init_arguments(module: torch.nn.Module) -> dict:
+    """``fully_shard``'s ``init_weights`` for a chunk built by ``build_on_meta_device`` (else nothing).
+
+    The chunk is then materialised unit by unit and each submodule initialised by
+    replaying what Megatron-Core's constructors did to it (``meta_init.py``).
+    """
+    if not is_on_meta(module):
+        return {}
+    recipe = recipe_of(module)
+    if recipe is None:
+        raise ValueError(f"{type(module).__name__} is on the meta device but was not built by "
+                         "megatron.fsdp.mcore.build_on_meta_device(build), which records Megatron-Core's "
+                         "initialisation so it can be replayed; build it that way "
+                         "(pretrain_gpt.py: --init-model-with-meta-device)")
+    late = recipe.out_of_order()
+    if late:
+        warn_once(f"meta-device initialisation: {late} draw random numbers out of module order in their "
+                  "constructors; their weights will differ from an eager build's (still equal across DP sizes)")
+    return dict(init_weights=recipe.init_weights)
+
+
 class FullyShardedDataParallel(_BaseDataParallel):
     def __init__(self, config: TransformerConfig, ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
                  disable_bucketing: bool = False, pg_collection=None,
@@ -168,6 +191,7 @@ class FullyShardedDataParallel(_BaseDataParallel):
             average_grads=average,
             experts=self._expert_sharding(module, experts, average),
             **overlap_arguments(ddp_config, module, unit_classes),
+            **meta_init_arguments(module),
         ))
 
     def _expert_sharding(self, module: torch.nn.Module, levels: ExpertLevels,

@@ -1,0 +1,197 @@
+"""Build a sharded model from one on the ``meta`` device: unit by unit, so no rank holds it whole.
+
+A model built under ``with torch.device("meta")`` has shapes but no storage.
+``fully_shard`` then walks ``module.modules()`` in order (the order an eager
+constructor creates and initialises submodules) and, for each submodule:
+
+1. gives its own parameters and buffers real storage on the target device;
+2. initialises them: ``init_weights(submodule)`` when given, else the
+   submodule's own ``reset_parameters()``;
+3. once every submodule holding a parameter of some unit has been visited,
+   builds that unit's flat storage (this rank's shard) and drops the full copy.
+
+So at any moment a rank holds its finished shards, the root unit (whose
+parameters, e.g. embedding and output head, sit at both ends of the walk), the
+unit being initialised and, for nested units, the unit around it.
+
+**Equality with the eager build.** The weights equal, bitwise, those of the same
+model built eagerly on the same device after the same ``torch.manual_seed``
+when the eager constructor draws its random numbers exactly as the walk does:
+each module initialises its own direct parameters through ``reset_parameters()``
+(torch's ``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm`` do), children are
+created in registration order, and nothing random happens in a constructor
+outside ``reset_parameters``. What breaks it: a constructor that initialises a
+parameter directly (``nn.Parameter(torch.randn(...))``), a parent that draws for
+its own parameters *after* creating its children, a ``reset_parameters`` that
+also re-initialises its children, or a different device (the CUDA generator is
+not the CPU one). A tied parameter keeps the value of its first holder in
+``modules()`` order; later holders still run their ``reset_parameters`` (on a
+scratch tensor), so they consume the random numbers they consumed eagerly,
+as with ``head.weight = embed.weight`` written after construction.
+
+Every check runs, and every initialisation happens, before the first collective
+of ``fully_shard``; a failure raises one error naming the module and the fix.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+
+import torch
+
+InitFn = Callable[[torch.nn.Module], None]
+
+
+def is_on_meta(module: torch.nn.Module) -> bool:
+    return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
+
+
+def target_device(device: Optional[torch.device]) -> torch.device:
+    """Where a meta module is materialised: ``device``, else the current CUDA device, else CPU."""
+    if device is not None:
+        device = torch.device(device)
+        if device.type == "meta":
+            raise ValueError("device='meta' cannot hold the sharded model; pass a real device (cpu, cuda:N)")
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _has_reset(module: torch.nn.Module) -> bool:
+    return callable(getattr(module, "reset_parameters", None))
+
+
+def check_meta_module(module: torch.nn.Module, init_weights: Optional[InitFn]) -> None:
+    """Everything on meta must have an initialiser; raise naming the tensor and the fix otherwise."""
+    if init_weights is not None and not callable(init_weights):
+        raise TypeError(f"init_weights must be a callable taking a submodule, got {type(init_weights).__name__}")
+    real = [n for n, p in module.named_parameters() if not p.is_meta]
+    if real:
+        raise ValueError(f"the module is partly on the meta device: parameters {real[:4]} are not; build the "
+                         "whole model under `with torch.device('meta'):` (or none of it)")
+    if init_weights is not None:
+        return
+    for mname, m in module.named_modules():
+        if _has_reset(m):
+            continue
+        owner = type(m).__name__
+        for kind, tensors in (("parameter", m._parameters), ("buffer", m._buffers)):
+            for name, t in tensors.items():
+                if t is not None and t.is_meta:
+                    full = f"{mname}.{name}" if mname else name
+                    raise ValueError(
+                        f"{kind} {full!r} is on the meta device and {owner} has no reset_parameters() to "
+                        f"initialise it; give {owner} a reset_parameters() that sets it, or pass "
+                        "fully_shard(..., init_weights=fn) where fn(submodule) initialises each submodule's "
+                        "own parameters and buffers")
+
+
+def _materialise_param(p: torch.nn.Parameter, device: torch.device) -> None:
+    """Give a meta parameter storage in place: same Python object (identity, attributes, hooks kept)."""
+    real = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+    real.__dict__.update(p.__dict__)
+    torch.utils.swap_tensors(p, real)
+    if p.is_floating_point():
+        p.data.fill_(float("nan"))  # anything left unset is caught below
+
+
+def _unset(t: torch.Tensor) -> bool:
+    return t.is_floating_point() and bool(torch.isnan(t).any())
+
+
+class MetaMaterialiser:
+    """Walk ``module.modules()`` once; materialise, initialise, and hand finished groups to ``build``.
+
+    ``groups`` maps a key (a unit's storage) to its ``(name, parameter)`` pairs; ``build(key)``
+    turns a group whose parameters are all initialised into its flat storage.
+    """
+
+    def __init__(self, module: torch.nn.Module, device: torch.device, init_weights: Optional[InitFn]):
+        self.module, self.device, self.init_weights = module, device, init_weights
+
+    def run(self, groups: Sequence[Tuple[Hashable, List[Tuple[str, torch.nn.Parameter]]]],
+            build: Callable[[Hashable], object]) -> Dict[Hashable, object]:
+        modules = list(self.module.named_modules())
+        position = {id(m): i for i, (_, m) in enumerate(modules)}
+        last_holder: Dict[int, int] = {}
+        for _, m in modules:
+            for p in m._parameters.values():
+                if p is not None:
+                    last_holder[id(p)] = position[id(m)]
+        finish_at: Dict[int, List[Hashable]] = {}
+        for key, params in groups:
+            at = max((last_holder[id(p)] for _, p in params), default=-1)
+            finish_at.setdefault(at, []).append(key)
+        built = {key: build(key) for key in finish_at.pop(-1, [])}
+        done: set = set()
+        for i, (name, m) in enumerate(modules):
+            self._initialise(name, m, done)
+            for key in finish_at.get(i, ()):
+                built[key] = build(key)
+        return built
+
+    def _initialise(self, name: str, m: torch.nn.Module, done: set) -> None:
+        fresh, seen = [], []
+        for pname, p in m._parameters.items():
+            if p is None:
+                continue
+            if id(p) in done:
+                seen.append(pname)
+            elif p.is_meta:
+                _materialise_param(p, self.device)
+                fresh.append((pname, p))
+        for bname, b in list(m._buffers.items()):
+            if b is None:
+                continue
+            if b.is_meta:
+                real = torch.empty(b.shape, dtype=b.dtype, device=self.device)
+                m._buffers[bname] = real.fill_(float("nan")) if real.is_floating_point() else real.zero_()
+            elif b.device != self.device:
+                m._buffers[bname] = b.to(self.device)
+        if not fresh and not seen and not m._buffers and self.init_weights is None:
+            return
+        # Tied parameters initialised by an earlier holder: this module's initialiser
+        # runs on a scratch copy (it draws what it drew eagerly), the first value stays.
+        originals = {pname: m._parameters[pname] for pname in seen}
+        for pname, p in originals.items():
+            m._parameters[pname] = torch.nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad)
+        owner = name or "<root>"
+        try:
+            with torch.no_grad():
+                if self.init_weights is not None:
+                    self.init_weights(m)
+                elif _has_reset(m):
+                    m.reset_parameters()
+        except Exception as exc:
+            how = "init_weights" if self.init_weights is not None else f"{type(m).__name__}.reset_parameters()"
+            raise RuntimeError(f"meta-device initialisation of {owner} ({type(m).__name__}) failed in {how}: "
+                               f"{type(exc).__name__}: {exc}; fix the initialiser (fully_shard runs it on each "
+                               "submodule in module.modules() order, on its own parameters and buffers)") from exc
+        finally:
+            for pname, p in originals.items():
+                m._parameters[pname] = p
+        self._adopt_reassigned(m, fresh)
+        for pname, p in fresh:
+            if _unset(p):
+                raise ValueError(self._unset_message("parameter", owner, pname, m))
+            done.add(id(p))
+        for bname, b in m._buffers.items():
+            if b is not None and _unset(b):
+                raise ValueError(self._unset_message("buffer", owner, bname, m))
+
+    @staticmethod
+    def _adopt_reassigned(m: torch.nn.Module, fresh) -> None:
+        """An initialiser that assigned a new Parameter: copy its value into the original object."""
+        for pname, p in fresh:
+            now = m._parameters.get(pname)
+            if now is not p and now is not None:
+                with torch.no_grad():
+                    p.data.copy_(now.detach().to(device=p.device, dtype=p.dtype))
+                m._parameters[pname] = p
+
+    def _unset_message(self, kind: str, owner: str, name: str, m: torch.nn.Module) -> str:
+        how = "init_weights" if self.init_weights is not None else f"{type(m).__name__}.reset_parameters()"
+        return (f"{kind} {name!r} of {owner} ({type(m).__name__}) was on the meta device and {how} did not set "
+                f"it; make {how} initialise every parameter and buffer the module holds directly, or pass "
+                "fully_shard(..., init_weights=fn) that does")

@@ -1,0 +1,167 @@
+"""Pool cases for meta-device initialisation: meta vs eager builds, build memory, errors.
+
+Each returns plain data; the assertions live in ``test_meta_init.py``.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+import megatron.fsdp as mfsdp
+from tests.engine.training import GLOBAL_MICRO_BATCH, OPTIMIZERS, local_slice
+from tests.models import MLP, ResetBlock, ResetLM, make_batches
+
+SEED = 5
+Config = Tuple[str, Optional[str], bool]  # (inner level, outer level or None for a flat mesh, experts)
+
+
+def _is_expert(name: str, _param) -> bool:
+    return ".mlp.up." in name
+
+
+def _build(ctx, cfg: Config, meta: bool, model_kwargs: Optional[dict] = None, **extra):
+    level, outer, experts = cfg
+    torch.manual_seed(SEED)
+    if meta:
+        with torch.device("meta"):
+            module = ResetLM(**(model_kwargs or {}))
+    else:
+        module = ResetLM(**(model_kwargs or {}))
+    where = dict(mesh=ctx.meshes[(2, 2)], outer_strategy=outer) if outer else dict(process_group=ctx.group)
+    if experts:  # experts at ZeRO-3, on the dense mesh (their outer axis replicated)
+        mesh = ctx.meshes[(2, 2)] if outer else mfsdp.DataParallelMesh(ctx.group)
+        where["experts"] = mfsdp.ExpertSharding(_is_expert, mesh, "optim_grads_params", "no_shard" if outer else None)
+    return mfsdp.fully_shard(module, strategy=level, unit_modules=(ResetBlock, MLP), **where, **extra)
+
+
+def _storage_tensors(fsdp) -> Dict[str, torch.Tensor]:
+    """Every tensor of this rank's persistent state, by a readable name."""
+    out = {}
+    for unit in fsdp.units:
+        s = unit.storage
+        out[f"{unit.name}.main"] = s.main
+        if s.shard is not None:
+            out[f"{unit.name}.shard"] = s.shard
+        if s.resident:
+            out[f"{unit.name}.full"] = s.full
+    for name, buf in fsdp.module.named_buffers():
+        out[f"buffer {name}"] = buf
+    return out
+
+
+def _differences(eager, meta) -> List[str]:
+    for fsdp in (eager, meta):
+        fsdp._runtime.wait_weights()  # the gathers that install the last step's weights
+    a, b = _storage_tensors(eager), _storage_tensors(meta)
+    if list(a) != list(b):
+        return [f"different state: {list(a)} vs {list(b)}"]
+    bad = [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])]
+    bad += [f"requires_grad of {n}" for (n, p), (_, q) in zip(eager.module.named_parameters(),
+                                                                 meta.module.named_parameters())
+            if p.requires_grad != q.requires_grad]
+    return bad
+
+
+def _train(ctx, fsdp, steps: int = 2) -> List[float]:
+    cls, kwargs = OPTIMIZERS["adamw"]
+    opt = mfsdp.FullyShardedOptimizer(fsdp, cls, clip_grad=1.0, **kwargs)
+    losses = []
+    for step in make_batches(steps, 1, GLOBAL_MICRO_BATCH):
+        tokens, targets = step[0]
+        loss = fsdp(local_slice(ctx, tokens), local_slice(ctx, targets))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def meta_matches_eager(ctx, configs: List[Config], train: Optional[Config] = None) -> Dict[str, object]:
+    """Bitwise comparison of every rank's shards for each config; optionally train both builds."""
+    result: Dict[str, object] = {"differences": {}, "checked": 0, "tied": None}
+    for cfg in configs:
+        eager, meta = _build(ctx, cfg, meta=False), _build(ctx, cfg, meta=True)
+        result["differences"][str(cfg)] = _differences(eager, meta)
+        result["checked"] += len(_storage_tensors(meta))
+        result["tied"] = meta.module.head.weight is meta.module.embed.weight
+        if cfg == train:
+            result["losses"] = (_train(ctx, eager), _train(ctx, meta))
+            result["after_training"] = _differences(eager, meta)
+    return result
+
+
+def _rss_tools():
+    from tools.bench.measure import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_heap as trim_memory
+    return peak_rss_bytes, reset_peak_rss, rss_bytes, trim_memory
+
+
+def _mmap_large_allocations() -> None:
+    """glibc: serve blocks over 64 KiB by mmap (and unmap them on free), so the resident set follows the
+    live tensors; by default the threshold grows after the first large free and freed blocks stay resident."""
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 << 10)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def build_peak(ctx, layers: int = 8, hidden: int = 256, vocab: int = 4096) -> Dict[str, object]:
+    """Resident-set high-water mark above the start of each build, eager then meta (ZeRO-3)."""
+    peak_rss_bytes, reset_peak_rss, rss_bytes, trim_memory = _rss_tools()
+    _mmap_large_allocations()
+    kwargs = dict(vocab=vocab, hidden=hidden, layers=layers, heads=4)
+    for meta in (False, True):  # warm-up: the first meta build loads torch's meta kernels (~30 MiB of code)
+        _build(ctx, ("optim_grads_params", None, False), meta=meta)
+    out = {}
+    for meta in (False, True):
+        trim_memory()
+        dist.barrier(group=ctx.group)
+        start = rss_bytes()
+        reset_peak_rss()
+        fsdp = _build(ctx, ("optim_grads_params", None, False), meta=meta, model_kwargs=kwargs)
+        out["meta" if meta else "eager"] = peak_rss_bytes() - start
+        out["persistent_bytes"] = fsdp.memory_report().total  # this rank's shards: weights and gradients
+        sizes = {u.name: 4 * u.storage.layout.padded_size for u in fsdp.units}
+        del fsdp
+        gc.collect()
+    out["model_bytes"] = sum(sizes.values())
+    out["root_bytes"] = sizes["<root>"]
+    block = [n for n in sizes if n.startswith("blocks.") and not n.endswith(".mlp")][0]
+    out["largest_unit_bytes"] = sizes[block] + sizes[block + ".mlp"]  # a block with its nested MLP unit
+    out["ranks"] = ctx.size
+    return out
+
+
+class _NoInit(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.register_buffer("table", torch.zeros(3))
+
+
+class _ForgetsBuffer(_NoInit):
+    def reset_parameters(self):
+        pass
+
+
+def meta_error(ctx, case: str) -> Optional[str]:
+    """The message a bad meta build raises on this rank (None if nothing was raised)."""
+    with torch.device("meta"):
+        module = _ForgetsBuffer() if case == "buffer_not_set" else _NoInit()
+    extra = {}
+    if case == "init_raises":
+        def init_weights(m):
+            if isinstance(m, torch.nn.Linear):
+                raise KeyError("no rule for Linear")
+            if isinstance(m, _NoInit):
+                m.table.zero_()
+        extra["init_weights"] = init_weights
+    try:
+        mfsdp.fully_shard(module, process_group=ctx.group, **extra)
+    except (ValueError, RuntimeError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
