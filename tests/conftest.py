@@ -8,9 +8,10 @@ pool whose size is exactly ``tp * pp * cp * dp``, and four covers every 2 x 2 to
 resharded to 1, 2 and 3 ranks, ``pretrain_gpt`` on 2). ``moe_pool``: four ranks of
 their own for the MoE cases of every module (Megatron-Core's MoE layers create
 process groups of their own; keeping them out of ``mcore_pool`` keeps its workers
-lean; it closes after the last test that uses it). A pool is started on first use, shared by every module that asks for the same
-one, and restarted only after a case killed it (a hang or a crash). See
-docs/testing.md for the time budget.
+lean). ``pool`` and ``moe_pool`` close after the last test that uses them. A pool is
+started on first use, shared by every module that asks for the same one, and
+restarted only after a case killed it (a hang or a crash). See docs/testing.md for
+the time budget.
 """
 
 import os
@@ -32,9 +33,31 @@ def _pool_of(size: int, purpose: str = "") -> WorkerPool:
     return pool
 
 
+# The pools that only fixtures hand out close after the last collected test that asks for them:
+# their processes (up to ~0.5 GiB each) are not kept through the rest of the session.
+_CLOSE_AFTER_LAST_USE = {"pool": (6, ""), "moe_pool": (4, "moe")}
+_last_user = {}  # fixture name -> the last collected test that uses it
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection
+def pytest_collection_modifyitems(session, config, items):
+    for name in _CLOSE_AFTER_LAST_USE:
+        users = [item for item in items if name in getattr(item, "fixturenames", ())]
+        _last_user[name] = users[-1] if users else None
+
+
+def _pool_until_last_use(request, name: str):
+    pool = _pool_of(*_CLOSE_AFTER_LAST_USE[name])
+    yield pool
+    if request.node is _last_user.get(name):
+        done = _pools.pop(_CLOSE_AFTER_LAST_USE[name], None)
+        if done is not None:
+            done.close()
+
+
 @pytest.fixture
-def pool():
-    yield _pool_of(6)
+def pool(request):
+    yield from _pool_until_last_use(request, "pool")
 
 
 @pytest.fixture
@@ -42,19 +65,9 @@ def mcore_pool():
     yield _pool_of(4)
 
 
-_last_moe_test = []  # the last collected test that uses ``moe_pool``: the pool closes after it
-
-
-def pytest_collection_modifyitems(session, config, items):
-    users = [item for item in items if "moe_pool" in getattr(item, "fixturenames", ())]
-    _last_moe_test[:] = users[-1:]
-
-
 @pytest.fixture
 def moe_pool(request):
-    yield _pool_of(4, "moe")
-    if _last_moe_test and request.node is _last_moe_test[0]:
-        _pools.pop((4, "moe")).close()
+    yield from _pool_until_last_use(request, "moe_pool")
 
 
 def pytest_sessionfinish(session, exitstatus):
