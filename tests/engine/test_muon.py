@@ -133,3 +133,19 @@ def test_muon_selector_errors(pool):
     assert "frozen" in errors["frozen"] and "'frozen_scale'" in errors["frozen"]
     assert "torch.optim.Muon" in errors["not_muon"]
     assert errors["root_matrix_ok"] is None
+
+
+def test_owner_plan_is_balanced_and_pure():
+    from megatron.fsdp.layout import ParamSpec, build_layout
+    from megatron.fsdp.matrix_plan import assign_owners, exchange_stages
+    from megatron.fsdp.strategy import STRATEGIES, MeshStrategy
+
+    assert assign_owners([1, 9, 4, 4, 9], 2) == [0, 0, 0, 1, 1]  # largest first, least loaded, ties low
+    layout = build_layout([ParamSpec("w", (6, 5))], 4, sub_shards=2)
+    flat = exchange_stages(layout, MeshStrategy(STRATEGIES["optim_grads_params"]), 1, 1)
+    assert [s.axis for s in flat] == ["inner"] and flat[0].ranges == tuple(layout.shard_range(k) for k in range(4))
+    two = exchange_stages(layout, MeshStrategy(STRATEGIES["optim_grads_params"], STRATEGIES["optim"]), 1, 2)
+    lo, hi = layout.shard_range(1)
+    assert [s.axis for s in two] == ["outer", "inner"] and two[0].ranges == ((lo, (lo + hi) // 2), ((lo + hi) // 2, hi))
+    assert two[1].outer_owner_only and not two[0].outer_owner_only
+    assert exchange_stages(layout, MeshStrategy(STRATEGIES["no_shard"]), 0, 1) == ()
