@@ -178,6 +178,8 @@ class UnitStorage:
         if self.shard is None:
             return self.full[a:b]
         lo, hi = self.kept
+        if a >= b:  # an empty piece (a parameter this rank owns none of)
+            return self.shard[0:0]
         if a < lo or b > hi:
             raise RuntimeError(f"buffer range [{a}, {b}) has no persistent compute weights (kept: [{lo}, {hi}))")
         return self.shard[a - lo:b - lo]
