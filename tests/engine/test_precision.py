@@ -12,10 +12,13 @@ def _rel(a, b):
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def test_precision_aware_adam_is_torch_adam_at_fp32_and_close_at_bf16():
+def test_precision_aware_adam_is_torch_adam_at_fp32_and_close_at_bf16(monkeypatch):
     """fp32 moments: bitwise torch.optim.Adam / AdamW (same ops, chunked); bf16 moments: within bf16 rounding."""
+    import megatron.fsdp.precision_optimizer as po
+
+    monkeypatch.setattr(po, "CHUNK_ELEMENTS", 4096)
     torch.manual_seed(0)
-    n = (1 << 20) + 5  # a whole chunk and a partial one
+    n = 3 * 4096 + 5  # whole chunks and a partial one
     for cls, decoupled in ((torch.optim.AdamW, True), (torch.optim.Adam, False)):
         ref, same, low = (torch.randn(n) for _ in range(3))
         same.copy_(ref)
