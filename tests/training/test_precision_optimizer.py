@@ -1,8 +1,8 @@
 """pretrain_gpt.py --use-precision-aware-optimizer: bf16 Adam moments and main grads, with Megatron-LM's flags.
 
 Runs in the 2-rank gloo pool (no new processes): fp32-state training saved at iteration 2,
-the same job with bf16 state (close to it within bf16 rounding), that job resumed from its own
-checkpoint (bitwise), and the fp32-state checkpoint loaded into bf16 state.
+the same job with bf16 state (close to it within bf16 rounding), and the fp32-state checkpoint
+loaded into bf16 state. (Exact resume of bf16 state: tests/engine/test_precision.py.)
 """
 
 import pytest
@@ -18,13 +18,10 @@ LOW = ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-
 def test_bf16_state_trains_resumes_and_loads_fp32_state(tmp_path):
     argv = MODEL + B8 + SHORT
     fp32 = _pretrain(2, argv + ["--save", str(tmp_path / "fp32"), "--save-interval", "2"])
-    low = _pretrain(2, argv + LOW + ["--save", str(tmp_path / "bf16"), "--save-interval", "2"])
+    low = _pretrain(2, argv + LOW)
     for key in ("losses", "grad_norms"):
         assert len(low[key]) == len(fp32[key]) == 4
         assert max(_rel(a, b) for a, b in zip(low[key], fp32[key])) < 3e-2, (key, low[key], fp32[key])
-    resumed = _pretrain(2, argv + LOW + ["--load", str(tmp_path / "bf16"), "--ckpt-step", "2"])
-    assert resumed["start_iteration"] == 2
-    assert resumed["losses"] == low["losses"][2:] and resumed["grad_norms"] == low["grad_norms"][2:]
     crossed = _pretrain(2, argv + LOW + ["--load", str(tmp_path / "fp32"), "--ckpt-step", "2"])
     assert crossed["start_iteration"] == 2
     assert max(_rel(a, b) for a, b in zip(crossed["losses"], fp32["losses"][2:])) < 3e-2
