@@ -15,7 +15,7 @@ LOW = ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-
        "--main-grads-dtype", "bf16"]
 
 
-def test_bf16_state_trains_resumes_and_loads_fp32_state(tmp_path):
+def test_bf16_state_trains_and_loads_fp32_state(tmp_path):
     argv = MODEL + B8 + SHORT
     fp32 = _pretrain(2, argv + ["--save", str(tmp_path / "fp32"), "--save-interval", "2"])
     low = _pretrain(2, argv + LOW)
