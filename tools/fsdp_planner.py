@@ -34,6 +34,7 @@ GB = 1e9
 ALIASES = {"no_shard": "DDP", "optim": "ZeRO-1", "optim_grads": "ZeRO-2", "optim_grads_params": "ZeRO-3"}
 NAMED_PAIRS = {("optim_grads_params", "no_shard"): "HSDP", ("optim_grads_params", "optim"): "HFSDP"}
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+ADAM_STATE_BYTES = {"fp32": 8.0, "bf16": 4.0}  # two moments per parameter
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -47,6 +48,9 @@ class StateBytes:
     gradients in fp32 (``grad=4``) and reduces them in fp32 (``reduce=4``) unless told
     otherwise; an fp32 model keeps no separate main copy (``main=0``, ``param=4``).
     ``reduce=None`` means gradients travel in their accumulation precision.
+    ``param`` is persistent only where a level keeps compute weights: with separate main
+    weights (``main > 0``) ZeRO-3 keeps none (``casts_main_at_gather``). bf16 Adam moments
+    (``state_dtype=torch.bfloat16``) are ``optim=4``.
     """
 
     param: float = 2.0
@@ -182,12 +186,24 @@ def _split(shard_inner: bool, shard_outer: bool, n: int, m: int) -> int:
     return (n if shard_inner else 1) * (m if shard_outer else 1)
 
 
+def casts_main_at_gather(levels: MeshStrategy, n: int, m: int, b: StateBytes) -> bool:
+    """ZeRO-3 with separate main weights keeps no compute copy: each gather casts the main shard.
+
+    As ``buffers.UnitStorage.casts_main``: the inner level shards parameters on more than one
+    rank, and the outer level either shards parameters too or leaves optimizer state whole
+    (HFSDP, whose outer level shards optimizer state only, keeps the inner compute shard).
+    """
+    return (b.main > 0 and levels.inner.shard_params and n * m > 1
+            and (levels.outer.shard_params or not levels.outer.shard_optim))
+
+
 def persistent_memory(levels: MeshStrategy, n: int, m: int, model: ModelSpec) -> Memory:
     """docs/mesh.md's table: each kind lives on the finest range its two levels allow (regions.py)."""
     psi, b = model.params, model.bytes
     optim_split = _split(levels.inner.shard_optim, levels.outer.shard_optim, n, m)
+    compute = 0.0 if casts_main_at_gather(levels, n, m, b) else b.param
     return Memory(
-        params=b.param * psi / _split(levels.inner.shard_params, levels.outer.shard_params, n, m),
+        params=compute * psi / _split(levels.inner.shard_params, levels.outer.shard_params, n, m),
         main=b.main * psi / optim_split,
         grads=b.grad * psi / _split(levels.inner.shard_grads, levels.outer.shard_grads, n, m),
         optim=b.optim * psi / optim_split,
@@ -424,7 +440,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--param-bytes", type=float, default=2.0, help="compute weights (bf16: 2, fp32: 4)")
     g.add_argument("--main-bytes", type=float, default=4.0, help="fp32 main weights (0 for an fp32 model)")
     g.add_argument("--grad-bytes", type=float, default=2.0, help="gradient accumulator (this engine: 4)")
-    g.add_argument("--optim-bytes", type=float, default=8.0, help="optimizer state (Adam: 8)")
+    g.add_argument("--optim-bytes", type=float, default=None,
+                   help="optimizer state (default: Adam's two moments in --optim-state-dtype: 8 fp32, 4 bf16)")
+    g.add_argument("--optim-state-dtype", choices=sorted(ADAM_STATE_BYTES), default="fp32",
+                   help="dtype of Adam's moments (the engine's state_dtype / --exp-avg-dtype --exp-avg-sq-dtype)")
     g.add_argument("--reduce-bytes", type=float, default=None, help="gradients on the wire (default: --grad-bytes)")
     g = p.add_argument_group("topology and budget")
     g.add_argument("--gpus-per-domain", type=int, required=True, help="N: ranks per NVLink domain")
@@ -466,6 +485,10 @@ def inputs_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         params = args.params
         if not params > 0:
             parser.error(f"--params must be positive, got {params:g}")
+    if args.optim_bytes is None:
+        args.optim_bytes = ADAM_STATE_BYTES[args.optim_state_dtype]
+    elif args.optim_state_dtype != "fp32":
+        parser.error("give either --optim-bytes or --optim-state-dtype, not both")
     byte_args = ("param_bytes", "main_bytes", "grad_bytes", "optim_bytes", "reduce_bytes")
     negative = ["--" + n.replace("_", "-") for n in byte_args if (getattr(args, n) or 0) < 0]
     if negative:
@@ -500,7 +523,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"grad {b.grad:g} + optim {b.optim:g}; grads reduced in {b.wire:g}); "
               f"{topology.gpus_per_domain} ranks per domain x {topology.domains} domains at "
               f"{topology.intra_bw:g} / {topology.inter_bw:g} GB/s; {budget.micro_batches} micro-batch(es) per step")
-        print("memory: GB per rank; traffic: GB sent per rank per step (in = inner or flat axis, out = outer axis)\n")
+        print("memory: GB per rank; traffic: GB sent per rank per step (in = inner or flat axis, out = outer axis)")
+        if b.main > 0:
+            print("ZeRO-3 rows keep no compute weights (each gather casts the main shard) except HFSDP-like pairs")
+        print()
         print(format_table(rows))
         print()
         if choice is not None:

@@ -17,6 +17,7 @@ from .mesh import DataParallelMesh, build_mesh
 from .mixed_precision import MixedPrecision
 from .module import FullyShardedModule, PersistentMemory, fully_shard, megatron_no_weight_decay
 from .optimizer import FullyShardedOptimizer
+from .precision_optimizer import OptimizerPrecision
 from .runtime import Overlap
 from .strategy import STRATEGIES, MeshStrategy, ShardingStrategy, parse_mesh_strategy, parse_strategy, valid_pairs
 from .unit import FSDPUnit, UnitState
@@ -27,5 +28,5 @@ __all__ = [
     "MixedPrecision", "Overlap", "ParamSpec", "PersistentMemory", "STRATEGIES", "ShardingStrategy", "UnitState",
     "build_layout", "fully_shard", "megatron_no_weight_decay", "parse_strategy",
     "check_checkpoint_keys", "load_model_state_dict", "load_optimizer_state_dict", "model_state_dict",
-    "optimizer_state_dict", "TensorShards",
+    "optimizer_state_dict", "OptimizerPrecision", "TensorShards",
 ]

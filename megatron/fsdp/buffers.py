@@ -5,7 +5,14 @@ read and write parameters in place. ``regions.py`` decides which buffer range
 each kind of state covers on this rank; this module owns the tensors and the
 collectives that move data between the ranges:
 
-* gather (ZeRO-3): compute piece --outer all-gather--> inner shard --inner all-gather--> full;
+* gather (ZeRO-3): compute piece --outer all-gather--> inner shard --inner all-gather--> full.
+  Under mixed precision the compute piece is not kept between uses: each gather
+  casts this rank's main shard into its own slice of ``full`` (1/N of the unit,
+  as FSDP2 does) and gathers in place, so persistent memory is main weights,
+  gradients and optimizer state only. Frozen parameters, which have no main
+  weights, keep their compute-dtype piece. Exception: an outer level that shards
+  optimizer state but not parameters (HFSDP) keeps the inner compute shard, so a
+  gather never needs the outer axis (the outer all-gather runs once per step);
 * reduce: full gradient --inner reduce-scatter or all-reduce--> inner shard
   --outer reduce-scatter or all-reduce--> piece. Stages whose level shards
   gradients run every micro-batch; the others run once per step;
@@ -79,10 +86,14 @@ class UnitStorage:
         # buffer is released between uses) a shard of it. On a mesh of one rank the
         # shard is the whole buffer: keep it resident and never gather or release.
         self.releases = levels.inner.shard_params and (inner.size > 1 or outer.size > 1)
+        # ZeRO-3 under mixed precision where the main shard covers the trainable part of
+        # the compute range: gathers cast main weights; only frozen elements keep a shard.
+        self.casts_main = self.releases and not self.shares_main and R.main == self._trainable_part(R.compute)
+        self.kept = self._kept_range() if self.releases else (0, layout.padded_size)
         self.shard: Optional[torch.Tensor] = None
         if self.releases:
-            self.shard = torch.zeros(R.size(R.compute), dtype=compute_dtype, device=device)
-            for piece in layout.pieces_in(*R.compute):
+            self.shard = torch.zeros(R.size(self.kept), dtype=compute_dtype, device=device)
+            for piece in layout.pieces_in(*self.kept):
                 src = originals[piece.slot_index].reshape(-1)
                 self.shard[piece.shard_offset:piece.shard_offset + piece.length].copy_(
                     src[piece.param_offset:piece.param_offset + piece.length])
@@ -101,16 +112,7 @@ class UnitStorage:
                     src[piece.param_offset:piece.param_offset + piece.length])
 
         accum_size = R.size(R.accum) if self.trainable_params else 0
-        self.grad_accum = torch.zeros(accum_size, dtype=main_dtype, device=device)
-        self.main_grad = self.grad_accum[a - R.accum[0]:b - R.accum[0]] if self.trainable_params else self.grad_accum
-        # Autograd accumulates straight into the persistent accumulator when it is
-        # the full buffer in compute dtype; otherwise into a transient buffer.
-        self.grads_in_place = levels.inner.keeps_full_grads and compute_dtype == main_dtype
-        self.grad_full: Optional[torch.Tensor] = None
-        self.grad_views: Optional[List[torch.Tensor]] = None
-        if self.grads_in_place and self.trainable_params:
-            self.grad_full = self.grad_accum
-            self.grad_views = self._views_of(self.grad_accum)
+        self._bind_grads(torch.zeros(accum_size, dtype=main_dtype, device=device))
         self.resident = not self.releases
         if self.releases:
             _free(self.full)
@@ -118,11 +120,55 @@ class UnitStorage:
         else:
             self._attach_params()
 
+    def _bind_grads(self, accum: torch.Tensor) -> None:
+        """Make ``accum`` the gradient accumulator, ``main_grad`` its optimizer range, and decide
+        where autograd writes: straight into the accumulator when it is the full buffer in
+        compute dtype, otherwise into a transient buffer per backward."""
+        R = self.regions
+        a, b = R.main
+        self.grad_accum = accum
+        self.main_grad = accum[a - R.accum[0]:b - R.accum[0]] if self.trainable_params else accum
+        self.grads_in_place = self.levels.inner.keeps_full_grads and self.compute_dtype == accum.dtype
+        self.grad_full: Optional[torch.Tensor] = None
+        self.grad_views: Optional[List[torch.Tensor]] = None
+        if self.grads_in_place and self.trainable_params:
+            self.grad_full = accum
+            self.grad_views = self._views_of(accum)
+
+    def set_main_grads_dtype(self, dtype: torch.dtype) -> None:
+        """Keep the gradient accumulator in ``dtype`` (e.g. bf16 main grads); its values are kept (cast)."""
+        if dtype == self.grad_accum.dtype:
+            return
+        if self.grad_full is not None and not self.grads_in_place:
+            raise RuntimeError("the gradient dtype cannot change during a backward pass")
+        for _, p in self.trainable_params:
+            p.grad = None
+        self._bind_grads(self.grad_accum.to(dtype))
+
     # ----------------------------------------------------------------- helpers
     @property
     def has_step_stage(self) -> bool:
         """Some reduction runs once per step (not every micro-batch)."""
         return self.levels.inner.keeps_full_grads or not self.levels.outer.shard_grads
+
+    def _trainable_part(self, r) -> tuple:
+        """The trainable prefix of buffer range ``r`` (``(lo, lo)`` when it holds none)."""
+        return r[0], max(r[0], min(r[1], self.layout.trainable_end))
+
+    def _kept_range(self) -> tuple:
+        """ZeRO-3: the buffer range whose compute weights persist between uses.
+
+        The whole compute range, or under ``casts_main`` only the part holding frozen
+        parameters (from the first frozen parameter on; empty when there is none).
+        """
+        lo, hi = self.regions.compute
+        if not self.casts_main:
+            return lo, hi
+        frozen = [slot for slot in self.layout.slots if not slot.spec.trainable]
+        if not frozen:
+            return hi, hi
+        start = min(max(lo, frozen[0].start), hi)
+        return start, max(start, min(hi, self.layout.used_end))
 
     def _views_of(self, flat: torch.Tensor) -> List[torch.Tensor]:
         return [flat[s.start:s.end].view(s.spec.shape) for s in self.layout.slots]
@@ -131,7 +177,11 @@ class UnitStorage:
         """Persistent compute storage of buffer range [a, b)."""
         if self.shard is None:
             return self.full[a:b]
-        lo = self.regions.compute[0]
+        lo, hi = self.kept
+        if a >= b:  # an empty piece (a parameter this rank owns none of)
+            return self.shard[0:0]
+        if a < lo or b > hi:
+            raise RuntimeError(f"buffer range [{a}, {b}) has no persistent compute weights (kept: [{lo}, {hi}))")
         return self.shard[a - lo:b - lo]
 
     def _attach_params(self) -> None:
@@ -161,10 +211,31 @@ class UnitStorage:
         self.resident = True
         lo, hi = self.regions.inner
         io = self._full_io
+        own = self.shard
+        if self.casts_main:
+            own = self._cast_into(io)
         if self.levels.outer.shard_params:
-            first = self.outer.all_gather(io[lo:hi], self.shard, tag)
+            first = self.outer.all_gather(io[lo:hi], own, tag)
             return chain(first, lambda: Handle(self.inner.all_gather(io, io[lo:hi], tag), then=self._attach_params))
-        return Handle(self.inner.all_gather(io, self.shard, tag), then=self._attach_params)
+        return Handle(self.inner.all_gather(io, own, tag), then=self._attach_params)
+
+    def _cast_into(self, io: torch.Tensor) -> torch.Tensor:
+        """Fill this rank's compute range of ``io``: main weights cast, then padding, then frozen weights.
+
+        Returns that slice: the input of the in-place all-gather.
+        """
+        lo, hi = self.regions.compute
+        a, b = self.regions.main
+        k0, k1 = self.kept
+        if b > a:
+            io[a:b].copy_(self.main)
+        if k0 > b:
+            io[b:k0].zero_()
+        if k1 > k0:
+            io[k0:k1].copy_(self.shard)
+        if hi > max(b, k1):
+            io[max(b, k1):hi].zero_()
+        return io[lo:hi]
 
     def reshard(self) -> None:
         """Release the full compute weights (ZeRO-3 only; other levels keep them)."""
@@ -175,7 +246,12 @@ class UnitStorage:
         self.resident = False
 
     def install_main_weights(self, tag: str) -> Handle:
-        """Copy updated main weights into compute weights and rebuild what is persistent."""
+        """Copy updated main weights into compute weights and rebuild what is persistent.
+
+        Nothing to do under ``casts_main``: the next gather casts the main weights.
+        """
+        if self.casts_main:
+            return Handle()
         a, b = self.regions.main
         if not self.shares_main:
             self._compute_slice(a, b).copy_(self.main)

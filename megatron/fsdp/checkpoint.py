@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from .buffers import UnitStorage
 from .dcp_pieces import local_piece, sharded_piece
+from .precision_optimizer import converts_on_load
 from .unit import UnitState
 
 
@@ -491,8 +492,8 @@ def check_checkpoint_keys(state_dict: Mapping[str, Any], checkpoint_dir, allow_u
         if isinstance(value, torch.Tensor) != isinstance(md, TensorStorageMetadata):
             kind = "bytes" if isinstance(md, BytesStorageMetadata) else "a tensor"
             wrong.append(f"{key} (checkpoint holds {kind})")
-        elif isinstance(value, torch.Tensor) and (tuple(md.size) != tuple(value.shape)
-                                                  or md.properties.dtype != value.dtype):
+        elif isinstance(value, torch.Tensor) and (tuple(md.size) != tuple(value.shape) or (
+                md.properties.dtype != value.dtype and not converts_on_load(key, md.properties.dtype, value.dtype))):
             wrong.append(f"{key} (checkpoint {tuple(md.size)} {md.properties.dtype}, "
                          f"state dict {tuple(value.shape)} {value.dtype})")
     error = mismatch_error(f"checkpoint {checkpoint_dir} does not match the state dict", missing, unexpected, wrong)

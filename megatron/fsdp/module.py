@@ -216,7 +216,7 @@ class FullyShardedModule(torch.nn.Module):
         axes = [(ax, lvl) for ax, lvl in ((s.inner, s.levels.inner), (s.outer, s.levels.outer))
                 if lvl.shard_optim and ax.size > 1]
         if all(lvl.shard_params or ax.rank == 0 for ax, lvl in axes):
-            f0, f1 = max(R.compute[0], s.layout.trainable_end), R.compute[1]
+            f0, f1 = max(s.kept[0], s.layout.trainable_end), s.kept[1]
             if f0 < f1:
                 flat[f0:f1].copy_(s._compute_slice(f0, f1))
         a, b = R.main
@@ -233,7 +233,7 @@ class FullyShardedModule(torch.nn.Module):
         if not s.shares_main:
             s.main.copy_(flat[a:b])
         if s.shard is not None:
-            s.shard.copy_(flat[s.regions.compute[0]:s.regions.compute[1]])
+            s.shard.copy_(flat[s.kept[0]:s.kept[1]])
         if s.resident:
             s.full.copy_(flat)
 

@@ -24,6 +24,7 @@ from .experts import EXPERT
 from .matrix_checkpoint import check_matrix_state_dict, matrix_state_dict, split_state_dict, write_matrix_state
 from .matrix_optimizer import MatrixOptimizer
 from .module import FullyShardedModule
+from .precision_optimizer import OptimizerPrecision, attach_grad
 
 Models = Union[FullyShardedModule, Sequence[FullyShardedModule]]
 MATRIX = "matrix"  # the decay-class flag of matrix parameters: kept out of the elementwise optimizer
@@ -45,6 +46,11 @@ class FullyShardedOptimizer:
     process groups the squared norm is summed over (e.g. tensor and pipeline
     model parallel groups, whose ranks hold different parameters), and
     ``expert_norm_groups`` the same for the expert section (default: ``norm_groups``).
+
+    ``state_dtype`` (a dtype, or ``{"exp_avg": ..., "exp_avg_sq": ...}``) and
+    ``main_grads_dtype`` (the gradient accumulators' dtype) other than fp32 keep Adam/AdamW
+    state or gradients in bf16 and update in fp32 (``precision_optimizer.py``); the default
+    runs ``optimizer_cls`` unchanged.
     """
 
     def __init__(self, models: Models, optimizer_cls: Callable = torch.optim.AdamW, clip_grad: float = 0.0,
@@ -52,7 +58,7 @@ class FullyShardedOptimizer:
                  norm_groups: Sequence = (), expert_norm_groups: Optional[Sequence] = None,
                  matrix_optimizer: Optional[Callable] = None, matrix_kwargs: Optional[dict] = None,
                  matrix_params: Optional[Callable] = None, matrix_shards: Optional[Callable] = None,
-                 **optimizer_kwargs):
+                 state_dtype=None, main_grads_dtype: Optional[torch.dtype] = None, **optimizer_kwargs):
         self.models: List[FullyShardedModule] = [models] if isinstance(models, FullyShardedModule) else list(models)
         if not self.models or not all(isinstance(m, FullyShardedModule) for m in self.models):
             raise TypeError("FullyShardedOptimizer needs the model(s) returned by megatron.fsdp.fully_shard")
@@ -61,6 +67,12 @@ class FullyShardedOptimizer:
             if _mesh_key(m) != _mesh_key(first):
                 raise ValueError("all models of one FullyShardedOptimizer must share the same meshes and levels")
         self.model = first
+        self.precision = OptimizerPrecision.of(state_dtype, main_grads_dtype)
+        main_dtype = first.mixed_precision.main_dtype
+        optimizer_cls = self.precision.optimizer_class(optimizer_cls, main_dtype)
+        for model in self.models:
+            for unit in model.units:
+                unit.storage.set_main_grads_dtype(self.precision.main_grads_dtype or main_dtype)
         self.clip_grad = float(clip_grad)
         self.norm_groups = _real_groups(norm_groups)
         self.expert_norm_groups = self.norm_groups if expert_norm_groups is None else _real_groups(expert_norm_groups)
@@ -80,11 +92,12 @@ class FullyShardedOptimizer:
                 lo, hi = s.regions.main
                 for a, b, nwd in s.layout.runs(lo, hi, flags):
                     weight = s.main[a - lo:b - lo]
-                    weight.grad = s.main_grad[a - lo:b - lo]
+                    grad = s.main_grad[a - lo:b - lo]
+                    attach_grad(weight, grad)
                     groups[nwd].append(weight)
-                    self._grads.append(weight.grad)
+                    self._grads.append(grad)
                     if counts_in_norm is None:
-                        self._norm_grads[s.section].append(weight.grad)
+                        self._norm_grads[s.section].append(grad)
                 if counts_in_norm is not None:
                     for name, slot, param in zip(unit.param_names, s.layout.slots, s.params):
                         if slot.spec.trainable and counts_in_norm(name, param):

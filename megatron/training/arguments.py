@@ -83,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--muon-scale-mode", choices=["spectral", "shape_scaling", "unit_rms_norm"], default="spectral")
     g.add_argument("--muon-extra-scale-factor", type=float, default=1.0)
     g.add_argument("--muon-tp-mode", choices=["blockwise", "duplicated"], default="blockwise")
+    g = p.add_argument_group("precision-aware optimizer (Megatron-LM's names; docs/training.md)")
+    g.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="allow Adam's moments and the main grads below fp32 (with --use-megatron-fsdp)")
+    for flag, what in (("--exp-avg-dtype", "Adam's first moment"), ("--exp-avg-sq-dtype", "Adam's second moment"),
+                       ("--main-grads-dtype", "the main gradients (bf16: accumulated and reduced in bf16)")):
+        g.add_argument(flag, choices=["fp32", "bf16"], default="fp32", help=f"dtype of {what}")
+    g.add_argument("--main-params-dtype", choices=["fp32"], default="fp32",
+                   help="dtype of the main weights (fp32 only: fp16 main params need Transformer Engine)")
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -225,6 +233,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.eval_interval = args.train_iters
     _validate_moe(args, world_size)
     _validate_initialisation(args)
+    _validate_precision_aware_optimizer(args)
     _validate_checkpointing(args)
     _validate_data(args)
     validate_writers(args)
@@ -315,6 +324,32 @@ def _validate_data(args: argparse.Namespace) -> None:
         check_splits(args)
     except DataSplitError as exc:
         _fail(str(exc))
+
+
+def _validate_precision_aware_optimizer(args: argparse.Namespace) -> None:
+    """Megatron-LM's rules for ``--use-precision-aware-optimizer`` and the dtype flags.
+
+    The dtypes below fp32 need the flag and Adam; the engine's optimizer implements them
+    (Megatron-Core's needs Transformer Engine). bf16 main grads imply gradients accumulated
+    and reduced in bf16, as Megatron-LM does not turn on fp32 accumulation for them.
+    """
+    flags = {"--exp-avg-dtype": args.exp_avg_dtype, "--exp-avg-sq-dtype": args.exp_avg_sq_dtype,
+             "--main-grads-dtype": args.main_grads_dtype}
+    lowered = [f"{flag} {value}" for flag, value in flags.items() if value != "fp32"]
+    if not args.use_precision_aware_optimizer:
+        if lowered:
+            _fail(f"{', '.join(lowered)} needs --use-precision-aware-optimizer (Megatron-LM's rule: the dtypes "
+                  "can only be fp32 without it)")
+        return
+    if not args.use_megatron_fsdp:
+        _fail("--use-precision-aware-optimizer is implemented by the megatron.fsdp optimizer: add --use-megatron-fsdp "
+              "(Megatron-Core's own needs Transformer Engine's FusedAdam)")
+    if args.optimizer != "adam":
+        _fail(f"--use-precision-aware-optimizer only supports --optimizer adam, not {args.optimizer}")
+    if args.main_grads_dtype == "bf16":
+        if not args.bf16:
+            _fail("--main-grads-dtype bf16 needs --bf16 (an fp32 model's gradients are fp32)")
+        args.grad_reduce_in_fp32 = False
 
 
 def _validate_checkpointing(args: argparse.Namespace) -> None:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from megatron.fsdp.checkpoint import mismatch_error
+from megatron.fsdp.precision_optimizer import converts_on_load
 
 from . import checkpoint_files as files
 from .checkpoint_files import CheckpointError
@@ -183,10 +184,17 @@ def validate_keys(state: Mapping[str, Any], directory: Path, prefixes: Tuple[str
     missing = sorted(k for k in wanted if k not in saved)
     unexpected = sorted(k for k in saved if k.startswith(prefixes) and k not in wanted)
     wrong += sorted(f"{k} (checkpoint {_show(saved[k])}, model {_show(d)})"
-                    for k, d in wanted.items() if k in saved and saved[k] != d)
+                    for k, d in wanted.items() if k in saved and not _loads_as(k, saved[k], d))
     error = mismatch_error(f"checkpoint {directory} does not fit this model", missing, unexpected, wrong)
     if error is not None:
         raise CheckpointError(str(error))
+
+
+def _loads_as(key: str, saved: Tuple, wanted: Tuple) -> bool:
+    """The same description, or an optimizer moment of the same shape in another dtype (fp32 <-> bf16 state)."""
+    if saved == wanted:
+        return True
+    return len(saved) == len(wanted) == 2 and saved[0] == wanted[0] and converts_on_load(key, saved[1], wanted[1])
 
 
 def check_model_args(common: Mapping[str, Any], args, directory: Path) -> None:

@@ -136,6 +136,17 @@ def _muon_config(args) -> dict:
             ("momentum", "use_nesterov", "num_ns_steps", "scale_mode", "extra_scale_factor", "tp_mode")}
 
 
+def optimizer_precision(args):
+    """``--use-precision-aware-optimizer`` and its dtypes as the engine's ``OptimizerPrecision``."""
+    import megatron.fsdp as mfsdp
+
+    if not getattr(args, "use_precision_aware_optimizer", False):
+        return mfsdp.OptimizerPrecision()
+    names = mfsdp.precision_optimizer.DTYPE_NAMES
+    return mfsdp.OptimizerPrecision(names[args.exp_avg_dtype], names[args.exp_avg_sq_dtype],
+                                    names[args.main_grads_dtype])
+
+
 def wrap_and_optimize(args, config, chunks):
     """Data-parallel wrappers, optimizer and the function that sets the schedule hooks."""
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -154,7 +165,7 @@ def wrap_and_optimize(args, config, chunks):
             expert_num_distributed_optimizer_instances=args.expert_num_distributed_optimizer_instances,
             grad_reduce_in_fp32=args.grad_reduce_in_fp32, check_for_nan_in_grad=True)
         model = [FullyShardedDataParallel(config, ddp_config, chunk) for chunk in chunks]
-        optimizer = get_fsdp_optimizer(opt_config, model)
+        optimizer = get_fsdp_optimizer(opt_config, model, precision=optimizer_precision(args))
 
         def wire():
             config.grad_scale_func = optimizer.scale_loss

@@ -132,13 +132,23 @@ def memory(ctx, strategy: str, bf16: bool, mesh=None, outer_strategy=None):
         return (n if shard_inner else 1) * (m if shard_outer else 1)
 
     compute_bytes = 2 if bf16 else 4
+    compute = compute_bytes * total / split(inner.shard_params, outer.shard_params)
+    # ZeRO-3 under mixed precision keeps no compute copy of trainable weights (each gather
+    # casts the main shard) unless the outer level shards optimizer state but not parameters
+    # (HFSDP keeps the inner compute shard); frozen weights keep their compute-dtype piece,
+    # which lies on whichever rank owns that part of the buffer.
+    if bf16 and inner.shard_params and n * m > 1 and (outer.shard_params or not outer.shard_optim):
+        compute = compute_bytes * sum(
+            max(0, min(slot.end, unit.storage.regions.compute[1]) - max(slot.start, unit.storage.regions.compute[0]))
+            for unit in fsdp.units for slot in unit.storage.layout.slots if not slot.spec.trainable)
     theory = mfsdp.PersistentMemory(
-        compute_weights=compute_bytes * total / split(inner.shard_params, outer.shard_params),
+        compute_weights=compute,
         main_weights=(4 * trainable / split(inner.shard_optim, outer.shard_optim)) if bf16 else 0,
         main_grads=4 * (total if inner.keeps_full_grads else trainable) / split(inner.shard_grads, outer.shard_grads),
         optimizer_state=8 * trainable / split(inner.shard_optim, outer.shard_optim),
     )
-    return {"report": dataclasses.asdict(report), "theory": dataclasses.asdict(theory)}
+    return {"report": dataclasses.asdict(report), "theory": dataclasses.asdict(theory),
+            "frozen_compute_bytes": compute_bytes * (total - trainable)}
 
 
 def mismatched_models(ctx):

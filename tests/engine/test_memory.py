@@ -20,6 +20,8 @@ def test_persistent_bytes_match_theory(pool, strategy, world_size, bf16):
                 assert got == 0, (rank, kind, report)
             else:
                 assert abs(got / expected - 1) < 0.01, f"rank {rank} {kind}: {got} bytes vs theory {expected:.0f}"
+    if bf16 and strategy == "optim_grads_params":  # no compute copy of trainable weights: frozen ones only
+        assert sum(r["report"]["compute_weights"] for r in results) == results[0]["frozen_compute_bytes"]
 
 
 def test_no_full_parameters_remain_after_zero3_backward(pool):

@@ -49,6 +49,9 @@ class RunConfig:
     expert_outer_strategy: Optional[str] = None
     expert_mesh: Optional[Tuple[int, int]] = None
     expert_sum_scaled: bool = False
+    # Lower-precision optimizer state / main gradients ("bf16"; None: fp32), precision_optimizer.py.
+    state_dtype: Optional[str] = None
+    main_grads_dtype: Optional[str] = None
 
 
 def is_expert(name: str, param) -> bool:
@@ -116,7 +119,10 @@ def wrap(ctx, cfg: RunConfig, **fully_shard_kwargs):
     fsdp = mfsdp.fully_shard(model, strategy=cfg.strategy, unit_modules=(Block, MLP), mixed_precision=mp, **where,
                              **fully_shard_kwargs)
     cls, kwargs = OPTIMIZERS[cfg.optimizer]
-    opt = mfsdp.FullyShardedOptimizer(fsdp, cls, clip_grad=cfg.clip_grad, **kwargs)
+    dtypes = mfsdp.precision_optimizer.DTYPE_NAMES
+    precision = {key: dtypes[value] for key, value in (("state_dtype", cfg.state_dtype),
+                                                       ("main_grads_dtype", cfg.main_grads_dtype)) if value}
+    opt = mfsdp.FullyShardedOptimizer(fsdp, cls, clip_grad=cfg.clip_grad, **precision, **kwargs)
     return fsdp, opt
 
 

@@ -45,6 +45,7 @@ SIZES = {
     "tiny": Size(vocab=256, hidden=64, layers=2, heads=4, seq=32, rows=2),  # --quick
     "5M": Size(vocab=1024, hidden=256, layers=6, heads=4, seq=256, rows=2),
     "50M": Size(vocab=4096, hidden=512, layers=15, heads=8, seq=256, rows=2),
+    "70M": Size(vocab=4096, hidden=512, layers=21, heads=8, seq=256, rows=2),  # tools/bench/memory.py
 }
 
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP_GRAD = 1e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
@@ -76,7 +77,8 @@ def theory_persistent(system: str, params: int, world: int, compute_bytes: int) 
     """Persistent bytes per rank between steps, with Adam (two fp32 moments) and no padding.
 
     This project: the table of docs/engine.md (fp32 gradient accumulators kept between
-    steps; fp32 main weights only when compute is not fp32). Megatron-Core's DDP and
+    steps; fp32 main weights only when compute is not fp32; under ZeRO-3 with bf16 compute
+    no compute weights at all: each gather casts the main shard). Megatron-Core's DDP and
     DistributedOptimizer keep the same kinds at the ``no_shard``/``optim`` levels, and
     Megatron-FSDP v1 at ``optim_grads_params``. FSDP2 and the unwrapped model free their
     gradients in ``zero_grad`` and keep fp32 parameters (sharded for FSDP2) and Adam state.
@@ -89,6 +91,8 @@ def theory_persistent(system: str, params: int, world: int, compute_bytes: int) 
         return 12.0 * psi / n
     level = LEVEL_OF[system]
     compute = c * psi / n if level == "optim_grads_params" else c * psi
+    if level == "optim_grads_params" and m and n > 1 and system.startswith("ours:"):
+        compute = 0.0  # each gather casts the fp32 main shard: no compute copy between uses
     grads = 4 * psi / n if level in ("optim_grads", "optim_grads_params") else 4 * psi
     sharded = level != "no_shard"
     return compute + grads + (m * psi + 8 * psi) / (n if sharded else 1)

@@ -52,15 +52,18 @@ def _plain_step(model, optimizer, tokens):
     return step
 
 
-def wrap_ours(model: torch.nn.Module, level: str, bf16: bool):
-    """This engine at ``level``: blocks are units; bf16 compute with fp32 main weights and reduction."""
+def wrap_ours(model: torch.nn.Module, level: str, bf16: bool, state_dtype=None):
+    """This engine at ``level``: blocks are units; bf16 compute with fp32 main weights and reduction.
+
+    ``state_dtype=torch.bfloat16``: AdamW's moments in bf16 (system ``ours:<level>:bf16-state``).
+    """
     import megatron.fsdp as mfsdp
 
     mp = mfsdp.MixedPrecision(param_dtype=torch.bfloat16, main_dtype=torch.float32,
                               grad_reduce_dtype=torch.float32) if bf16 else None
     wrapped = mfsdp.fully_shard(model, strategy=level, unit_modules=(Block,), mixed_precision=mp)
     optimizer = mfsdp.FullyShardedOptimizer(wrapped, torch.optim.AdamW, lr=LR, betas=BETAS, eps=EPS,
-                                            weight_decay=WEIGHT_DECAY, clip_grad=CLIP_GRAD)
+                                            weight_decay=WEIGHT_DECAY, clip_grad=CLIP_GRAD, state_dtype=state_dtype)
     return wrapped, optimizer
 
 
@@ -85,7 +88,10 @@ def build_system(system: str, model: torch.nn.Module, tokens: torch.Tensor, bf16
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return M.Built(_plain_step(model, adamw(param_groups(model.named_parameters())), tokens))
     if system.startswith("ours:"):
-        wrapped, optimizer = wrap_ours(model, system.partition(":")[2], bf16)
+        level, _, variant = system.partition(":")[2].partition(":")
+        if variant not in ("", "bf16-state"):
+            raise ValueError(f"unknown variant {variant!r} of {system!r}; known: bf16-state")
+        wrapped, optimizer = wrap_ours(model, level, bf16, torch.bfloat16 if variant == "bf16-state" else None)
 
         def step():
             wrapped(tokens).backward()

@@ -124,9 +124,27 @@ def _counts_in_norm(tp_rank: int):
     return rule
 
 
+def precision_of(config: OptimizerConfig) -> mfsdp.OptimizerPrecision:
+    """Megatron's precision-aware optimizer settings (``use_precision_aware_optimizer``,
+    ``exp_avg_dtype``, ``exp_avg_sq_dtype``, ``main_grads_dtype``) as the engine's value; fp32 when off."""
+    if not getattr(config, "use_precision_aware_optimizer", False):
+        return mfsdp.OptimizerPrecision()
+    return mfsdp.OptimizerPrecision(config.exp_avg_dtype, config.exp_avg_sq_dtype, config.main_grads_dtype)
+
+
 def get_fsdp_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.Module],
-                       no_weight_decay_cond=None) -> FullyShardedMegatronOptimizer:
-    """One optimizer over all model chunks of this rank (each a ``FullyShardedDataParallel``)."""
+                       no_weight_decay_cond=None,
+                       precision: Optional[mfsdp.OptimizerPrecision] = None) -> FullyShardedMegatronOptimizer:
+    """One optimizer over all model chunks of this rank (each a ``FullyShardedDataParallel``).
+
+    ``precision``: moment and main-gradient dtypes (default: from ``config``, see ``precision_of``;
+    Megatron-Core's ``OptimizerConfig`` refuses ``use_precision_aware_optimizer`` without
+    Transformer Engine, so the training job passes it here instead).
+    """
+    precision = precision if precision is not None else precision_of(config)
+    if not precision.is_default(torch.float32) and config.optimizer != "adam":
+        raise ValueError(f"the precision-aware optimizer (bf16 moments or main grads) needs optimizer 'adam', "
+                         f"not {config.optimizer!r}")
     if getattr(config, "fp16", False):
         raise ValueError("fp16 needs loss scaling, which megatron.fsdp does not implement; use bf16")
     engines = [chunk.fsdp for chunk in model_chunks]
@@ -149,7 +167,9 @@ def get_fsdp_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.Modu
         engines, cls, clip_grad=config.clip_grad,
         no_weight_decay=no_weight_decay_cond or _megatron_no_weight_decay,
         counts_in_norm=_counts_in_norm(index.tp_rank),
-        norm_groups=[index.mp], expert_norm_groups=[index.expt_mp], **kwargs)
+        norm_groups=[index.mp], expert_norm_groups=[index.expt_mp],
+        state_dtype={"exp_avg": precision.exp_avg_dtype, "exp_avg_sq": precision.exp_avg_sq_dtype},
+        main_grads_dtype=precision.main_grads_dtype, **kwargs)
     # Keys Megatron's OptimizerParamScheduler reads from every param group (the matrix group decays).
     for group, no_decay in zip(engine.param_groups, (False, True, False)):
         group.update(max_lr=config.lr, min_lr=config.min_lr, lr_mult=1.0,
