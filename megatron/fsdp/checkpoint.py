@@ -367,7 +367,7 @@ def _trainable_pieces(optimizer, layout: OptimizerLayout):
                 yield _qualified(optimizer, k, p.name), p, run, unit.storage
 
 
-def optimizer_state_dict(optimizer) -> Dict[str, Any]:
+def optimizer_state_dict(optimizer, main_weights: bool = True) -> Dict[str, Any]:
     """Main weights and optimizer state per parameter, plus per-group hyperparameters and scalar state.
 
     Keys: ``main.<param>`` and ``state.<param>.<key>`` (DTensors of the
@@ -376,6 +376,8 @@ def optimizer_state_dict(optimizer) -> Dict[str, Any]:
     tensor of a group steps together) and ``state_initialized`` (False before
     the first step: loading it leaves the optimizer to create its state lazily,
     exactly as a fresh one would). Collective-free; the values are copies.
+    ``main_weights=False`` leaves the ``main.<param>`` copies out (a save whose
+    model state dict holds the same values).
     """
     for model in optimizer.models:
         model._runtime.wait_weights()
@@ -384,7 +386,8 @@ def optimizer_state_dict(optimizer) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     with torch.no_grad():
         for key, p, run, s in _trainable_pieces(optimizer, layout):
-            out[f"main.{key}"] = sharded_piece(piece_values(s, p).clone(), p.shape, p.param_lo)
+            if main_weights:
+                out[f"main.{key}"] = sharded_piece(piece_values(s, p).clone(), p.shape, p.param_lo)
             for name, dtype in layout.shaped:
                 if run is not None and layout.initialized:
                     local = inner.state[run.tensor][name][p.a - run.a:p.b - run.a].clone()

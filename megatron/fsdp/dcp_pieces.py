@@ -106,7 +106,24 @@ def sharded_piece(local: torch.Tensor, shape: Sequence[int], lo: int) -> DTensor
     flat.__create_write_items__ = write_items
     flat.__create_chunk_list__ = lambda: list(chunks)
     flat.__get_tensor_shard__ = tensor_shard
+    flat._fsdp_piece = (tuple(shape), lo)  # how ``on_host`` describes a copy the same way
     return dt
+
+
+def on_host(value: torch.Tensor, pin: bool = False) -> torch.Tensor:
+    """A host copy of a state-dict value (pinned when ``pin``), a piece described as the original.
+
+    A background writer then reads host memory only; the copies are issued
+    non-blocking, so the caller synchronises the device once for all of them.
+    """
+    if isinstance(value, DTensor) and hasattr(value._local_tensor, "_fsdp_piece"):
+        local = value._local_tensor
+        host = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
+        host.copy_(local, non_blocking=pin)
+        shape, lo = local._fsdp_piece
+        return sharded_piece(host, shape, lo)
+    host = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pin)
+    return host.copy_(value.detach(), non_blocking=pin)
 
 
 def local_piece(value: Any, lo: int, hi: int, name: str) -> torch.Tensor:

@@ -107,9 +107,9 @@ class FullyShardedOptimizer:
     def state(self):
         return self.optimizer.state
 
-    def state_dict(self) -> Dict[str, object]:
+    def state_dict(self, main_weights: bool = True) -> Dict[str, object]:
         """Main weights and optimizer state per parameter, for ``torch.distributed.checkpoint`` (see checkpoint.py)."""
-        return optimizer_state_dict(self)
+        return optimizer_state_dict(self, main_weights)
 
     def load_state_dict(self, state_dict) -> None:
         """Load a ``state_dict()`` filled by ``dcp.load`` at any world size, level or mesh (a collective)."""

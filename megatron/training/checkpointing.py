@@ -101,12 +101,14 @@ def model_state_dict(model: List[torch.nn.Module]) -> Dict[str, Any]:
     return out
 
 
-def _state_dict(model, optimizer, with_optimizer: bool, with_rng: bool) -> Tuple[Dict[str, Any], List[str]]:
-    """The DCP state dict, and the optimizer's main-weight keys left out of it (``model.<key>`` holds them)."""
+def _state_dict(model, optimizer, with_optimizer: bool, with_rng: bool,
+                for_load: bool = True) -> Tuple[Dict[str, Any], List[str]]:
+    """The DCP state dict, and the optimizer's main-weight keys left out of it (``model.<key>`` holds them;
+    a save does not even copy them)."""
     state: Dict[str, Any] = {"model": model_state_dict(model)}
     mains: List[str] = []
     if with_optimizer:
-        opt = optimizer.state_dict()
+        opt = optimizer.state_dict(main_weights=for_load)
         mains = [k for k in opt if k.startswith("main.")]
         state["optimizer"] = {k: v for k, v in opt.items() if not k.startswith("main.")}
     if with_rng:
@@ -115,10 +117,15 @@ def _state_dict(model, optimizer, with_optimizer: bool, with_rng: bool) -> Tuple
 
 
 # ------------------------------------------------------------------------ save
-def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler) -> Path:
-    """Write ``args.save/iter_XXXXXXX`` atomically (all ranks); returns its path."""
+def stage_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler):
+    """Step 1 of a save (all ranks, a collective): this rank's pieces copied to host memory and DCP's plan.
+
+    Returns a ``save_steps.StagedSave``; ``save_steps.write_pieces`` and
+    ``save_steps.finish`` complete it (now, or in the background: ``async_save``).
+    """
+    from . import save_steps
+
     files.check_fault_spec()
-    start = time.perf_counter()
     rank = dist.get_rank()
     root = Path(args.save)
     if rank == 0:
@@ -126,20 +133,29 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimize
     nonce = [files.new_nonce() if rank == 0 else None]
     dist.broadcast_object_list(nonce, src=0)
     tmp = files.temporary_dir(root, iteration, nonce[0])
-    state, _ = _state_dict(model, optimizer, with_optimizer=True, with_rng=True)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)))
-    files.fault_point("after_write", iteration, rank)
-    if rank == 0:
-        files.write_common(tmp, {
-            "format": FORMAT, "version": VERSION, "iteration": iteration,
-            "consumed_train_samples": consumed_samples, "world_size": dist.get_world_size(),
-            "scheduler": scheduler.state_dict(), "model_args": _model_args(args),
-            "args": {k: _json_value(v) for k, v in sorted(vars(args).items())},
-        })
-        files.fsync_dir(tmp)
-    dist.barrier()  # every rank has written its files before the checkpoint becomes visible
-    final = files.publish(tmp, root, iteration, rank) if rank == 0 else root / files.iteration_dir_name(iteration)
-    dist.barrier()
+    start = time.perf_counter()
+    state, _ = _state_dict(model, optimizer, with_optimizer=True, with_rng=True, for_load=False)
+    copied = time.perf_counter() - start
+    common = None if rank != 0 else {
+        "format": FORMAT, "version": VERSION, "iteration": iteration,
+        "consumed_train_samples": consumed_samples, "world_size": dist.get_world_size(),
+        "scheduler": scheduler.state_dict(), "model_args": _model_args(args),
+        "args": {k: _json_value(v) for k, v in sorted(vars(args).items())},
+    }
+    return save_steps.stage(state, tmp, root, iteration, common, copied)
+
+
+def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler) -> Path:
+    """Write ``args.save/iter_XXXXXXX`` atomically (all ranks); returns its path."""
+    from . import save_steps
+
+    start = time.perf_counter()
+    staged = stage_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler)
+    try:
+        results = save_steps.write_pieces(staged)
+    except Exception as exc:  # every rank learns of it in ``finish`` and raises the same error
+        results = exc
+    final = save_steps.finish(staged, results)
     print_rank_0(f" saved checkpoint at iteration {iteration:8d} to {final} in "
                  f"{time.perf_counter() - start:.2f} s")
     return final

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpointing, data, model as model_lib
+from .async_save import CheckpointSaver
 from .checkpoint_files import CheckpointError
 from .initialize import initialize, shutdown
 from .logging_utils import TensorBoard, iteration_line, memory_line, print_rank_0, summary
@@ -113,14 +114,28 @@ def pretrain(args) -> dict:
             print_rank_0(f" validation loss at iteration {iteration}{note} | lm loss value: {valid:.6E} |")
         return valid
 
-    start_iteration, consumed, skipped = 0, 0, 0
+    start_iteration, consumed = 0, 0
     if args.load:
         start_iteration, consumed = checkpointing.load_checkpoint(args, model, optimizer, scheduler)
         history["start_iteration"] = start_iteration
         if start_iteration and args.eval_interval and start_iteration % args.eval_interval == 0:
             # The saved run logged this validation loss too: equal values show the load is complete.
             history["valid_at_load"] = validate(start_iteration, " (loaded checkpoint)")
-    saved_at = start_iteration
+    saver = CheckpointSaver(args)
+    try:
+        _train(args, model, optimizer, scheduler, forward_backward, forward_step, train_ds, board,
+                           history, validate, saver, start_iteration, consumed)
+    except BaseException:
+        saver.abandon()  # no collective: another rank may be elsewhere
+        raise
+    board.close()
+    return history
+
+
+def _train(args, model, optimizer, scheduler, forward_backward, forward_step, train_ds, board, history, validate,
+           saver: CheckpointSaver, start_iteration: int, consumed: int) -> int:
+    """The iterations from ``start_iteration``; returns the last one (saves through ``saver``)."""
+    skipped, saved_at = 0, start_iteration
     for chunk in model:
         chunk.train()
     iteration = start_iteration
@@ -156,15 +171,17 @@ def pretrain(args) -> dict:
                 history["valid"].append(valid)
         exiting = bool(args.exit_interval) and iteration % args.exit_interval == 0
         if args.save and ((args.save_interval and iteration % args.save_interval == 0) or exiting):
-            checkpointing.save_checkpoint(args, iteration, consumed, model, optimizer, scheduler)
+            saver.save(iteration, consumed, model, optimizer, scheduler)
             saved_at = iteration
+        else:
+            saver.poll(iteration)
         if exiting:
             print_rank_0(f" exiting after iteration {iteration} (--exit-interval {args.exit_interval})")
             break
     if args.save and iteration > saved_at:
-        checkpointing.save_checkpoint(args, iteration, consumed, model, optimizer, scheduler)
-    board.close()
-    return history
+        saver.save(iteration, consumed, model, optimizer, scheduler)
+    saver.wait(iteration)  # the end of training (or --exit-interval) waits for the write in flight
+    return iteration
 
 
 def main(argv=None) -> None:

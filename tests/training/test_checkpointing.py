@@ -68,17 +68,38 @@ def test_exact_resume_2_ranks(tmp_path, level):
     _assert_exact_resume(straight, resumed, 5)
 
 
-def test_exact_resume_tp2_dp2_with_exit_interval(tmp_path):
-    """TP 2 x DP 2 at ZeRO-2: a run that never saved, against --exit-interval 5 (saves, stops) + --load."""
+def test_exact_resume_tp2_dp2_with_async_saves_and_exit_interval(tmp_path):
+    """TP 2 x DP 2 at ZeRO-2: a run that never saved, against --async-save every 2 iterations with
+    --exit-interval 5 (waits for the write in flight, stops), then --load: all bitwise."""
     argv = MODEL + B8 + _fsdp("optim_grads") + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     straight = _pretrain(4, argv)
-    first = _pretrain(4, argv + ["--save", str(tmp_path), "--exit-interval", "5"])
-    assert len(first["losses"]) == 5 and files.read_tracker(tmp_path) == 5
-    resumed = _pretrain(4, argv + ["--load", str(tmp_path), "--save", str(tmp_path)])
+    first = _pretrain(4, argv + ["--save", str(tmp_path), "--save-interval", "2", "--exit-interval", "5",
+                                 "--async-save"])
+    assert first["losses"] == straight["losses"][:5] and first["grad_norms"] == straight["grad_norms"][:5]
+    assert files.read_tracker(tmp_path) == 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", "iter_0000004", "iter_0000005",
+                                                          files.TRACKER]
+    resumed = _pretrain(4, argv + ["--load", str(tmp_path), "--save", str(tmp_path), "--async-save"])
     _assert_exact_resume(straight, resumed, 5)
     assert files.read_tracker(tmp_path) == 10  # the end of training saves
     keys = ckpt_inspect.describe(tmp_path / "iter_0000010")["keys"]
     assert {k.split(".")[1] for k in keys if k.startswith("model.")} == {"tp0", "tp1"}
+
+
+def test_failed_background_write_stops_the_job(tmp_path):
+    """Rank 1's background write of iteration 4 fails: every rank stops with one error, the tracker keeps 2."""
+    argv = MODEL + B8 + _fsdp("optim_grads_params") + ["--save", str(tmp_path), "--save-interval", "2",
+                                                       "--async-save"]
+    result = _pool_of(2).run("tests.training.checkpoint_cases:failing_background_write", timeout=300,
+                             argv=argv, rank=1, iteration=4)
+    errors = {r["error"] for r in result}
+    assert len(errors) == 1 and None not in errors, errors
+    error = errors.pop()
+    for fragment in ("checkpoint iteration 4 failed", "rank 1: PermissionError", "Permission denied",
+                     "tracker still names iteration 2"):
+        assert fragment in error, error
+    assert files.read_tracker(tmp_path) == 2 and files.is_complete(tmp_path / "iter_0000002")
+    assert not (tmp_path / "iter_0000004").exists()
 
 
 def test_no_load_optim_and_finetune(tmp_path):
@@ -157,12 +178,14 @@ def _torchrun(nproc, argv, env):
                           capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
 
 
-@pytest.mark.parametrize("point, rank", [("after_write", 1), ("before_rename", 0),
-                                         ("after_rename_before_tracker", 0)])
-def test_kill_during_save_leaves_previous_checkpoint(tmp_path, point, rank):
-    """SIGKILL of one rank in the save of iteration 4: the tracker still names 2, which resumes exactly."""
+@pytest.mark.parametrize("point, rank, mode", [("after_write", 1, []), ("before_rename", 0, ["--async-save"]),
+                                               ("after_rename_before_tracker", 0, []),
+                                               ("in_background_write", 1, ["--async-save"])])
+def test_kill_during_save_leaves_previous_checkpoint(tmp_path, point, rank, mode):
+    """SIGKILL of one rank in the save of iteration 4 (sync, or async: in the writer thread while training
+    runs, or when publishing): the tracker still names 2, which resumes exactly."""
     argv = MODEL + B8 + _fsdp("optim_grads_params") + ["--train-iters", "4", "--eval-interval", "2",
-                                                       "--save", str(tmp_path), "--save-interval", "2"]
+                                                       "--save", str(tmp_path), "--save-interval", "2"] + mode
     out = _torchrun(2, argv, {files.FAULT_ENV: f"{point}:{rank}:4"})
     assert out.returncode != 0 and f"killing this process at {point}" in out.stdout, out.stdout[-2000:]
     logged = [(float(loss), float(norm)) for _, loss, norm in LINE.findall(out.stdout)]
