@@ -85,6 +85,7 @@ def setup(args):
     device = initialize(args)
     cpu = device.type == "cpu"
     tokenizer = data.build_tokenizer(args)
+    args.true_vocab_size = tokenizer.vocab_size  # checkpoints cut or add padding rows against it
     vocab = args.padded_vocab_size = data.padded_vocab_size(tokenizer.vocab_size, args)
     config = model_lib.transformer_config(args, cpu)
     chunks = model_lib.build_model_chunks(args, config, vocab, cpu)

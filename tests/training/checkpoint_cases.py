@@ -172,3 +172,22 @@ def failing_background_write(ctx, argv: List[str], rank: int, iteration: int) ->
         return {"error": str(exc)}
     finally:
         save_steps.write_pieces = real
+
+
+def fresh_then_loaded(ctx, argv: List[str], fresh, loaded: str) -> None:
+    """Save the freshly built model of ``argv`` (iteration 0) to ``fresh`` (unless None), load ``--load``,
+    save it to ``loaded``."""
+    from megatron.training import checkpointing
+    from megatron.training.arguments import parse_args
+    from megatron.training.training import setup
+
+    args = parse_args(argv)
+    with _megatron_run():
+        _, _, model, optimizer, scheduler = setup(args)
+        for directory in [d for d in (fresh, loaded) if d]:
+            args.save = directory
+            if directory == loaded:
+                iteration, consumed = checkpointing.load_checkpoint(args, model, optimizer, scheduler)
+            else:
+                iteration, consumed = 0, 0
+            checkpointing.save_checkpoint(args, iteration, consumed, model, optimizer, scheduler)
