@@ -221,13 +221,27 @@ def validate_keys(state: Mapping[str, Any], directory: Path, prefixes: Tuple[str
         raise CheckpointError(str(error))
 
 
+def tp_global(common: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint's keys and shapes are TP-global (it loads at any TP and EP size).
+
+    Layout version 2 always; version 1 when it was written without tensor
+    parallelism and without grouped-GEMM experts (its keys and shapes are then
+    the same as version 2's: this job had no SwiGLU then).
+    """
+    if common.get("version", 1) >= 2:
+        return True
+    saved = common.get("model_args", {})
+    return (saved.get("tensor_model_parallel_size") in (1, None)
+            and saved.get("expert_tensor_parallel_size") in (1, None) and not saved.get("moe_grouped_gemm"))
+
+
 def check_model_args(common: Mapping[str, Any], args, directory: Path) -> None:
     """Name every argument that fixes the model's shape (or its keys) and differs from the checkpoint's."""
     if common.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {directory} has format {common.get('format')!r}, expected {FORMAT!r}")
     saved, now = common.get("model_args", {}), _model_args(args)
     free = set()  # what this checkpoint's layout lets change
-    if common.get("version", 1) >= 2:
+    if tp_global(common):
         free |= set(KEY_LAYOUT_ARGS) | {"expert_model_parallel_size"}
         if saved.get("true_vocab_size") is not None:
             free.add("padded_vocab_size")  # padding rows are cut or added (load_checkpoint)
@@ -236,7 +250,7 @@ def check_model_args(common: Mapping[str, Any], args, directory: Path) -> None:
     if diffs:
         hint = ("; this checkpoint has layout version 1 (keys per tensor-parallel rank): load it at the sizes it "
                 "was saved with and save it again to get one that loads at any TP and EP size"
-                if common.get("version", 1) < 2 and any(k in d for d in diffs for k in ("tensor", "expert-model"))
+                if not tp_global(common) and any(k in d for d in diffs for k in ("tensor", "expert-model"))
                 else "")
         raise CheckpointError(f"checkpoint {directory} was saved with a different model: " + "; ".join(diffs) + hint)
 
@@ -269,7 +283,7 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
         print_rank_0(f" checkpoint saved on {common['world_size']} ranks, loading on {dist.get_world_size()}: "
                      "RNG states not restored")
         with_rng = False
-    legacy = common.get("version", 1) < 2
+    legacy = not tp_global(common)
     rows = None if legacy else common["model_args"].get("padded_vocab_size")
     if rows is not None and rows != args.padded_vocab_size:
         print_rank_0(f" checkpoint padded vocabulary {rows} rows, this model {args.padded_vocab_size}: "

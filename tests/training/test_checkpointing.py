@@ -187,10 +187,28 @@ def test_tp_reshard(tp2_dp2_zero3, target):
         assert all(_rel(a, b) <= 1e-5 for a, b in zip(got[key], saved[key][5:])), (key, got[key], saved[key][5:])
 
 
+def test_inspect_and_convert_a_tp2_checkpoint(tp2_dp2_zero3, tmp_path, capsys):
+    """inspect names the layout it was written at and that any loads it; to-torch --model-only of a TP 2
+    checkpoint is a single-rank GPTModel's state dict: equal weights and logits to the TP 1 model loading it."""
+    directory, _ = tp2_dp2_zero3
+    ckpt_inspect.main([str(directory), "--iteration", "5"])
+    out = capsys.readouterr().out
+    assert "written at: world 4 = TP 2 x PP 1 x CP 1 x DP 2" in out and "loads at: any TP, PP, EP" in out
+    model_file = tmp_path / "model.pt"
+    convert.to_torch(str(directory), str(model_file), model_only=True, iteration=5)
+    result = _pool_of(4).run("tests.training.checkpoint_cases:loaded_vs_unsharded", timeout=300,
+                             argv=TP_SOURCE + ["--load", str(directory), "--ckpt-step", "5"],
+                             model_file=str(model_file))
+    for r in result:
+        assert r["iteration"] == 5 and r["compute_matches_main"] and r["weights_equal"], r
+        assert r["missing"] == [] and r["unexpected"] == [] and r["max_logit_diff"] <= 1e-5, r
+
+
 def test_vocabulary_padding_rows_cut_and_added(tmp_path):
     """ByteLevel vocabulary: 512 padded rows at TP 2, 384 at TP 1. TP 2 -> TP 1 cuts rows 384-511; TP 1 -> TP 2
     adds them with the values (and zero optimizer state) a fresh TP 2 model has; real rows never change."""
-    argv = MODEL + B8 + _fsdp("optim_grads_params") + ["--train-iters", "2", "--eval-interval", "2"]
+    argv = MODEL + B8 + _fsdp("optim_grads_params") + ["--train-iters", "2", "--eval-interval", "2",
+                                                       "--lr-warmup-iters", "1"]
     tp2 = ["--tensor-model-parallel-size", "2"]
     _pretrain(4, argv + tp2 + ["--save", str(tmp_path / "tp2")])
     for source, layout, out, fresh in (("tp2", [], "tp1", None), ("tp1", tp2, "back", "back_fresh")):
@@ -325,9 +343,9 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", 
 def test_moe_grouped_gemm_checkpoint_loads_under_another_ep_and_expert_tp(tmp_path):
     """Grouped-GEMM experts saved at TP 2 = expert TP 2 x EP 2 (one global tensor per layer and weight, experts
     and the expert ffn dimension in global coordinates), loaded at TP 1 x EP 1 and TP 1 x EP 4."""
-    argv = MODEL + B8 + MOE + _fsdp("optim_grads_params") + ["--moe-grouped-gemm"]
+    argv = MODEL + B8 + MOE + _fsdp("optim_grads_params") + ["--moe-grouped-gemm", "--bf16"]  # GroupedMLP: bf16 only
     saved = _pretrain(4, argv + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                 "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+                                 "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather",
                                  "--save", str(tmp_path)])
     keys = ckpt_inspect.describe(tmp_path / "iter_0000004")["keys"]
     assert keys["model.decoder.layers.0.mlp.experts.weight1"]["shape"] == [4, 64, 256]
@@ -336,7 +354,8 @@ def test_moe_grouped_gemm_checkpoint_loads_under_another_ep_and_expert_tp(tmp_pa
         got = _pretrain(4, argv + ["--expert-model-parallel-size", ep, "--moe-token-dispatcher-type", "allgather",
                                    "--load", str(tmp_path)])
         assert got["start_iteration"] == 4 and got["losses"] == []
-        assert _rel(got["valid_at_load"], saved["valid"][0]) <= 1e-5, (ep, got["valid_at_load"], saved["valid"])
+        # bf16 compute at another TP and EP rounds differently: the fp32 weights are the same
+        assert _rel(got["valid_at_load"], saved["valid"][0]) <= 5e-3, (ep, got["valid_at_load"], saved["valid"])
 
 
 V1_ARGS = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--num-layers", "1",
