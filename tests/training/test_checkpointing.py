@@ -340,22 +340,18 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", 
        "--moe-router-load-balancing-type", "aux_loss", "--train-iters", "4", "--eval-interval", "4"]
 
 
-def test_moe_grouped_gemm_checkpoint_loads_under_another_ep_and_expert_tp(tmp_path):
-    """Grouped-GEMM experts saved at TP 2 = expert TP 2 x EP 2 (one global tensor per layer and weight, experts
-    and the expert ffn dimension in global coordinates), loaded at TP 1 x EP 1 and TP 1 x EP 4."""
-    argv = MODEL + B8 + MOE + _fsdp("optim_grads_params") + ["--moe-grouped-gemm", "--bf16"]  # GroupedMLP: bf16 only
-    saved = _pretrain(4, argv + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                 "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather",
+def test_moe_checkpoint_loads_under_another_ep(tmp_path):
+    """Saved at EP 2 (experts keyed by global index), loaded at EP 1 and EP 4: the same validation loss."""
+    argv = MODEL + B8 + MOE + _fsdp("optim_grads_params")
+    saved = _pretrain(4, argv + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
                                  "--save", str(tmp_path)])
     keys = ckpt_inspect.describe(tmp_path / "iter_0000004")["keys"]
-    assert keys["model.decoder.layers.0.mlp.experts.weight1"]["shape"] == [4, 64, 256]
-    assert keys["model.decoder.layers.0.mlp.experts.weight2"]["shape"] == [4, 256, 64]
+    assert {k.split("local_experts.")[1].split(".")[0] for k in keys if "local_experts." in k} == {"0", "1", "2", "3"}
     for ep in ("1", "4"):
         got = _pretrain(4, argv + ["--expert-model-parallel-size", ep, "--moe-token-dispatcher-type", "allgather",
                                    "--load", str(tmp_path)])
         assert got["start_iteration"] == 4 and got["losses"] == []
-        # bf16 compute at another TP and EP rounds differently: the fp32 weights are the same
-        assert _rel(got["valid_at_load"], saved["valid"][0]) <= 5e-3, (ep, got["valid_at_load"], saved["valid"])
+        assert _rel(got["valid_at_load"], saved["valid"][0]) <= 1e-5, (ep, got["valid_at_load"], saved["valid"])
 
 
 V1_ARGS = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--num-layers", "1",
