@@ -31,7 +31,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from .buffers import UnitStorage
-from .dcp_pieces import local_piece, sharded_piece
+from .dcp_pieces import GlobalPlacement, local_piece, sharded_piece
 from .precision_optimizer import converts_on_load
 from .unit import UnitState
 
@@ -75,6 +75,22 @@ def owned_pieces(unit) -> Iterator[OwnedPiece]:
         if a >= b:
             a = b = slot.start
         yield OwnedPiece(name, slot.spec.shape, slot.spec.trainable, a, b, slot.start)
+
+
+def placement_of(model, name: str) -> Optional[GlobalPlacement]:
+    """Where parameter ``name`` sits in a larger global tensor, if the wrapper said so.
+
+    ``model.checkpoint_placements`` (``{name: GlobalPlacement}``) is set by a wrapper
+    that knows more than the engine: the Megatron-Core adapter stores each
+    tensor-parallel shard at its place in the TP-global weight. Without it every
+    parameter is its own global tensor.
+    """
+    return (getattr(model, "checkpoint_placements", None) or {}).get(name)
+
+
+def checkpoint_shape(model, name: str, shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    placement = placement_of(model, name)
+    return placement.shape if placement is not None else tuple(shape)
 
 
 def piece_values(s: UnitStorage, p: OwnedPiece) -> torch.Tensor:
@@ -136,14 +152,14 @@ def model_state_dict(model) -> Dict[str, Any]:
             s = unit.storage
             for p in owned_pieces(unit):
                 local = piece_values(s, p).to(dtype=s.main_dtype, copy=True)
-                out[p.name] = sharded_piece(local, p.shape, p.param_lo)
+                out[p.name] = sharded_piece(local, p.shape, p.param_lo, placement_of(model, p.name))
         for name, buf in persistent_buffers(model.module).items():
             out[name] = buf.detach().clone()
     return out
 
 
 def expected_model_keys(model) -> Dict[str, Optional[Tuple[int, ...]]]:
-    keys = {name: slot.spec.shape for unit in model.units
+    keys = {name: checkpoint_shape(model, name, slot.spec.shape) for unit in model.units
             for name, slot in zip(unit.param_names, unit.storage.layout.slots)}
     keys.update({name: tuple(buf.shape) for name, buf in persistent_buffers(model.module).items()})
     return keys
@@ -155,7 +171,8 @@ def gather_pieces(model, state_dict: Mapping[str, Any]) -> Dict[str, torch.Tenso
     for unit in model.units:
         for p in owned_pieces(unit):
             if p.name in state_dict:
-                pieces[p.name] = local_piece(state_dict[p.name], p.param_lo, p.param_lo + p.b - p.a, p.name)
+                pieces[p.name] = local_piece(state_dict[p.name], p.param_lo, p.param_lo + p.b - p.a, p.name,
+                                             placement_of(model, p.name))
     return pieces
 
 
@@ -358,7 +375,8 @@ def _is_matrix(optimizer, k: int, name: str) -> bool:
 
 
 def _trainable_pieces(optimizer, layout: OptimizerLayout):
-    """``(key name, piece, run, storage)`` for every trainable parameter of every chunk; run None for an empty piece."""
+    """``(key name, piece, run, storage, placement)`` for every trainable parameter of every chunk;
+    run None for an empty piece."""
     by_unit: Dict[int, List[Run]] = {}
     for r in layout.runs:
         if r.unit is not None:
@@ -371,10 +389,10 @@ def _trainable_pieces(optimizer, layout: OptimizerLayout):
                 run = next((r for r in by_unit.get(id(unit), ()) if r.a <= p.a and p.b <= r.b), None)
                 if run is None and p.b > p.a:
                     raise RuntimeError(f"{p.name}: owned elements outside every optimizer tensor")
-                yield _qualified(optimizer, k, p.name), p, run, unit.storage
+                yield _qualified(optimizer, k, p.name), p, run, unit.storage, placement_of(model, p.name)
 
 
-def optimizer_state_dict(optimizer) -> Dict[str, Any]:
+def optimizer_state_dict(optimizer, main_weights: bool = True) -> Dict[str, Any]:
     """Main weights and optimizer state per parameter, plus per-group hyperparameters and scalar state.
 
     Keys: ``main.<param>`` and ``state.<param>.<key>`` (DTensors of the
@@ -383,6 +401,8 @@ def optimizer_state_dict(optimizer) -> Dict[str, Any]:
     tensor of a group steps together) and ``state_initialized`` (False before
     the first step: loading it leaves the optimizer to create its state lazily,
     exactly as a fresh one would). Collective-free; the values are copies.
+    ``main_weights=False`` leaves the ``main.<param>`` copies out (a save whose
+    model state dict holds the same values).
     """
     for model in optimizer.models:
         model._runtime.wait_weights()
@@ -390,14 +410,15 @@ def optimizer_state_dict(optimizer) -> Dict[str, Any]:
     inner = optimizer.optimizer
     out: Dict[str, Any] = {}
     with torch.no_grad():
-        for key, p, run, s in _trainable_pieces(optimizer, layout):
-            out[f"main.{key}"] = sharded_piece(piece_values(s, p).clone(), p.shape, p.param_lo)
+        for key, p, run, s, placement in _trainable_pieces(optimizer, layout):
+            if main_weights:
+                out[f"main.{key}"] = sharded_piece(piece_values(s, p).clone(), p.shape, p.param_lo, placement)
             for name, dtype in layout.shaped:
                 if run is not None and layout.initialized:
                     local = inner.state[run.tensor][name][p.a - run.a:p.b - run.a].clone()
                 else:
                     local = torch.zeros(p.b - p.a, dtype=dtype, device=s.main.device)
-                out[f"state.{key}.{name}"] = sharded_piece(local, p.shape, p.param_lo)
+                out[f"state.{key}.{name}"] = sharded_piece(local, p.shape, p.param_lo, placement)
     for g, group in enumerate(inner.param_groups):
         for hp, value in group.items():
             if hp != "params":
@@ -410,9 +431,10 @@ def optimizer_state_dict(optimizer) -> Dict[str, Any]:
 
 def _expected_optimizer_keys(optimizer, layout: OptimizerLayout) -> Dict[str, Optional[Tuple[int, ...]]]:
     keys: Dict[str, Optional[Tuple[int, ...]]] = {}
-    for key, p, _, _ in _trainable_pieces(optimizer, layout):
-        keys[f"main.{key}"] = p.shape
-        keys.update({f"state.{key}.{name}": p.shape for name, _ in layout.shaped})
+    for key, p, _, _, placement in _trainable_pieces(optimizer, layout):
+        shape = placement.shape if placement is not None else p.shape
+        keys[f"main.{key}"] = shape
+        keys.update({f"state.{key}.{name}": shape for name, _ in layout.shaped})
     for g, group in enumerate(optimizer.optimizer.param_groups):
         keys.update({f"param_groups.{g}.{hp}": _shape_of(v) for hp, v in group.items() if hp != "params"})
         keys.update({f"param_groups.{g}.state.{n}": _shape_of(v) for n, v in layout.scalars[g].items()})
@@ -434,12 +456,13 @@ def load_optimizer_state_dict(optimizer, state_dict: Mapping[str, Any]) -> None:
         check_against("optimizer load_state_dict", state_dict, _expected_optimizer_keys(optimizer, layout))
         writes = []  # (run, state key, offset in run, piece)
         mains: List[Dict[str, torch.Tensor]] = [{} for _ in optimizer.models]
-        for key, p, run, _ in _trainable_pieces(optimizer, layout):
+        for key, p, run, _, placement in _trainable_pieces(optimizer, layout):
             if run is None:
                 continue
             lo, hi = p.param_lo, p.param_lo + p.b - p.a
-            mains[run.model][p.name] = local_piece(state_dict[f"main.{key}"], lo, hi, f"main.{key}")
-            writes += [(run, name, p.a - run.a, local_piece(state_dict[f"state.{key}.{name}"], lo, hi, key))
+            mains[run.model][p.name] = local_piece(state_dict[f"main.{key}"], lo, hi, f"main.{key}", placement)
+            writes += [(run, name, p.a - run.a,
+                        local_piece(state_dict[f"state.{key}.{name}"], lo, hi, key, placement))
                        for name, _ in layout.shaped]
         return writes, mains
     writes, mains = agreed(optimizer.models, check)

@@ -5,7 +5,9 @@ general not a rectangle of the parameter. ``flat_boxes`` cuts such a range
 into at most ``2 * ndim - 1`` boxes (a partial leading row, the full rows, a
 partial trailing row, recursively per dimension); each box is itself contiguous
 in memory, so it is a plain view of the flat piece. ``sharded_piece`` wraps the
-piece in a ``DTensor`` of the parameter's global shape whose local tensor
+piece in a ``DTensor`` of the parameter's global shape (or, with a
+``GlobalPlacement``, of a larger tensor it is a part of: its tensor-parallel
+shard's place in the TP-global weight) whose local tensor
 carries DCP's ``__create_write_items__`` / ``__create_chunk_list__`` /
 ``__get_tensor_shard__`` hooks (DTensor defers to its local tensor for them):
 DCP writes one chunk per box, reads any overlap of saved and wanted boxes, and
@@ -74,17 +76,73 @@ def _mesh(device_type: str, rank: int) -> DeviceMesh:
     return DeviceMesh(device_type, [rank], _init_backend=False, _rank=rank)
 
 
-def sharded_piece(local: torch.Tensor, shape: Sequence[int], lo: int) -> DTensor:
-    """A DTensor of global ``shape`` whose data on this rank is ``local``: flat elements ``[lo, lo + numel)``."""
-    shape = torch.Size(shape)
-    if math.prod(shape) == 0:  # nothing to own: every rank describes the empty tensor the same way
-        boxes = (Box((0,) * len(shape), tuple(shape), 0),)
+@dataclasses.dataclass(frozen=True)
+class GlobalPlacement:
+    """Where a rank's whole parameter sits inside a larger global tensor (e.g. its tensor-parallel shard).
+
+    ``view``: the parameter's elements seen in this shape (row-major, same count;
+    e.g. a fused ``[2 * f, h]`` weight as ``[2, f, h]``); ``shape``: the global
+    tensor's; ``offsets``: the view's corner in it. The view must fit inside the
+    global tensor in every dimension but the first: rows beyond ``shape[0]`` are
+    outside (neither saved nor loaded), which is how a checkpoint with fewer
+    padded vocabulary rows loads into a larger embedding. The caller (the
+    Megatron-Core adapter) chooses the coordinates; the engine only applies them.
+    """
+
+    view: Tuple[int, ...]
+    shape: Tuple[int, ...]
+    offsets: Tuple[int, ...]
+
+    def __post_init__(self):
+        if not (len(self.view) == len(self.shape) == len(self.offsets)):
+            raise ValueError(f"{self}: view, shape and offsets need one entry per dimension")
+        if any(o < 0 or o + v > g for o, v, g in zip(self.offsets[1:], self.view[1:], self.shape[1:])):
+            raise ValueError(f"{self}: the view leaves the global tensor outside its first dimension")
+
+    @classmethod
+    def identity(cls, shape: Sequence[int]) -> "GlobalPlacement":
+        shape = tuple(shape)
+        return cls(shape, shape, (0,) * len(shape))
+
+    def region(self) -> Tuple[slice, ...]:
+        """The view's elements in a full global tensor (rows outside clipped)."""
+        return tuple(slice(o, min(o + v, g)) for o, v, g in zip(self.offsets, self.view, self.shape))
+
+
+def _placed_boxes(placement: GlobalPlacement, lo: int, hi: int) -> Tuple[Box, ...]:
+    """This flat range's boxes in global coordinates, rows outside the global tensor dropped.
+
+    A box of ``flat_boxes`` spans several rows only when they are whole, so
+    cutting rows off its end keeps it a contiguous prefix of the flat range.
+    """
+    out = []
+    for b in flat_boxes(placement.view, lo, hi):
+        offsets = tuple(o + p for o, p in zip(b.offsets, placement.offsets))
+        if not offsets:
+            out.append(b)
+            continue
+        rows = min(b.sizes[0], placement.shape[0] - offsets[0])
+        if rows > 0:
+            out.append(Box(offsets, (rows,) + b.sizes[1:], b.start))
+    return tuple(out)
+
+
+def sharded_piece(local: torch.Tensor, shape: Sequence[int], lo: int,
+                  placement: "GlobalPlacement | None" = None) -> DTensor:
+    """A DTensor whose data on this rank is ``local``: flat elements ``[lo, lo + numel)`` of a
+    parameter of ``shape`` (which sits in a larger global tensor when ``placement`` says so)."""
+    placement = placement or GlobalPlacement.identity(shape)
+    if math.prod(placement.view) != math.prod(shape):
+        raise ValueError(f"placement {placement} does not fit a parameter of shape {tuple(shape)}")
+    glob = torch.Size(placement.shape)
+    if math.prod(glob) == 0:  # nothing to own: every rank describes the empty tensor the same way
+        boxes = (Box((0,) * len(glob), tuple(glob), 0),)
     else:
-        boxes = flat_boxes(shape, lo, lo + local.numel())
-    stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+        boxes = _placed_boxes(placement, lo, lo + local.numel())
+    stride = tuple(math.prod(glob[d + 1:]) for d in range(len(glob)))
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     dt = DTensor.from_local(local, _mesh(local.device.type, rank), [Replicate()], run_check=False,
-                            shape=shape, stride=stride)
+                            shape=glob, stride=stride)
     flat = dt._local_tensor  # the tensor DTensor asks for the hooks (a view sharing ``local``'s storage)
     views = [flat[b.start - lo:b.start - lo + b.numel].view(b.sizes) for b in boxes]
     chunks = [ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes)) for b in boxes]
@@ -92,7 +150,7 @@ def sharded_piece(local: torch.Tensor, shape: Sequence[int], lo: int) -> DTensor
 
     def write_items(fqn: str, _obj) -> List[WriteItem]:
         return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=c, properties=properties, size=shape))
+                          tensor_data=TensorWriteData(chunk=c, properties=properties, size=glob))
                 for c in chunks]
 
     def tensor_shard(index: MetadataIndex) -> torch.Tensor:
@@ -106,15 +164,38 @@ def sharded_piece(local: torch.Tensor, shape: Sequence[int], lo: int) -> DTensor
     flat.__create_write_items__ = write_items
     flat.__create_chunk_list__ = lambda: list(chunks)
     flat.__get_tensor_shard__ = tensor_shard
+    flat._fsdp_piece = (tuple(shape), lo, placement)  # how ``on_host`` describes a copy the same way
     return dt
 
 
-def local_piece(value: Any, lo: int, hi: int, name: str) -> torch.Tensor:
-    """This rank's flat elements ``[lo, hi)`` of a loaded value: a DTensor piece or a full tensor."""
+def on_host(value: torch.Tensor, pin: bool = False) -> torch.Tensor:
+    """A host copy of a state-dict value (pinned when ``pin``), a piece described as the original.
+
+    A background writer then reads host memory only; the copies are issued
+    non-blocking, so the caller synchronises the device once for all of them.
+    """
+    if isinstance(value, DTensor) and hasattr(value._local_tensor, "_fsdp_piece"):
+        local = value._local_tensor
+        host = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
+        host.copy_(local, non_blocking=pin)
+        return sharded_piece(host, *local._fsdp_piece)
+    host = torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pin)
+    return host.copy_(value.detach(), non_blocking=pin)
+
+
+def local_piece(value: Any, lo: int, hi: int, name: str, placement: "GlobalPlacement | None" = None) -> torch.Tensor:
+    """This rank's flat elements ``[lo, hi)`` of a loaded value: a DTensor piece or a full (global) tensor."""
     if isinstance(value, DTensor):
         local = value._local_tensor.reshape(-1)
         if local.numel() != hi - lo:
             raise ValueError(f"{name}: the state dict holds {local.numel()} elements on this rank, the model owns "
                              f"{hi - lo}; build the state dict with state_dict() of the model it is loaded into")
         return local
-    return value.detach().reshape(-1)[lo:hi]
+    value = value.detach()
+    if placement is not None:
+        region = value[placement.region()]
+        if tuple(region.shape) != placement.view:
+            raise ValueError(f"{name}: a full tensor of shape {tuple(value.shape)} does not cover this rank's "
+                             f"part {placement}; load it through dcp.load into state_dict()")
+        value = region.contiguous()
+    return value.reshape(-1)[lo:hi]

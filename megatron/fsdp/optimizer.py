@@ -132,9 +132,9 @@ class FullyShardedOptimizer:
     def state(self):
         return self.optimizer.state
 
-    def state_dict(self) -> Dict[str, object]:
+    def state_dict(self, main_weights: bool = True) -> Dict[str, object]:
         """Main weights and optimizer state per parameter, for ``torch.distributed.checkpoint`` (see checkpoint.py)."""
-        out = optimizer_state_dict(self)
+        out = optimizer_state_dict(self, main_weights)
         if self.matrix is not None:
             out.update(matrix_state_dict(self))
         return out

@@ -150,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load the weights only; iteration, optimizer, scheduler and data start afresh")
     g.add_argument("--exit-interval", type=int, default=None, help="exit after an iteration divisible by N "
                    "(saving first with --save)")
+    g.add_argument("--async-save", action="store_true", help="write checkpoints in the background: training "
+                   "blocks only to copy this rank's pieces to host memory (docs/checkpoints.md)")
     return show_every_default(p)
 
 
@@ -237,6 +239,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _validate_checkpointing(args)
     _validate_data(args)
     validate_writers(args)
+    _validate_async_save(args)
     if args.transformer_impl == "transformer_engine":
         try:
             import transformer_engine  # noqa: F401
@@ -370,6 +373,11 @@ def _validate_checkpointing(args: argparse.Namespace) -> None:
     if args.ckpt_format != "fsdp_dtensor":
         _fail(f"--ckpt-format {args.ckpt_format}: --use-megatron-fsdp saves and loads --ckpt-format fsdp_dtensor "
               "only (torch DCP, reshardable); tools/checkpoint/convert.py converts to and from a torch file")
+
+
+def _validate_async_save(args: argparse.Namespace) -> None:
+    if args.async_save and not args.save:
+        _fail("--async-save needs --save DIR")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

@@ -38,7 +38,8 @@ from typing import Any, Dict, Optional
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.json"
 FAULT_ENV = "MEGATRON_FSDP_CKPT_FAULT"
-FAULT_POINTS = ("after_write", "before_rename", "after_rename_before_tracker", "after_tracker")
+# ``in_background_write``: in --async-save's writer thread, this rank's files written, training running.
+FAULT_POINTS = ("after_write", "before_rename", "after_rename_before_tracker", "after_tracker", "in_background_write")
 
 
 class CheckpointError(ValueError):

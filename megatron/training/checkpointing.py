@@ -44,18 +44,33 @@ from .checkpoint_files import CheckpointError
 from .logging_utils import print_rank_0
 
 FORMAT = "fsdp_dtensor"
-VERSION = 1
+# 2: TP-global keys and shapes (any TP, EP); 1: keys per TP rank (loads at the TP and grouped-GEMM EP it was saved at).
+VERSION = 2
 # Arguments that fix parameter shapes: a checkpoint saved with other values cannot load.
 MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length",
-                    "max_position_embeddings", "padded_vocab_size", "num_experts", "moe_ffn_hidden_size",
-                    "untie_embeddings_and_output_weights", "add_bias_linear", "moe_grouped_gemm")
-# Arguments that change checkpoint keys (tensor-parallel shards are stored per TP rank).
+                    "max_position_embeddings", "true_vocab_size", "padded_vocab_size", "num_experts",
+                    "moe_ffn_hidden_size", "untie_embeddings_and_output_weights", "add_bias_linear",
+                    "moe_grouped_gemm")
+# Arguments that changed checkpoint keys in layout version 1 (tensor-parallel shards stored per TP rank).
 KEY_LAYOUT_ARGS = ("tensor_model_parallel_size", "expert_tensor_parallel_size")
+# The parallel layout a checkpoint was written with (common.json; tools/checkpoint/inspect.py shows it).
+PARALLEL_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "virtual_pipeline_model_parallel_size", "sequence_parallel", "expert_model_parallel_size",
+                 "expert_tensor_parallel_size", "data_parallel_sharding_strategy",
+                 "num_distributed_optimizer_instances", "outer_dp_sharding_strategy",
+                 "expert_data_parallel_sharding_strategy")
 
 
 def _json_value(value: Any) -> Any:
     return value if isinstance(value, (bool, int, float, str, type(None))) else (
         [_json_value(v) for v in value] if isinstance(value, (list, tuple)) else str(value))
+
+
+def parallel_layout(args: argparse.Namespace) -> Dict[str, Any]:
+    layout = {name: _json_value(getattr(args, name, None)) for name in PARALLEL_ARGS}
+    world = dist.get_world_size()
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    return {"world_size": world, "data_parallel_size": world // model_parallel, **layout}
 
 
 def _model_args(args: argparse.Namespace) -> Dict[str, Any]:
@@ -102,12 +117,14 @@ def model_state_dict(model: List[torch.nn.Module]) -> Dict[str, Any]:
     return out
 
 
-def _state_dict(model, optimizer, with_optimizer: bool, with_rng: bool) -> Tuple[Dict[str, Any], List[str]]:
-    """The DCP state dict, and the optimizer's main-weight keys left out of it (``model.<key>`` holds them)."""
+def _state_dict(model, optimizer, with_optimizer: bool, with_rng: bool,
+                for_load: bool = True) -> Tuple[Dict[str, Any], List[str]]:
+    """The DCP state dict, and the optimizer's main-weight keys left out of it (``model.<key>`` holds them;
+    a save does not even copy them)."""
     state: Dict[str, Any] = {"model": model_state_dict(model)}
     mains: List[str] = []
     if with_optimizer:
-        opt = optimizer.state_dict()
+        opt = optimizer.state_dict(main_weights=for_load)
         mains = [k for k in opt if k.startswith("main.")]
         state["optimizer"] = {k: v for k, v in opt.items() if not k.startswith("main.")}
     if with_rng:
@@ -116,10 +133,15 @@ def _state_dict(model, optimizer, with_optimizer: bool, with_rng: bool) -> Tuple
 
 
 # ------------------------------------------------------------------------ save
-def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler) -> Path:
-    """Write ``args.save/iter_XXXXXXX`` atomically (all ranks); returns its path."""
+def stage_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler):
+    """Step 1 of a save (all ranks, a collective): this rank's pieces copied to host memory and DCP's plan.
+
+    Returns a ``save_steps.StagedSave``; ``save_steps.write_pieces`` and
+    ``save_steps.finish`` complete it (now, or in the background: ``async_save``).
+    """
+    from . import save_steps
+
     files.check_fault_spec()
-    start = time.perf_counter()
     rank = dist.get_rank()
     root = Path(args.save)
     if rank == 0:
@@ -127,20 +149,30 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimize
     nonce = [files.new_nonce() if rank == 0 else None]
     dist.broadcast_object_list(nonce, src=0)
     tmp = files.temporary_dir(root, iteration, nonce[0])
-    state, _ = _state_dict(model, optimizer, with_optimizer=True, with_rng=True)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)))
-    files.fault_point("after_write", iteration, rank)
-    if rank == 0:
-        files.write_common(tmp, {
-            "format": FORMAT, "version": VERSION, "iteration": iteration,
-            "consumed_train_samples": consumed_samples, "world_size": dist.get_world_size(),
-            "scheduler": scheduler.state_dict(), "model_args": _model_args(args),
-            "args": {k: _json_value(v) for k, v in sorted(vars(args).items())},
-        })
-        files.fsync_dir(tmp)
-    dist.barrier()  # every rank has written its files before the checkpoint becomes visible
-    final = files.publish(tmp, root, iteration, rank) if rank == 0 else root / files.iteration_dir_name(iteration)
-    dist.barrier()
+    start = time.perf_counter()
+    state, _ = _state_dict(model, optimizer, with_optimizer=True, with_rng=True, for_load=False)
+    copied = time.perf_counter() - start
+    common = None if rank != 0 else {
+        "format": FORMAT, "version": VERSION, "iteration": iteration,
+        "consumed_train_samples": consumed_samples, "world_size": dist.get_world_size(),
+        "scheduler": scheduler.state_dict(), "model_args": _model_args(args),
+        "parallel_layout": parallel_layout(args),
+        "args": {k: _json_value(v) for k, v in sorted(vars(args).items())},
+    }
+    return save_steps.stage(state, tmp, root, iteration, common, copied)
+
+
+def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler) -> Path:
+    """Write ``args.save/iter_XXXXXXX`` atomically (all ranks); returns its path."""
+    from . import save_steps
+
+    start = time.perf_counter()
+    staged = stage_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler)
+    try:
+        results = save_steps.write_pieces(staged)
+    except Exception as exc:  # every rank learns of it in ``finish`` and raises the same error
+        results = exc
+    final = save_steps.finish(staged, results)
     print_rank_0(f" saved checkpoint at iteration {iteration:8d} to {final} in "
                  f"{time.perf_counter() - start:.2f} s")
     return final
@@ -197,15 +229,42 @@ def _loads_as(key: str, saved: Tuple, wanted: Tuple) -> bool:
     return len(saved) == len(wanted) == 2 and saved[0] == wanted[0] and converts_on_load(key, saved[1], wanted[1])
 
 
+def tp_global(common: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint's keys and shapes are TP-global (it loads at any TP and EP size).
+
+    Layout version 2 always; version 1 when it was written without tensor
+    parallelism and without grouped-GEMM experts (its keys and shapes are then
+    the same as version 2's: this job had no SwiGLU then).
+    """
+    if common.get("version", 1) >= 2:
+        return True
+    saved = common.get("model_args", {})
+    return (saved.get("tensor_model_parallel_size") in (1, None)
+            and saved.get("expert_tensor_parallel_size") in (1, None) and not saved.get("moe_grouped_gemm"))
+
+
 def check_model_args(common: Mapping[str, Any], args, directory: Path) -> None:
     """Name every argument that fixes the model's shape (or its keys) and differs from the checkpoint's."""
     if common.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {directory} has format {common.get('format')!r}, expected {FORMAT!r}")
     saved, now = common.get("model_args", {}), _model_args(args)
+    free = set()  # what this checkpoint's layout lets change
+    if tp_global(common):
+        free |= set(KEY_LAYOUT_ARGS) | {"expert_model_parallel_size"}
+        if saved.get("moe_grouped_gemm"):
+            # Unverified: a grouped-GEMM checkpoint loaded at another expert TP and EP gave another loss.
+            free -= {"expert_tensor_parallel_size", "expert_model_parallel_size"}
+        if saved.get("true_vocab_size") is not None:
+            free.add("padded_vocab_size")  # padding rows are cut or added (load_checkpoint)
     diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} in the checkpoint, {v!r} now"
-             for k, v in now.items() if k in saved and saved[k] != v]
+             for k, v in now.items() if k in saved and saved[k] != v and k not in free]
     if diffs:
-        hint = "; changing tensor parallel size needs a conversion" if any("tensor" in d for d in diffs) else ""
+        hint = ("; this checkpoint has layout version 1 (keys per tensor-parallel rank): load it at the sizes it "
+                "was saved with and save it again to get one that loads at any TP and EP size"
+                if not tp_global(common) and any(k in d for d in diffs for k in ("tensor", "expert-model"))
+                else "; grouped-GEMM experts (--moe-grouped-gemm) load only at the expert TP and EP sizes they "
+                     "were saved with (set --expert-tensor-parallel-size to keep it when TP changes)"
+                if saved.get("moe_grouped_gemm") and any("expert" in d for d in diffs) else "")
         raise CheckpointError(f"checkpoint {directory} was saved with a different model: " + "; ".join(diffs) + hint)
 
 
@@ -237,16 +296,28 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
         print_rank_0(f" checkpoint saved on {common['world_size']} ranks, loading on {dist.get_world_size()}: "
                      "RNG states not restored")
         with_rng = False
-    state, mains = _state_dict(model, optimizer, with_optimizer, with_rng)
-    prefixes = ("model.",) + (("optimizer.",) if with_optimizer else ()) + (("rng.",) if with_rng else ())
-    validate_keys(state, directory, prefixes)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)))
-    for chunk in model:
-        keys = set(chunk.checkpoint_keys().to_global.values())
-        chunk.load_state_dict({k: v for k, v in state["model"].items() if k in keys})
-    if with_optimizer:
-        optimizer.load_state_dict({**state["optimizer"], **{k: state["model"][k[5:]] for k in mains}})
-        scheduler.load_state_dict(common["scheduler"])
+    legacy = not tp_global(common)
+    rows = None if legacy else common["model_args"].get("padded_vocab_size")
+    if rows is not None and rows != args.padded_vocab_size:
+        print_rank_0(f" checkpoint padded vocabulary {rows} rows, this model {args.padded_vocab_size}: "
+                     + ("padding rows cut" if rows > args.padded_vocab_size
+                        else "the added padding rows keep this model's initial values (optimizer state zero)"))
+    for chunk in model:  # the keys and coordinates the checkpoint was written in
+        chunk.use_checkpoint_layout(legacy=legacy, vocab_rows=rows)
+    try:
+        state, mains = _state_dict(model, optimizer, with_optimizer, with_rng)
+        prefixes = ("model.",) + (("optimizer.",) if with_optimizer else ()) + (("rng.",) if with_rng else ())
+        validate_keys(state, directory, prefixes)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)))
+        for chunk in model:
+            keys = set(chunk.checkpoint_keys().to_global.values())
+            chunk.load_state_dict({k: v for k, v in state["model"].items() if k in keys})
+        if with_optimizer:
+            optimizer.load_state_dict({**state["optimizer"], **{k: state["model"][k[5:]] for k in mains}})
+            scheduler.load_state_dict(common["scheduler"])
+    finally:
+        for chunk in model:
+            chunk.use_checkpoint_layout()
     if with_rng:
         set_rng_state(state["rng"][f"rank{dist.get_rank()}"])
     iteration, consumed = (0, 0) if args.finetune else (common["iteration"], common["consumed_train_samples"])

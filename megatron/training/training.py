@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpointing, data, model as model_lib
+from .async_save import CheckpointSaver
 from .checkpoint_files import CheckpointError
 from .initialize import initialize, shutdown
 from .logging_utils import (IntervalLog, end_of_run_line, format_fields, gather_per_rank, insert_field, memory_line,
@@ -89,6 +90,7 @@ def setup(args):
     device = initialize(args)
     cpu = device.type == "cpu"
     tokenizer = data.build_tokenizer(args)
+    args.true_vocab_size = tokenizer.vocab_size  # checkpoints cut or add padding rows against it
     vocab = args.padded_vocab_size = data.padded_vocab_size(tokenizer.vocab_size, args)
     config = model_lib.transformer_config(args, cpu)
     chunks = model_lib.build_model_chunks(args, config, vocab, cpu)
@@ -129,6 +131,21 @@ def pretrain(args) -> dict:
         if start_iteration and args.eval_interval and start_iteration % args.eval_interval == 0:
             # The saved run logged this validation loss too: equal values show the load is complete.
             history["valid_at_load"] = validate(start_iteration, " (loaded checkpoint)")
+    saver = CheckpointSaver(args)
+    try:
+        _train(args, device, model, optimizer, scheduler, forward_backward, forward_step, train_ds, board, timers,
+               history, validate, saver, start_iteration, consumed)
+    except BaseException:
+        saver.abandon()  # no collective: another rank may be elsewhere
+        raise
+    board.close()
+    return history
+
+
+def _train(args, device, model, optimizer, scheduler, forward_backward, forward_step, train_ds, board,
+           timers: IterationTimers, history, validate, saver: CheckpointSaver, start_iteration: int,
+           consumed: int) -> int:
+    """The iterations from ``start_iteration``; returns the last one (saves through ``saver``)."""
     saved_at = start_iteration
     for chunk in model:
         chunk.train()
@@ -183,20 +200,22 @@ def pretrain(args) -> dict:
                 history["valid"].append(valid)
         exiting = bool(args.exit_interval) and iteration % args.exit_interval == 0
         if args.save and ((args.save_interval and iteration % args.save_interval == 0) or exiting):
-            checkpointing.save_checkpoint(args, iteration, consumed, model, optimizer, scheduler)
+            saver.save(iteration, consumed, model, optimizer, scheduler)
             saved_at = iteration
+        else:
+            saver.poll(iteration)
         if exiting:
             print_rank_0(f" exiting after iteration {iteration} (--exit-interval {args.exit_interval})")
             break
     if args.save and iteration > saved_at:
-        checkpointing.save_checkpoint(args, iteration, consumed, model, optimizer, scheduler)
+        saver.save(iteration, consumed, model, optimizer, scheduler)
+    saver.wait(iteration)  # the end of training (or --exit-interval) waits for the write in flight
     highest_peak = max([highest_peak] + [row[0] for row in gather_per_rank([memory_mib()["peak"]])])
     done = iteration - start_iteration
     history.update(max_peak_mib=highest_peak, iterations=done)
     print_rank_0(end_of_run_line(done, time.perf_counter() - loop_start, trained_seconds,
                                  done * args.global_batch_size * args.seq_length, highest_peak))
-    board.close()
-    return history
+    return iteration
 
 
 def _time_grad_sync(model, timers: IterationTimers) -> None:

@@ -140,3 +140,54 @@ def rng_round_trip(ctx, argv: List[str], directory: str) -> Dict[str, bool]:
         same = {k: bool(torch.equal(v, got[k])) if isinstance(v, torch.Tensor) else v == got[k]
                 for k, v in expected.items()}
         return {**same, "position": (iteration, consumed) == (1, args.global_batch_size)}
+
+
+def failing_background_write(ctx, argv: List[str], rank: int, iteration: int) -> Dict[str, object]:
+    """``pretrain`` with --async-save whose background write of ``iteration`` fails on ``rank``.
+
+    The failure is the one an unwritable directory gives (the writer's open() raises
+    PermissionError): as root, permissions do not stop a write, so the test
+    injects it at the write step itself. Returns the error each rank stopped with.
+    """
+    import torch.distributed as dist
+
+    from megatron.training import save_steps
+    from megatron.training.arguments import parse_args
+    from megatron.training.checkpoint_files import CheckpointError
+    from megatron.training.training import pretrain
+
+    real = save_steps.write_pieces
+
+    def write(staged):
+        if staged.iteration == iteration and dist.get_rank() == rank:
+            raise PermissionError(13, "Permission denied", str(staged.tmp / f"__{rank}_0.distcp"))
+        return real(staged)
+
+    save_steps.write_pieces = write
+    try:
+        with _megatron_run():
+            pretrain(parse_args(argv))
+        return {"error": None}
+    except CheckpointError as exc:
+        return {"error": str(exc)}
+    finally:
+        save_steps.write_pieces = real
+
+
+def fresh_then_loaded(ctx, argv: List[str], fresh, loaded: str) -> None:
+    """Save the freshly built model of ``argv`` (iteration 0) to ``fresh`` (unless None), load ``--load``,
+    save it to ``loaded``."""
+    from megatron.training import checkpointing
+    from megatron.training.arguments import parse_args
+    from megatron.training.training import setup
+
+    args = parse_args(argv)
+    with _megatron_run():
+        _, _, model, optimizer, scheduler = setup(args)
+        for directory in [d for d in (fresh, loaded) if d]:
+            args.save = directory
+            if directory == loaded:
+                iteration, consumed = checkpointing.load_checkpoint(args, model, optimizer, scheduler)
+            else:
+                iteration, consumed = 0, 0
+            checkpointing.save_checkpoint(args, iteration, consumed, model, optimizer, scheduler)

@@ -6,16 +6,19 @@ pool: ``initialize_model_parallel`` spans the world); only the runs that must be
 killed start processes of their own (torchrun).
 """
 
+import math
 import os
 import re
 import socket
 import subprocess
 import sys
+import tarfile
 
 import pytest
 import torch
 
-from megatron.fsdp.mcore.checkpoint_keys import ParallelRanks, chunk_keys, global_key, rename_optimizer_key
+from megatron.fsdp.mcore.checkpoint_keys import (ParallelRanks, chunk_keys, global_key, rename_optimizer_key,
+                                                 split_placement, tp1_shape, tp_placements)
 from megatron.training import checkpoint_files as files
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
 from tests.conftest import _pool_of
@@ -74,17 +77,39 @@ def test_exact_resume_2_ranks(tmp_path, level):
     _assert_exact_resume(straight, resumed, 5)
 
 
-def test_exact_resume_tp2_dp2_with_exit_interval(tmp_path):
-    """TP 2 x DP 2 at ZeRO-2: a run that never saved, against --exit-interval 5 (saves, stops) + --load."""
+def test_exact_resume_tp2_dp2_with_async_saves_and_exit_interval(tmp_path):
+    """TP 2 x DP 2 at ZeRO-2: a run that never saved, against --async-save every 2 iterations with
+    --exit-interval 5 (waits for the write in flight, stops), then --load: all bitwise."""
     argv = MODEL + B8 + _fsdp("optim_grads") + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     straight = _pretrain(4, argv)
-    first = _pretrain(4, argv + ["--save", str(tmp_path), "--exit-interval", "5"])
-    assert len(first["losses"]) == 5 and files.read_tracker(tmp_path) == 5
-    resumed = _pretrain(4, argv + ["--load", str(tmp_path), "--save", str(tmp_path)])
+    first = _pretrain(4, argv + ["--save", str(tmp_path), "--save-interval", "2", "--exit-interval", "5",
+                                 "--async-save"])
+    assert first["losses"] == straight["losses"][:5] and first["grad_norms"] == straight["grad_norms"][:5]
+    assert files.read_tracker(tmp_path) == 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", "iter_0000004", "iter_0000005",
+                                                          files.TRACKER]
+    resumed = _pretrain(4, argv + ["--load", str(tmp_path), "--save", str(tmp_path), "--async-save"])
     _assert_exact_resume(straight, resumed, 5)
     assert files.read_tracker(tmp_path) == 10  # the end of training saves
     keys = ckpt_inspect.describe(tmp_path / "iter_0000010")["keys"]
-    assert {k.split(".")[1] for k in keys if k.startswith("model.")} == {"tp0", "tp1"}
+    assert not any(k.split(".")[1].startswith("tp") for k in keys)  # TP-global keys and shapes
+    assert keys["model.decoder.layers.0.mlp.linear_fc1.weight"]["shape"] == [256, 64]
+
+
+def test_failed_background_write_stops_the_job(tmp_path):
+    """Rank 1's background write of iteration 4 fails: every rank stops with one error, the tracker keeps 2."""
+    argv = MODEL + B8 + _fsdp("optim_grads_params") + ["--save", str(tmp_path), "--save-interval", "2",
+                                                       "--async-save"]
+    result = _pool_of(2).run("tests.training.checkpoint_cases:failing_background_write", timeout=300,
+                             argv=argv, rank=1, iteration=4)
+    errors = {r["error"] for r in result}
+    assert len(errors) == 1 and None not in errors, errors
+    error = errors.pop()
+    for fragment in ("checkpoint iteration 4 failed", "rank 1: PermissionError", "Permission denied",
+                     "tracker still names iteration 2"):
+        assert fragment in error, error
+    assert files.read_tracker(tmp_path) == 2 and files.is_complete(tmp_path / "iter_0000002")
+    assert not (tmp_path / "iter_0000004").exists()
 
 
 def test_no_load_optim_and_finetune(tmp_path):
@@ -134,6 +159,80 @@ def test_reshard_dp4_zero3_checkpoint(dp4_zero3, target):
             assert _rel(a, b) <= 1e-5, (key, got[key], saved[key][5:])
 
 
+# Pads to 512 rows at TP 1, 2 and 4 (NullTokenizer: 500 + end of document; a multiple of 128 x TP).
+SAME_PADDING = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "500"]
+TP_SOURCE = MODEL + B8 + SAME_PADDING + _fsdp("optim_grads_params")
+
+
+@pytest.fixture(scope="module")
+def tp2_dp2_zero3(tmp_path_factory):
+    """TP 2 x DP 2 ZeRO-3 with sequence parallel, 10 iterations, saved at 5 and 10: the run that never stopped."""
+    directory = tmp_path_factory.mktemp("tp2_dp2")
+    history = _pretrain(4, TP_SOURCE + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                        "--save", str(directory), "--save-interval", "5"])
+    return directory, history
+
+
+TP_RESHARD = {
+    "tp1-dp4-zero2": _fsdp("optim_grads"),
+    "tp4-dp1-sp": ["--tensor-model-parallel-size", "4", "--sequence-parallel"],
+    "tp2-pp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+}
+
+
+@pytest.mark.parametrize("target", list(TP_RESHARD))
+def test_tp_reshard(tp2_dp2_zero3, target):
+    """A TP 2 x DP 2 checkpoint (TP-global keys) at TP 1 x DP 4, TP 4 x DP 1 and TP 2 x PP 2: the validation
+    loss at load and the five steps after match the run that never stopped."""
+    directory, saved = tp2_dp2_zero3
+    got = _pretrain(4, TP_SOURCE + TP_RESHARD[target] + ["--load", str(directory), "--ckpt-step", "5"])
+    assert got["start_iteration"] == 5
+    assert _rel(got["valid_at_load"], saved["valid"][0]) <= 1e-5, (got["valid_at_load"], saved["valid"][0])
+    for key in ("losses", "grad_norms"):
+        assert len(got[key]) == 5
+        assert all(_rel(a, b) <= 1e-5 for a, b in zip(got[key], saved[key][5:])), (key, got[key], saved[key][5:])
+
+
+def test_inspect_and_convert_a_tp2_checkpoint(tp2_dp2_zero3, tmp_path, capsys):
+    """inspect names the layout it was written at and that any loads it; to-torch --model-only of a TP 2
+    checkpoint is a single-rank GPTModel's state dict: equal weights and logits to the TP 1 model loading it."""
+    directory, _ = tp2_dp2_zero3
+    ckpt_inspect.main([str(directory), "--iteration", "5"])
+    out = capsys.readouterr().out
+    assert "written at: world 4 = TP 2 x PP 1 x CP 1 x DP 2" in out and "loads at: any TP, PP, EP" in out
+    model_file = tmp_path / "model.pt"
+    convert.to_torch(str(directory), str(model_file), model_only=True, iteration=5)
+    result = _pool_of(4).run("tests.training.checkpoint_cases:loaded_vs_unsharded", timeout=300,
+                             argv=TP_SOURCE + ["--load", str(directory), "--ckpt-step", "5"],
+                             model_file=str(model_file))
+    for r in result:
+        assert r["iteration"] == 5 and r["compute_matches_main"] and r["weights_equal"], r
+        assert r["missing"] == [] and r["unexpected"] == [] and r["max_logit_diff"] <= 1e-5, r
+
+
+def test_vocabulary_padding_rows_cut_and_added(tmp_path):
+    """ByteLevel vocabulary: 512 padded rows at TP 2, 384 at TP 1. TP 2 -> TP 1 cuts rows 384-511; TP 1 -> TP 2
+    adds them with the values (and zero optimizer state) a fresh TP 2 model has; real rows never change."""
+    argv = MODEL + B8 + _fsdp("optim_grads_params") + ["--train-iters", "2", "--eval-interval", "2",
+                                                       "--lr-warmup-iters", "1"]
+    tp2 = ["--tensor-model-parallel-size", "2"]
+    _pretrain(4, argv + tp2 + ["--save", str(tmp_path / "tp2")])
+    for source, layout, out, fresh in (("tp2", [], "tp1", None), ("tp1", tp2, "back", "back_fresh")):
+        _pool_of(4).run("tests.training.checkpoint_cases:fresh_then_loaded", timeout=300,
+                        argv=argv + layout + ["--load", str(tmp_path / source)],
+                        fresh=fresh and str(tmp_path / fresh), loaded=str(tmp_path / out))
+    fc1 = "decoder.layers.0.mlp.linear_fc1.weight"
+    read = {name: convert.read_checkpoint(files.checkpoint_dir(tmp_path / name, it))
+            for name, it in (("tp2", 2), ("tp1", 2), ("back", 2), ("back_fresh", 0))}
+    table = {name: state["model"]["embedding.word_embeddings.weight"] for name, state in read.items()}
+    assert [t.shape[0] for t in table.values()] == [512, 384, 512, 512]
+    assert torch.equal(table["tp1"], table["tp2"][:384]) and torch.equal(table["back"][:384], table["tp2"][:384])
+    assert torch.equal(table["back"][384:], table["back_fresh"][384:])
+    moment = read["back"]["optimizer"]["state.embedding.word_embeddings.weight.exp_avg"]
+    assert moment[384:].abs().sum() == 0 and moment[:256].abs().sum() > 0
+    assert torch.equal(read["back"]["model"][fc1], read["tp2"]["model"][fc1])  # everything else unchanged
+
+
 @pytest.mark.slow
 def test_virtual_pipeline_checkpoint_loads_without_pipeline(tmp_path):
     """PP 2 x VPP 2 (four chunks' layers under global numbers, tied output on the last stage) -> DP 4 and back."""
@@ -163,12 +262,14 @@ def _torchrun(nproc, argv, env):
                           capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
 
 
-@pytest.mark.parametrize("point, rank", [("after_write", 1), ("before_rename", 0),
-                                         ("after_rename_before_tracker", 0)])
-def test_kill_during_save_leaves_previous_checkpoint(tmp_path, point, rank):
-    """SIGKILL of one rank in the save of iteration 4: the tracker still names 2, which resumes exactly."""
+@pytest.mark.parametrize("point, rank, mode", [("after_write", 1, []), ("before_rename", 0, ["--async-save"]),
+                                               ("after_rename_before_tracker", 0, []),
+                                               ("in_background_write", 1, ["--async-save"])])
+def test_kill_during_save_leaves_previous_checkpoint(tmp_path, point, rank, mode):
+    """SIGKILL of one rank in the save of iteration 4 (sync, or async: in the writer thread while training
+    runs, or when publishing): the tracker still names 2, which resumes exactly."""
     argv = MODEL + B8 + _fsdp("optim_grads_params") + ["--train-iters", "4", "--eval-interval", "2",
-                                                       "--save", str(tmp_path), "--save-interval", "2"]
+                                                       "--save", str(tmp_path), "--save-interval", "2"] + mode
     out = _torchrun(2, argv, {files.FAULT_ENV: f"{point}:{rank}:4"})
     assert out.returncode != 0 and f"killing this process at {point}" in out.stdout, out.stdout[-2000:]
     logged = [(float(loss), float(norm)) for _, loss, norm in LINE.findall(out.stdout)]
@@ -202,8 +303,8 @@ def test_load_errors_name_the_problem_and_change_nothing(dp4_zero3, tmp_path):
     cases = [
         (["--hidden-size", "128", "--ffn-hidden-size", "512", "--load", str(directory)],
          ["--hidden-size 64 in the checkpoint, 128 now", "--ffn-hidden-size 256 in the checkpoint, 512 now"]),
-        (["--tensor-model-parallel-size", "2", "--load", str(directory)],
-         ["--tensor-model-parallel-size 1 in the checkpoint, 2 now", "needs a conversion"]),
+        (["--num-attention-heads", "8", "--load", str(directory)],
+         ["--num-attention-heads 4 in the checkpoint, 8 now"]),
         (["--load", str(crafted.parent)],
          ["missing keys: model.decoder.layers.1.mlp.linear_fc2.bias",
           "unexpected keys: model.decoder.layers.7.mlp.extra.weight",
@@ -259,6 +360,28 @@ def test_moe_checkpoint_loads_under_another_ep(tmp_path):
         assert _rel(got["valid_at_load"], saved["valid"][0]) <= 1e-5, (ep, got["valid_at_load"], saved["valid"])
 
 
+V1_ARGS = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--num-layers", "1",
+           "--hidden-size", "16", "--num-attention-heads", "2", "--seq-length", "8", "--max-position-embeddings", "8",
+           "--tokenizer-type", "NullTokenizer", "--vocab-size", "60", "--make-vocab-size-divisible-by", "8",
+           "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "3", "--eval-interval", "2",
+           "--eval-iters", "1", "--lr", "1e-3", "--lr-decay-style", "constant", "--seed", "7", "--mock-data",
+           "--tensor-model-parallel-size", "2", "--disable-bias-linear"]
+
+
+def test_layout_v1_checkpoint_loads(tmp_path):
+    """A checkpoint written by the previous layout (keys per TP rank; tests/data/README.md) loads at its TP size:
+    the validation loss it logged, then training on; saving again writes TP-global keys."""
+    with tarfile.open(os.path.join(ROOT, "tests", "data", "checkpoint_v1_tp2.tar.xz")) as tar:
+        tar.extractall(tmp_path, filter="data")
+    old = tmp_path / "ckpt"
+    assert any(k.startswith("model.tp1.") for k in ckpt_inspect.describe(old / "iter_0000002")["keys"])
+    got = _pretrain(2, V1_ARGS + ["--load", str(old), "--save", str(tmp_path / "new")])
+    assert got["start_iteration"] == 2 and len(got["losses"]) == 1
+    assert _rel(got["valid_at_load"], 4.166764) <= 1e-6, got["valid_at_load"]
+    new = ckpt_inspect.describe(tmp_path / "new" / "iter_0000003")
+    assert new["common"]["version"] == 2 and not any(".tp" in k for k in new["keys"])
+
+
 def test_rng_states_round_trip(tmp_path):
     result = _pool_of(2).run("tests.training.checkpoint_cases:rng_round_trip", timeout=300,
                              argv=MODEL + B8 + _fsdp("optim"), directory=str(tmp_path))
@@ -291,10 +414,14 @@ def test_global_keys():
     assert global_key("output_layer.weight", stage, plain) == "embedding.word_embeddings.weight"
     assert global_key("output_layer.weight", _Chunk([1], tied=False, pre=False), plain) == "output_layer.weight"
     tp = ParallelRanks(tp=(1, 2), expert_tp=(0, 1), ep=(1, 2))
-    assert global_key("decoder.final_layernorm.weight", stage, tp) == "tp1.decoder.final_layernorm.weight"
-    assert global_key("decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight", stage, tp) == \
+    assert global_key("decoder.final_layernorm.weight", stage, tp) == "decoder.final_layernorm.weight"
+    assert global_key("decoder.layers.1.mlp.experts.weight1", stage, tp) == "decoder.layers.3.mlp.experts.weight1"
+    # layout version 1: keys per TP rank (expert TP rank for experts), grouped GEMM per EP rank
+    assert global_key("decoder.final_layernorm.weight", stage, tp, legacy=True) == "tp1.decoder.final_layernorm.weight"
+    assert global_key("decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight", stage, tp, legacy=True) == \
         "decoder.layers.2.mlp.experts.local_experts.2.linear_fc2.weight"
-    assert global_key("decoder.layers.1.mlp.experts.weight1", stage, tp) == "ep1.decoder.layers.3.mlp.experts.weight1"
+    assert global_key("decoder.layers.1.mlp.experts.weight1", stage, tp, legacy=True) == \
+        "ep1.decoder.layers.3.mlp.experts.weight1"
     keys = chunk_keys(stage, ["decoder.layers.0.x", "output_layer.weight"], plain)
     assert keys.localize(keys.globalize({"decoder.layers.0.x": 1})) == {"decoder.layers.0.x": 1}
     with pytest.raises(ValueError, match="same checkpoint keys"):
@@ -303,6 +430,62 @@ def test_global_keys():
     assert rename_optimizer_key("state.chunk1.decoder.layers.0.w.exp_avg", params) == "state.decoder.layers.2.w.exp_avg"
     assert rename_optimizer_key("main.chunk1.decoder.layers.0.w", params) == "main.decoder.layers.2.w"
     assert rename_optimizer_key("param_groups.0.lr", params) == "param_groups.0.lr"
+
+
+class _GroupedMLP(torch.nn.Module):
+    """The attributes of Megatron-Core's GroupedMLP that its checkpoint coordinates read."""
+
+    def __init__(self, experts_per_rank, hidden, ffn, glu, tp, num_experts):
+        super().__init__()
+        self.num_local_experts = experts_per_rank
+        self.config = type("Config", (), dict(num_moe_experts=num_experts, moe_ffn_hidden_size=ffn,
+                                              gated_linear_unit=glu))()
+        f = ffn // tp
+        self.weight1 = torch.nn.Parameter(torch.zeros(hidden, experts_per_rank * f * (2 if glu else 1)))
+        self.weight2 = torch.nn.Parameter(torch.zeros(experts_per_rank * f, hidden))
+
+
+def _placed(global_tensor, local, placement):
+    return torch.equal(global_tensor[placement.region()], local.reshape(placement.view))
+
+
+def test_tp_global_coordinates_match_megatron_shards():
+    """Each kind of TP shard, split from a TP-1 tensor as Megatron-Core splits it, sits where its placement says."""
+    f, h, tp = 6, 4, 2
+    glu = torch.arange(2 * f * h, dtype=torch.float32).view(2 * f, h)  # [gate; up], as at TP 1
+    row = torch.arange(h * 2 * f, dtype=torch.float32).view(h, 2 * f)
+    for r in range(tp):
+        gate, up = glu[:f].chunk(tp)[r], glu[f:].chunk(tp)[r]
+        stored = glu.view(2, f, h)
+        assert _placed(stored, torch.cat([gate, up]), split_placement((2 * f // tp, h), 0, 2, r, tp))
+        assert _placed(row, row.chunk(tp, dim=1)[r], split_placement((h, f), 1, 1, r, tp))
+        # QKV: each rank holds whole query groups, so Megatron's TP-1 order is the shards concatenated
+        assert _placed(glu, glu.chunk(tp)[r], split_placement((f, h), 0, 1, r, tp))
+    assert tp1_shape("decoder.layers.0.mlp.linear_fc1.weight", (2, f, h)) == (2 * f, h)
+    assert tp1_shape("decoder.layers.0.mlp.linear_fc1.bias", (2, f)) == (2 * f,)
+    assert tp1_shape("decoder.layers.0.mlp.linear_fc2.weight", (h, f)) == (h, f)
+    # Vocabulary rows: a checkpoint of 10 padded rows into a TP 2 model of 16 (rows 10-15 outside it).
+    assert split_placement((8, h), 0, 1, 1, 2, rows=10).region() == (slice(8, 10), slice(0, h))
+    # Grouped GEMM, 4 experts, EP 2 x expert TP 2: rank (ep 1, tp 1) holds experts 2-3, ffn columns f/2..f.
+    ranks = ParallelRanks(tp=(1, 2), expert_tp=(1, 2), ep=(1, 2))
+    for with_glu in (True, False):
+        module = torch.nn.Module()
+        module.decoder = torch.nn.Module()
+        module.decoder.layers = torch.nn.ModuleList([torch.nn.Module()])
+        layer = module.decoder.layers[0]
+        layer.layer_number, layer.mlp = 1, torch.nn.Module()
+        layer.mlp.local_expert_indices = [2, 3]
+        layer.mlp.experts = _GroupedMLP(2, h, f, with_glu, 2, 4)
+        shapes = {n: tuple(p.shape) for n, p in module.named_parameters()}
+        placements = tp_placements(module, shapes, ranks)
+        halves = (2,) if with_glu else ()
+        full1 = torch.arange(4 * h * math.prod(halves) * f, dtype=torch.float32).view((4, h) + halves + (f,))
+        local1 = full1[2:4, ..., f // 2:].contiguous()  # what rank (1, 1)'s forward views as [2, h, (2,) f/2]
+        assert _placed(full1, local1, placements["decoder.layers.0.mlp.experts.weight1"])
+        full2 = torch.arange(4 * f * h, dtype=torch.float32).view(4, f, h)
+        assert _placed(full2, full2[2:4, f // 2:].contiguous(), placements["decoder.layers.0.mlp.experts.weight2"])
+        assert tp1_shape("decoder.layers.0.mlp.experts.weight1", full1.shape) == (h, 4 * math.prod(halves) * f)
+        assert tp1_shape("decoder.layers.0.mlp.experts.weight2", full2.shape) == (4 * f, h)
 
 
 def _fake_checkpoint(directory, marker):

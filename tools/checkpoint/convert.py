@@ -8,7 +8,8 @@
 a process group: ``{"model": {key: tensor}, "optimizer": {...}, "rng": {...},
 "common": common.json}``. With ``--model-only`` the file is the model's state
 dict alone, loadable by ``GPTModel.load_state_dict`` of an unsharded model
-(TP 1; keys use global layer and expert numbers, which are the single-rank names).
+(TP 1; keys use global layer and expert numbers, which are the single-rank names), from a
+checkpoint written at any TP, PP, EP or DP layout.
 ``from-torch`` writes such a file (not ``--model-only``) back as a checkpoint
 ``SAVE_DIR/iter_XXXXXXX`` with the same atomic protocol as training, so
 ``pretrain_gpt.py --load SAVE_DIR`` resumes from it at any DP size or level.
@@ -51,8 +52,27 @@ def to_torch(checkpoint: str, out: str, model_only: bool = False, iteration: Opt
     directory = resolve(checkpoint, iteration)
     state = read_checkpoint(directory)
     state["common"] = files.read_common(directory)
-    torch.save(state["model"] if model_only else state, out)
+    torch.save(model_state(state) if model_only else state, out)
     return directory
+
+
+def model_state(state: Dict[str, Any]) -> Dict[str, Any]:
+    """``GPTModel.load_state_dict`` of a single-rank model: TP-global tensors in the parameters' own shapes.
+
+    Fused SwiGLU and grouped-GEMM weights are stored with extra dimensions
+    (``checkpoint_keys.tp1_shape``); the data is the TP-1 parameter's, row-major.
+    A layout-version-1 checkpoint written at TP > 1 holds TP shards under
+    ``tp<rank>.`` keys instead: they are not merged here.
+    """
+    from megatron.fsdp.mcore.checkpoint_keys import tp1_shape
+
+    from megatron.training.checkpointing import tp_global
+
+    if not tp_global(state["common"]):
+        raise SystemExit("this checkpoint has layout version 1 (keys per tensor-parallel rank): load it with "
+                         "pretrain_gpt.py at the TP size it was saved with and save it again, then convert that")
+    return {k: v.reshape(tp1_shape(k, tuple(v.shape))) if hasattr(v, "reshape") else v
+            for k, v in state["model"].items()}
 
 
 def from_torch(path: str, save_dir: str) -> Path:

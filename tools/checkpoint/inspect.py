@@ -55,6 +55,37 @@ def describe(directory: Path) -> dict:
     return {"directory": str(directory), "common": files.read_common(directory), "keys": keys}
 
 
+def layout_lines(common: dict) -> list:
+    """The parallel layout a checkpoint was written with, and the layouts it loads at."""
+    saved = common.get("parallel_layout")
+    args = common.get("model_args", {})
+    if saved:
+        written = (f"world {saved['world_size']} = TP {saved['tensor_model_parallel_size']} x PP "
+                   f"{saved['pipeline_model_parallel_size']} x CP {saved['context_parallel_size']} x DP "
+                   f"{saved['data_parallel_size']}; EP {saved['expert_model_parallel_size']}, expert TP "
+                   f"{saved['expert_tensor_parallel_size']}; level {saved['data_parallel_sharding_strategy']}, "
+                   f"{saved['num_distributed_optimizer_instances']} instance(s)")
+    else:
+        written = f"world {common.get('world_size')}, TP {args.get('tensor_model_parallel_size')}"
+    from megatron.training.checkpointing import tp_global
+
+    if tp_global(common):
+        loads = "any TP, PP, EP, expert TP and DP size, level or mesh (TP-global keys)"
+        if args.get("moe_grouped_gemm"):
+            loads += (f"; grouped-GEMM experts: expert TP {args.get('expert_tensor_parallel_size')} and EP "
+                      f"{(saved or {}).get('expert_model_parallel_size')} only")
+        if args.get("true_vocab_size") is not None:
+            loads += f"; padded vocabulary {args.get('padded_vocab_size')} rows, cut or added to the new padding"
+    else:
+        loads = (f"TP {args.get('tensor_model_parallel_size')} and expert TP "
+                 f"{args.get('expert_tensor_parallel_size')} only"
+                 + (f", EP {args['expert_model_parallel_size']} only (grouped GEMM)"
+                    if args.get("moe_grouped_gemm") and args.get("expert_model_parallel_size") else "")
+                 + "; any PP and DP size, level or mesh (layout version 1: keys per TP rank; load it there and "
+                   "save again for a checkpoint that loads anywhere)")
+    return [f"  written at: {written}", f"  loads at: {loads}"]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("checkpoint")
@@ -74,6 +105,7 @@ def main(argv=None) -> None:
     print(f"  format {common['format']} v{common['version']}, iteration {common['iteration']}, consumed samples "
           f"{common['consumed_train_samples']}, saved on {common['world_size']} ranks")
     print("  model: " + ", ".join(f"{k}={v}" for k, v in common["model_args"].items()))
+    print("\n".join(layout_lines(common)))
     params = 0
     for key, v in info["keys"].items():
         if v.get("bytes"):

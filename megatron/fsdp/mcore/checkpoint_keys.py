@@ -17,21 +17,45 @@ adapter renames:
   without the embedding) -> ``embedding.word_embeddings.weight``: both copies hold
   the same values (their gradients are all-reduced over the embedding group), so
   DCP writes one, and a checkpoint is the same with or without pipeline stages;
-- legacy ``GroupedMLP`` weights (``mlp.experts.weight1/weight2``, the local experts
-  concatenated along one dimension) get an ``ep{rank}.`` prefix under EP > 1: they
-  load only at the same EP size (the training job says so when EP differs);
-- with tensor parallelism every key gets a ``tp{rank}.`` prefix (the expert
-  tensor-parallel rank for experts): TP shards of one parameter are different
-  tensors of the same shape. Changing TP needs a conversion of the checkpoint.
+- tensor parallelism changes no key: each TP-sharded parameter is one TP-global
+  tensor and each rank's shard a box of it (``tp_placements``, below), so a
+  checkpoint loads at another TP (and expert-TP) size.
+
+Layout version 1 (checkpoints written before TP-global coordinates) prefixed every
+key with ``tp{rank}.`` under TP > 1 and legacy ``GroupedMLP`` weights with
+``ep{rank}.`` under EP > 1, each key in TP-local shape; ``chunk_keys(...,
+legacy=True)`` gives those keys, so such a checkpoint still loads at the TP and EP
+sizes it was written with.
+
+TP-global coordinates (``tp_placements``): where Megatron-Core's TP-1 model
+has the parameter, i.e. the shards concatenated along the partition dimension
+(``param.partition_dim``), with these layouts:
+
+- fused QKV (``linear_qkv``, dim 0): Megatron's own order, interleaved per query
+  group (``[q of group 0, k 0, v 0, q of group 1, ...]``); TP ranks hold whole
+  groups, so a shard is one block of rows (converting to separate Q, K, V
+  matrices is a reshape per group: issue 17);
+- fused gate/up of SwiGLU (``linear_fc1`` with ``partition_stride`` 2, weight
+  and bias): stored as ``[2, ffn, ...]`` (``[0]`` gate, ``[1]`` up, the TP-1
+  tensor's rows in order): each TP rank's ``[gate_r; up_r]`` is one box;
+- vocabulary-parallel embedding and output layer (dim 0): padded rows included;
+  ``vocab_rows`` places them in a checkpoint with another padded size (rows
+  beyond it are neither saved nor loaded: they keep this model's initial values);
+- legacy ``GroupedMLP`` weights: ``weight1`` as ``[experts, hidden, (2,) ffn]``,
+  ``weight2`` as ``[experts, ffn, hidden]`` (how its forward views them), experts
+  by global index and the ffn dimension TP-global, so EP and expert TP can change.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Dict, Iterable, Mapping, Optional, Tuple
 
 import torch
+
+from megatron.fsdp.dcp_pieces import GlobalPlacement
 
 _LAYER = re.compile(r"(^|\.)decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
@@ -85,8 +109,8 @@ def _layer_maps(module: torch.nn.Module):
     return offsets, experts
 
 
-def global_key(name: str, module: torch.nn.Module, ranks: ParallelRanks, maps=None) -> str:
-    """The checkpoint key of parameter or buffer ``name`` of ``module`` (see the module docstring)."""
+def global_key(name: str, module: torch.nn.Module, ranks: ParallelRanks, maps=None, legacy: bool = False) -> str:
+    """The checkpoint key of parameter or buffer ``name`` of ``module`` (``legacy``: layout version 1)."""
     offsets, experts = maps if maps is not None else _layer_maps(module)
     key, local_layer = name, None
     m = _LAYER.search(key)
@@ -100,6 +124,8 @@ def global_key(name: str, module: torch.nn.Module, ranks: ParallelRanks, maps=No
     if key == "output_layer.weight" and getattr(module, "share_embeddings_and_output_weights", False) \
             and post and not pre:
         key = "embedding.word_embeddings.weight"
+    if not legacy:
+        return key
     is_expert = ".mlp.experts." in f".{name}"
     if is_expert and _GROUPED.search(f".{name}") and ranks.ep[1] > 1:
         key = f"ep{ranks.ep[0]}.{key}"
@@ -107,10 +133,11 @@ def global_key(name: str, module: torch.nn.Module, ranks: ParallelRanks, maps=No
     return f"tp{rank}.{key}" if size > 1 else key
 
 
-def chunk_keys(module: torch.nn.Module, names: Iterable[str], ranks: ParallelRanks) -> CheckpointKeys:
+def chunk_keys(module: torch.nn.Module, names: Iterable[str], ranks: ParallelRanks,
+               legacy: bool = False) -> CheckpointKeys:
     """The renaming of every name in ``names`` (a chunk's parameter and buffer names)."""
     maps = _layer_maps(module)
-    forward = {n: global_key(n, module, ranks, maps) for n in names}
+    forward = {n: global_key(n, module, ranks, maps, legacy) for n in names}
     inverse = {g: n for n, g in forward.items()}
     if len(inverse) != len(forward):
         dup = sorted({g for g in forward.values() if list(forward.values()).count(g) > 1})
@@ -141,3 +168,102 @@ def rename_optimizer_key(key: str, params: Mapping[str, str]) -> str:
         param, _, what = key[6:].rpartition(".")
         return f"state.{params.get(param, param)}.{what}"
     return key
+
+
+# ------------------------------------------------------------ TP-global coordinates
+VOCAB_PARAMETERS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def split_placement(shape: Tuple[int, ...], dim: int, stride: int, rank: int, size: int,
+                    rows: Optional[int] = None) -> Optional[GlobalPlacement]:
+    """Shard ``rank`` of ``size`` in the TP-global tensor: ``dim`` holds ``stride`` blocks, each split over ranks.
+
+    ``stride`` 1 is a plain concatenation; 2 is SwiGLU's fused gate/up, stored with
+    an extra dimension ``[2, ...]`` at every TP size. ``rows`` replaces the global
+    first dimension (another padded vocabulary). None where the shard is the tensor.
+    """
+    shape = tuple(shape)
+    if size == 1 and stride == 1 and rows in (None, shape[0]):
+        return None
+    if shape[dim] % stride:
+        raise ValueError(f"partition dimension {dim} of {shape} does not hold {stride} equal blocks")
+    block = shape[dim] // stride
+    if stride > 1:
+        view = shape[:dim] + (stride, block) + shape[dim + 1:]
+        glob = shape[:dim] + (stride, block * size) + shape[dim + 1:]
+        offsets = tuple(rank * block if d == dim + 1 else 0 for d in range(len(view)))
+    else:
+        view = shape
+        glob = tuple(n * size if d == dim else n for d, n in enumerate(shape))
+        offsets = tuple(rank * block if d == dim else 0 for d in range(len(shape)))
+    if rows is not None:
+        if dim != 0 or stride != 1:
+            raise ValueError("another row count applies to a tensor split along its first dimension only")
+        glob = (rows,) + glob[1:]
+    return GlobalPlacement(view, glob, offsets)
+
+
+def _grouped_placement(module: torch.nn.Module, name: str, shape: Tuple[int, ...], ranks: ParallelRanks,
+                       first_expert: int) -> GlobalPlacement:
+    """Legacy ``GroupedMLP.weight1/weight2``: the local experts' blocks, viewed as its forward does."""
+    experts = module.get_submodule(name.rsplit(".", 1)[0])
+    config = experts.config
+    e_local, e_total = experts.num_local_experts, config.num_moe_experts
+    t, size = ranks.expert_tp
+    ffn = config.moe_ffn_hidden_size
+    f_local = ffn // size
+    if name.endswith("weight1"):
+        h = shape[0]
+        glu = (2,) if config.gated_linear_unit else ()
+        view, glob = (e_local, h) + glu + (f_local,), (e_total, h) + glu + (ffn,)
+    else:
+        h = shape[1]
+        view, glob = (e_local, f_local, h), (e_total, ffn, h)
+    ffn_dim = len(view) - 1 if name.endswith("weight1") else 1
+    offsets = tuple(first_expert if d == 0 else t * f_local if d == ffn_dim else 0 for d in range(len(view)))
+    return GlobalPlacement(view, glob, offsets)
+
+
+def tp_placements(module: torch.nn.Module, shapes: Mapping[str, Tuple[int, ...]], ranks: ParallelRanks,
+                  vocab_rows: Optional[int] = None) -> Dict[str, GlobalPlacement]:
+    """Every parameter of ``shapes`` (name: TP-local shape; a sharded parameter's own tensor may be
+    released) whose checkpoint tensor is larger than (or shaped unlike) the parameter.
+
+    From Megatron-Core's own attributes: ``tensor_model_parallel``,
+    ``partition_dim``, ``partition_stride`` (expert parameters use the expert TP
+    rank); legacy grouped-GEMM weights by name (see the module docstring).
+    """
+    params = dict(module.named_parameters())
+    _, experts = _layer_maps(module)
+    out: Dict[str, GlobalPlacement] = {}
+    for name, shape in shapes.items():
+        param = params.get(name)
+        if param is None:
+            continue
+        shape = tuple(shape)
+        if _GROUPED.search(f".{name}"):
+            layer = int(_LAYER.search(name).group(2))
+            out[name] = _grouped_placement(module, name, shape, ranks, experts[layer][0])
+            continue
+        if not getattr(param, "tensor_model_parallel", False):
+            continue
+        rank, size = ranks.expert_tp if ".mlp.experts." in f".{name}" else ranks.tp
+        rows = vocab_rows if name in VOCAB_PARAMETERS else None
+        placement = split_placement(shape, param.partition_dim, getattr(param, "partition_stride", 1),
+                                    rank, size, rows)
+        if placement is not None:
+            out[name] = placement
+    return out
+
+
+def tp1_shape(key: str, stored: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The shape a single-rank ``GPTModel`` gives the parameter stored under ``key`` (same row-major data)."""
+    stored = tuple(stored)
+    if _GROUPED.search(f".{key}"):
+        if key.endswith("weight1"):
+            return (stored[1], stored[0] * math.prod(stored[2:]))
+        return (stored[0] * stored[1], stored[2])
+    if re.search(r"\.linear_fc1\.(weight|bias)$", key) and len(stored) >= 2 and stored[0] == 2 \
+            and len(stored) == (3 if key.endswith("weight") else 2):
+        return (2 * stored[1],) + stored[2:]
+    return stored

@@ -30,7 +30,7 @@ import megatron.fsdp as mfsdp
 from megatron.fsdp.checkpoint import expected_model_keys
 from megatron.fsdp.meta_init import is_on_meta
 
-from .checkpoint_keys import CheckpointKeys, ParallelRanks, chunk_keys
+from .checkpoint_keys import CheckpointKeys, ParallelRanks, chunk_keys, tp_placements
 from .distributed_index import FSDPDistributedIndex
 from .meta_init import recipe_of
 from .overlap import overlap_arguments
@@ -249,17 +249,31 @@ class FullyShardedDataParallel(_BaseDataParallel):
     def checkpoint_keys(self) -> CheckpointKeys:
         """This chunk's renaming between the engine's names and global checkpoint keys (see checkpoint_keys.py)."""
         if self._checkpoint_keys is None:
-            names = list(expected_model_keys(self._fsdp))
-            ranks = ParallelRanks.from_parallel_state(tp=(self.index.tp_rank, self.index.tp_size))
-            self._checkpoint_keys = chunk_keys(self.module, names, ranks)
+            self.use_checkpoint_layout()
         return self._checkpoint_keys
+
+    def use_checkpoint_layout(self, legacy: bool = False, vocab_rows: Optional[int] = None) -> None:
+        """Keys and TP-global coordinates of the state dicts from now on (not a collective).
+
+        The default is this model's own layout (what a save writes). A load sets
+        what the checkpoint was written with: ``legacy`` for layout version 1 (keys
+        per TP rank, TP-local shapes) or ``vocab_rows`` for another padded
+        vocabulary size; call it again without arguments afterwards.
+        """
+        self._fsdp.checkpoint_placements = {}
+        shapes = expected_model_keys(self._fsdp)  # TP-local shapes (no placements yet)
+        ranks = ParallelRanks.from_parallel_state(tp=(self.index.tp_rank, self.index.tp_size))
+        self._checkpoint_keys = chunk_keys(self.module, list(shapes), ranks, legacy=legacy)
+        if not legacy:
+            self._fsdp.checkpoint_placements = tp_placements(self.module, shapes, ranks, vocab_rows)
 
     def state_dict(self, prefix: str = "", keep_vars: bool = False, destination=None):
         """This rank's pieces for ``torch.distributed.checkpoint``, keyed by global name (no collective).
 
-        Values are DTensors of each parameter's TP-local global shape (copies of the
-        fp32 main weights) and persistent buffers. Keys use global layer and expert
-        numbers, so the checkpoint loads under another DP size, level, mesh, PP or EP.
+        Values are DTensors of each parameter's TP-global shape (copies of the fp32
+        main weights; this rank's TP shard is a box of it) and persistent buffers.
+        Keys use global layer and expert numbers, so the checkpoint loads under
+        another DP size, level, mesh, TP, PP or EP.
         """
         out = destination if destination is not None else {}
         out.update(self.checkpoint_keys().globalize(self._fsdp.state_dict(), prefix))
@@ -274,7 +288,7 @@ class FullyShardedDataParallel(_BaseDataParallel):
         return self._fsdp.load_state_dict(self.checkpoint_keys().localize(state_dict), strict=strict)
 
     def full_state_dict(self):
-        """Full tensors by global checkpoint key (a collective on sharded levels)."""
+        """Full tensors by global checkpoint key, in this rank's TP-local shapes (a collective on sharded levels)."""
         return self.checkpoint_keys().globalize(self._fsdp.full_state_dict())
 
     def load_full_state_dict(self, state_dict, strict: bool = True):

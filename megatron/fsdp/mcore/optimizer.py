@@ -94,11 +94,12 @@ class FullyShardedMegatronOptimizer(MegatronOptimizer):
     def reload_model_params(self, state_dict=None) -> None:
         """Nothing to copy: the wrapper's ``load_state_dict`` writes main and compute weights together."""
 
-    def state_dict(self):
+    def state_dict(self, main_weights: bool = True):
         """DCP-ready: fp32 main weights and every optimizer state tensor per parameter (DTensor pieces,
-        global keys as the chunks' ``state_dict``), step and hyperparameters per param group."""
+        global keys as the chunks' ``state_dict``), step and hyperparameters per param group.
+        ``main_weights=False``: without the main weights (a save that holds them as the model's)."""
         params = self._param_keys()
-        return {rename_optimizer_key(k, params): v for k, v in self.engine.state_dict().items()}
+        return {rename_optimizer_key(k, params): v for k, v in self.engine.state_dict(main_weights).items()}
 
     def load_state_dict(self, state_dict) -> None:
         """Load a ``state_dict()`` after ``dcp.load`` filled it, at any DP size, level or mesh (a collective)."""

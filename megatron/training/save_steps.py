@@ -1,0 +1,149 @@
+"""A checkpoint save in three steps, so the middle one can run in the background.
+
+``torch.distributed.checkpoint.save`` plans, writes and finishes in one call,
+with collectives before and after the write. Split apart:
+
+1. ``stage`` (all ranks, the training thread, a collective): the state dict is
+   already a copy of this rank's pieces (the engine's state dicts never hold
+   views of live storage); on a GPU it is copied once more into pinned host
+   memory, so the write needs no device. Then DCP's plan is agreed (local plans
+   gathered, deduplicated and scattered back): every rank knows what it writes
+   and rank 0 holds the checkpoint's metadata.
+2. ``write_pieces`` (one rank, no collective, no device): this rank's files in
+   the temporary directory, fsynced. It is the one function a background writer
+   calls; wrappers that add checks to the write (manifests, free space) wrap it.
+3. ``finish`` (all ranks, the training thread, a collective): every rank's write
+   results gathered to rank 0 (so every rank has written), which writes
+   ``.metadata`` and ``common.json`` and publishes (rename, tracker;
+   ``checkpoint_files.publish``). Until then the previous checkpoint is in charge.
+
+A synchronous save runs the three back to back (``checkpointing.save_checkpoint``);
+``async_save.CheckpointSaver`` runs step 2 on its writer thread and step 3 at a
+later iteration boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.checkpoint.utils import _DistWrapper
+
+from megatron.fsdp.dcp_pieces import on_host
+
+from . import checkpoint_files as files
+
+
+class CheckpointSavePlanner(DefaultSavePlanner):
+    """DCP's planner with its plan cache (keyed by this class's name): a save whose pieces are
+    described as in the previous one sends empty plans, not every write item, to rank 0."""
+
+    def __init__(self):
+        super().__init__(enable_plan_caching=True)
+
+
+@dataclasses.dataclass
+class StagedSave:
+    """Everything the write and finish steps need; the state dict holds host copies only."""
+
+    iteration: int
+    root: Path
+    tmp: Path
+    state: Dict[str, Any]
+    writer: FileSystemWriter
+    planner: CheckpointSavePlanner
+    plan: SavePlan
+    metadata: Optional[Metadata]  # rank 0 only
+    common: Optional[Dict[str, Any]]  # rank 0 only
+    copy_seconds: float = 0.0  # this rank's pieces into host memory (the state dict's copies, then pinned)
+    plan_seconds: float = 0.0  # DCP's plan agreed across ranks
+
+
+def _host_copy(value: Any, pin: bool) -> Any:
+    """A host copy of one state-dict value (DTensor pieces keep their description)."""
+    if isinstance(value, dict):
+        return {k: _host_copy(v, pin) for k, v in value.items()}
+    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        return on_host(value, pin)
+    return value
+
+
+def stage(state: Dict[str, Any], tmp: Path, root: Path, iteration: int,
+          common: Optional[Dict[str, Any]], copy_seconds: float = 0.0) -> StagedSave:
+    """Step 1 (all ranks): host copies and DCP's agreed plan. ``state`` must already be a copy
+    (made in ``copy_seconds``)."""
+    start = time.perf_counter()
+    pin = torch.cuda.is_available()
+    state = _host_copy(state, pin)
+    if pin:
+        torch.cuda.synchronize()  # the pinned copies are complete before a writer reads them
+    writer = FileSystemWriter(str(tmp), per_thread_copy_ahead=0)  # host tensors: no device streams in the writer
+    planner = CheckpointSavePlanner()
+    dist_wrapper = _DistWrapper(None, True, 0)
+    metadata_box: List[Optional[Metadata]] = [None]
+
+    def local_step() -> SavePlan:
+        planner.set_up_planner(state_dict=state, storage_meta=writer.storage_meta(),
+                               is_coordinator=dist_wrapper.is_coordinator)
+        writer.set_up_storage_writer(dist_wrapper.is_coordinator, rank=dist_wrapper.rank, use_collectives=True)
+        return writer.prepare_local_plan(planner.create_local_plan())
+
+    def global_step(plans: List[SavePlan]) -> List[SavePlan]:
+        plans, metadata_box[0] = planner.create_global_plan(plans)
+        return writer.prepare_global_plan(plans)
+
+    copied = time.perf_counter()
+    central = dist_wrapper.reduce_scatter("plan", local_step, global_step)
+    plan = planner.finish_plan(central)
+    return StagedSave(iteration, root, tmp, state, writer, planner, plan, metadata_box[0], common,
+                      copy_seconds + copied - start, time.perf_counter() - copied)
+
+
+def write_pieces(staged: StagedSave) -> List[WriteResult]:
+    """Step 2 (this rank alone, any thread): write and fsync this rank's files; no collective."""
+    future = staged.writer.write_data(staged.plan, staged.planner)
+    future.wait()
+    return future.value()
+
+
+def finish(staged: StagedSave, results: Any, barrier: bool = True, group=None) -> Path:
+    """Step 3 (all ranks): agree that every rank wrote; rank 0 writes the metadata and publishes.
+
+    ``results`` is this rank's write results, or the exception its write raised:
+    then nobody publishes and every rank raises the same error naming the ranks
+    (the all-reduce is the agreement). ``barrier`` makes every rank return only
+    once the checkpoint is visible (a synchronous save); an asynchronous one lets
+    the other ranks train on while rank 0 renames.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    failed = torch.tensor([0.0 if isinstance(results, list) else 1.0])
+    dist.all_reduce(failed, group=group)
+    if failed.item():
+        errors: List[Any] = [None] * world
+        dist.all_gather_object(errors, None if isinstance(results, list) else f"{type(results).__name__}: {results}",
+                               group=group)
+        named = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None)
+        raise files.CheckpointError(
+            f"the write of checkpoint iteration {staged.iteration} failed ({named}); nothing was published: "
+            f"{staged.root}'s tracker still names iteration {files.read_tracker(staged.root)}")
+    files.fault_point("after_write", staged.iteration, rank)
+    gathered: Optional[List[List[WriteResult]]] = [None] * world if rank == 0 else None
+    dist.gather_object(results, gathered, dst=0, group=group)
+    final = staged.root / files.iteration_dir_name(staged.iteration)
+    if rank == 0:
+        staged.writer.finish(metadata=staged.metadata, results=gathered)
+        files.write_common(staged.tmp, staged.common)
+        files.fsync_dir(staged.tmp)
+        final = files.publish(staged.tmp, staged.root, staged.iteration, rank)
+    if barrier:
+        dist.barrier(group=group)
+    return final
