@@ -17,6 +17,7 @@ from .mixed_precision import MixedPrecision
 from .module import FullyShardedModule, PersistentMemory, fully_shard, megatron_no_weight_decay
 from .optimizer import FullyShardedOptimizer
 from .strategy import STRATEGIES, MeshStrategy, ShardingStrategy, parse_mesh_strategy, parse_strategy, valid_pairs
+from .teardown import shutdown
 from .unit import FSDPUnit, UnitState
 
 __all__ = [
@@ -25,5 +26,5 @@ __all__ = [
     "MixedPrecision", "ParamSpec", "PersistentMemory", "STRATEGIES", "ShardingStrategy", "UnitState",
     "build_layout", "fully_shard", "megatron_no_weight_decay", "parse_strategy",
     "check_checkpoint_keys", "load_model_state_dict", "load_optimizer_state_dict", "model_state_dict",
-    "optimizer_state_dict",
+    "optimizer_state_dict", "shutdown",
 ]

@@ -20,6 +20,7 @@ from .layout import ParamSpec, build_layout
 from .mesh import DataParallelMesh
 from .mixed_precision import MixedPrecision
 from .runtime import Runtime
+from .teardown import track
 from .strategy import MeshStrategy, ShardingStrategy, parse_mesh_strategy
 from .unit import FSDPUnit
 from .validation import check_same_module_on_all_ranks, module_signature
@@ -382,6 +383,7 @@ def fully_shard(
                                   [s.spec.name for s in storage.layout.slots]))
     root = units[0] if units and units[0].name == "<root>" else None
     runtime = Runtime(units, root)
+    track(runtime)  # shutdown() waits for what it leaves in flight
     for unit in units:
         if unit is not root:
             for m in unit.modules:

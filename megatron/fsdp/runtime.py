@@ -219,3 +219,8 @@ class Runtime:
     def wait_weights(self) -> None:
         for unit in self.units:
             unit.wait_weights()
+
+    def wait_all(self) -> None:
+        """Nothing of this model in flight afterwards: reductions drained, install gathers landed."""
+        self._drain()
+        self.wait_weights()

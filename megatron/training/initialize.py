@@ -66,8 +66,12 @@ def initialize(args):
 
 
 def shutdown() -> None:
+    """Wait for the engine's in-flight collectives and ring workers, then destroy the groups."""
     from megatron.core import parallel_state as ps
 
+    import megatron.fsdp
+
+    megatron.fsdp.shutdown()
     ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
