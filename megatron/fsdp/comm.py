@@ -163,6 +163,14 @@ class CommAxis:
         self._record("reduce_scatter", full, tag, 2 if self._gloo else 1)  # gloo: an all-reduce inside
         return Handle(_REDUCE_SCATTER(output, full, group=self.group, async_op=True))
 
+    def broadcast(self, tensor: torch.Tensor, tag: str = "") -> Handle:
+        """Overwrite ``tensor`` with rank 0's (rank 0 of this axis), in place."""
+        if self.size == 1:
+            return Handle()
+        self._record("broadcast", tensor, tag, 1)
+        src = dist.get_global_rank(self.group, 0)
+        return Handle(dist.broadcast(tensor, src=src, group=self.group, async_op=True))
+
     def all_reduce(self, tensor: torch.Tensor, tag: str = "") -> Handle:
         """Sum ``tensor`` over ranks, in place."""
         if self.size == 1:

@@ -19,6 +19,7 @@ from .experts import DENSE, EXPERT, ExpertSharding, Section
 from .layout import ParamSpec, build_layout
 from .mesh import DataParallelMesh
 from .mixed_precision import MixedPrecision
+from .replicas import broadcast_from_rank0
 from .runtime import Runtime
 from .teardown import track
 from .strategy import MeshStrategy, ShardingStrategy, parse_mesh_strategy
@@ -141,7 +142,7 @@ class FullyShardedModule(torch.nn.Module):
             changed = False
             for axis, level in ((s.inner, s.levels.inner), (s.outer, s.levels.outer)):
                 if axis.size > 1 and not level.shard_optim:
-                    dist.broadcast(flat, src=dist.get_global_rank(axis.group, 0), group=axis.group)
+                    axis.broadcast(flat, tag="broadcast_params").wait()
                     changed = True
             if changed:
                 self._load_flat(s, flat)
@@ -322,9 +323,11 @@ def fully_shard(
     (for per-token loss normalisation, scaled later by ``scale_gradients``).
     ``experts`` puts expert parameters in their own section: own mesh, own
     levels, own gradient scale (see ``experts.py``).
-    Every check that can fail runs before the first collective; the one
+    Every check that can fail runs before the first collective; the first
     collective here (a digest of parameter names, shapes and dtypes) makes all
-    ranks fail together when the models differ.
+    ranks fail together when the models differ. Then, as DDP does, every
+    parameter is overwritten with rank 0's values along each data-parallel axis
+    (``replicas.py``), so replicas that were built differently cannot diverge.
     """
     if mesh is not None and process_group is not None:
         raise ValueError("pass either process_group (a flat mesh) or mesh (two axes), not both")
@@ -370,6 +373,10 @@ def fully_shard(
     signature = module_signature(named)
     for axis in (inner, outer) + ((expert.inner, expert.outer) if expert is not None else ()):
         check_same_module_on_all_ranks(axis, signature, device)
+    for uname in unit_names:  # every replica starts equal to rank 0's (DDP's rule; replicas.py)
+        broadcast_from_rank0(split[uname][0], (dense.inner, dense.outer))
+        if expert is not None:
+            broadcast_from_rank0(split[uname][1], (expert.inner, expert.outer))
 
     units: List[FSDPUnit] = []
     modules = dict(module.named_modules())

@@ -46,3 +46,14 @@ def test_rewrapping_is_rejected():
     model = mfsdp.fully_shard(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="already wrapped"):
         mfsdp.fully_shard(model)
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim"])
+def test_replicas_built_with_different_seeds_become_rank0s(pool, strategy):
+    """Issue 18.1: DDP's rule. A rank-dependent build used to train diverging replicas forever."""
+    results = pool.run("tests.engine.failure_cases:replicas_built_differently", size=2, timeout=HANG_TIMEOUT,
+                       strategy=strategy)
+    for r in results:
+        assert r["wrap_equals_rank0_build"] and r["broadcasts"] > 0, r
+    for name, value in results[0]["trained"].items():
+        assert torch.equal(value, results[1]["trained"][name]), name
