@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_map
 
 from .buffers import UnitStorage
 from .checkpoint import load_model_state_dict, model_state_dict
-from .comm import CommAxis, Ledger
+from .comm import CommAxis, Ledger, collective
 from .experts import DENSE, EXPERT, ExpertSharding, Section
 from .layout import ParamSpec, build_layout
 from .mesh import DataParallelMesh
@@ -129,6 +129,7 @@ class FullyShardedModule(torch.nn.Module):
         """The name under which ``param`` is sharded (its first name in the module)."""
         return self._name_of[id(param)]
 
+    @collective("broadcast_params")
     def broadcast_params(self) -> None:
         """Make replicas equal to rank 0 of every axis whose level keeps them replicated.
 
@@ -178,10 +179,12 @@ class FullyShardedModule(torch.nn.Module):
         """
         return model_state_dict(self)
 
+    @collective("load_state_dict")
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load a ``state_dict()`` filled by ``dcp.load``: validates first, then rebuilds compute weights (a collective)."""
         return load_model_state_dict(self, state_dict, strict=strict)
 
+    @collective("full_state_dict")
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """Full, unsharded tensors by parameter name (main precision for trainable ones).
 
@@ -233,6 +236,7 @@ class FullyShardedModule(torch.nn.Module):
         if s.resident:
             s.full.copy_(flat)
 
+    @collective("load_full_state_dict")
     def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True):
         """Load full tensors (as produced by ``full_state_dict``); every rank takes its own piece."""
         names = [n for unit in self._units for n in unit.param_names]
@@ -303,6 +307,7 @@ def _assign_params(module: torch.nn.Module, unit_names: List[str]):
     return by_unit
 
 
+@collective("fully_shard")
 def fully_shard(
     module: torch.nn.Module,
     strategy="optim_grads_params",

@@ -7,6 +7,7 @@ in one message that names the arguments and the fix.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import List, Optional
 
 import megatron.fsdp as mfsdp
@@ -112,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load the weights only; iteration, optimizer, scheduler and data start afresh")
     g.add_argument("--exit-interval", type=int, default=None, help="exit after an iteration divisible by N "
                    "(saving first with --save)")
+    g = p.add_argument_group("fault tolerance (docs/training.md)")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="process-group timeout: a collective some rank never joins fails after this long, "
+                   "naming the collective (Megatron-LM's flag and default)")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM, save a checkpoint at the next iteration boundary (every rank), then exit")
     return p
 
 
@@ -194,6 +201,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.eval_interval = args.train_iters
     _validate_moe(args, world_size)
     _validate_checkpointing(args)
+    _validate_fault_tolerance(args, world_size)
     if args.transformer_impl == "transformer_engine":
         try:
             import transformer_engine  # noqa: F401
@@ -261,6 +269,33 @@ def _validate_checkpointing(args: argparse.Namespace) -> None:
     if args.ckpt_format != "fsdp_dtensor":
         _fail(f"--ckpt-format {args.ckpt_format}: --use-megatron-fsdp saves and loads --ckpt-format fsdp_dtensor "
               "only (torch DCP, reshardable); tools/checkpoint/convert.py converts to and from a torch file")
+
+
+def _validate_fault_tolerance(args: argparse.Namespace, world_size: int) -> None:
+    """Timeout, signal handler, fault injection and the --save/--load paths: all before any process group."""
+    from . import checkpoint_files, checkpoint_paths
+
+    if args.distributed_timeout_minutes < 1:
+        _fail(f"--distributed-timeout-minutes={args.distributed_timeout_minutes} must be at least 1")
+    if args.exit_signal_handler and not args.save:
+        _fail("--exit-signal-handler saves a checkpoint on SIGTERM: it needs --save DIR")
+    try:
+        checkpoint_files.check_fault_spec(world_size)
+    except ValueError as exc:
+        _fail(str(exc))
+    if args.save:
+        problem = checkpoint_paths.save_dir_problem(args.save)
+        if problem:
+            _fail(problem)
+        if int(os.environ.get("RANK", "0")) == 0:  # a failed save's leftovers would fill the disk again
+            removed = checkpoint_paths.remove_stale_temporaries(args.save)
+            if removed:
+                print(f" removed {len(removed)} unfinished save(s) of a dead job from {args.save}: "
+                      f"{', '.join(removed)}", flush=True)
+    if args.load:
+        problem = checkpoint_paths.load_dir_problem(args.load)
+        if problem:
+            _fail(problem)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

@@ -39,6 +39,8 @@ import torch.distributed.checkpoint as dcp
 from megatron.fsdp.checkpoint import mismatch_error
 
 from . import checkpoint_files as files
+from . import checkpoint_manifest as manifest
+from . import checkpoint_paths as paths
 from .checkpoint_files import CheckpointError
 from .logging_utils import print_rank_0
 
@@ -115,34 +117,119 @@ def _state_dict(model, optimizer, with_optimizer: bool, with_rng: bool) -> Tuple
 
 
 # ------------------------------------------------------------------------ save
+def _state_bytes(state: Mapping[str, Any]) -> int:
+    """Bytes this rank's part of the checkpoint will take on disk (tensors; pickled objects roughly)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(dict(state))
+    return sum(v.numel() * v.element_size() if isinstance(v, torch.Tensor)
+               else len(v) if isinstance(v, (bytes, bytearray)) else 256 for v in flat.values())
+
+
+def _shared_problem(problem: Optional[str]) -> Optional[str]:
+    """Every rank's problem (or None) -> the first one, the same on every rank (a collective)."""
+    gathered: List[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, problem)
+    return next((p for p in gathered if p), None)
+
+
+def write_step(state: Mapping[str, Any], tmp: Path) -> Dict[str, Tuple[int, int]]:
+    """The DCP write of this rank's files into ``tmp``; returns ``{file: (size, crc32)}`` measured while writing.
+
+    The one function a background writer wraps (checkpoint_manifest.py).
+    """
+    writer = manifest.ChecksummingWriter(str(tmp))
+    dcp.save(dict(state), storage_writer=writer)
+    return writer.files
+
+
 def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler) -> Path:
-    """Write ``args.save/iter_XXXXXXX`` atomically (all ranks); returns its path."""
-    files.check_fault_spec()
+    """Write ``args.save/iter_XXXXXXX`` atomically (all ranks); returns its path.
+
+    Before writing, the checkpoint's size is checked against the free space (one line
+    naming the directory, the bytes needed and free); a save that still runs out of
+    space removes its partial files and says so in one line.
+    """
+    files.check_fault_spec(dist.get_world_size())
     start = time.perf_counter()
     rank = dist.get_rank()
     root = Path(args.save)
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-    nonce = [files.new_nonce() if rank == 0 else None]
-    dist.broadcast_object_list(nonce, src=0)
-    tmp = files.temporary_dir(root, iteration, nonce[0])
     state, _ = _state_dict(model, optimizer, with_optimizer=True, with_rng=True)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)))
-    files.fault_point("after_write", iteration, rank)
+    needed = torch.tensor([_state_bytes(state)], dtype=torch.int64)
+    dist.all_reduce(needed)
+    needed_bytes = int(needed.item()) + (1 << 20)  # common.json, manifest, DCP metadata
+    plan: List[Any] = [None, None]
     if rank == 0:
-        files.write_common(tmp, {
-            "format": FORMAT, "version": VERSION, "iteration": iteration,
-            "consumed_train_samples": consumed_samples, "world_size": dist.get_world_size(),
-            "scheduler": scheduler.state_dict(), "model_args": _model_args(args),
-            "args": {k: _json_value(v) for k, v in sorted(vars(args).items())},
-        })
-        files.fsync_dir(tmp)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            plan = [files.new_nonce(), paths.space_problem(root, iteration, needed_bytes, paths.free_bytes(root))]
+            if plan[1] is None:
+                paths.write_owner(files.temporary_dir(root, iteration, plan[0]))
+        except OSError as exc:
+            plan = [None, f"cannot save to --save {root}: {exc.strerror or exc}"]
+    dist.broadcast_object_list(plan, src=0)
+    if plan[1]:
+        raise CheckpointError(plan[1])
+    tmp = files.temporary_dir(root, iteration, plan[0])
+    problem, written = None, {}
+    try:
+        written = write_step(state, tmp)
+    except Exception as exc:  # noqa: BLE001 - turned into one line below, or re-raised
+        problem = (f"saving iteration {iteration} to {root} ran out of space (ENOSPC): it needs about "
+                   f"{needed_bytes} bytes, {paths.free_bytes(root)} are free; the partial save was removed, "
+                   "earlier checkpoints are intact") if paths.is_out_of_space(exc, root) else None
+        if problem is None:
+            raise
+    files.fault_point("after_write", iteration, rank)
+    everyone: List[Optional[Dict]] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {} if problem else written)
+    problem = _shared_problem(problem)
+    if rank == 0 and problem is None:
+        try:
+            files.write_common(tmp, {
+                "format": FORMAT, "version": VERSION, "iteration": iteration,
+                "consumed_train_samples": consumed_samples, "world_size": dist.get_world_size(),
+                "scheduler": scheduler.state_dict(), "model_args": _model_args(args),
+                "args": {k: _json_value(v) for k, v in sorted(vars(args).items())},
+            })
+            manifest.write_manifest(tmp, {k: v for per_rank in everyone for k, v in per_rank.items()},
+                                    extra=[files.COMMON])
+            files.fsync_dir(tmp)
+        except OSError as exc:
+            problem = (f"saving iteration {iteration} to {root} failed writing its metadata ({exc.strerror or exc}); "
+                       "the partial save was removed, earlier checkpoints are intact")
+    problem = _shared_problem(problem if rank == 0 else None)
+    if problem:
+        dist.barrier()
+        if rank == 0:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(problem)
     dist.barrier()  # every rank has written its files before the checkpoint becomes visible
+    if rank == 0:
+        (tmp / paths.OWNER).unlink(missing_ok=True)
     final = files.publish(tmp, root, iteration, rank) if rank == 0 else root / files.iteration_dir_name(iteration)
     dist.barrier()
     print_rank_0(f" saved checkpoint at iteration {iteration:8d} to {final} in "
                  f"{time.perf_counter() - start:.2f} s")
     return final
+
+
+def verify_checkpoint(directory: Path) -> None:
+    """Check every file against the manifest (each rank a share; a collective); one line naming the damage."""
+    mine = manifest.verify(directory, dist.get_rank(), dist.get_world_size())
+    gathered: List[Optional[List[str]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    problems = sorted(p for per_rank in gathered for p in per_rank)
+    if not problems and not (Path(directory) / ".metadata").is_file():
+        problems = [f"{Path(directory) / '.metadata'} is missing"]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        good = manifest.previous_good(Path(directory).parent, Path(directory))
+        hint = (f"; load the previous good checkpoint with --ckpt-step {good}" if good is not None
+                else f"; no other complete checkpoint in {Path(directory).parent}")
+        raise CheckpointError(f"checkpoint {directory} is damaged: {problems[0]}{more}{hint}")
 
 
 # ------------------------------------------------------------------------ load
@@ -221,6 +308,7 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
     if directory is None:
         print_rank_0(f" no checkpoint in {args.load} (no {files.TRACKER}): starting from scratch")
         return 0, 0
+    verify_checkpoint(directory)
     common = files.read_common(directory)
     check_model_args(common, args, directory)
     with_optimizer = not (args.finetune or args.no_load_optim)
