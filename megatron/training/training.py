@@ -13,6 +13,7 @@ from . import checkpointing, data, model as model_lib
 from .checkpoint_files import CheckpointError
 from .initialize import initialize, shutdown
 from .logging_utils import TensorBoard, iteration_line, memory_line, print_rank_0, summary
+from .signal_handler import ExitSignalHandler
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -121,6 +122,7 @@ def pretrain(args) -> dict:
             # The saved run logged this validation loss too: equal values show the load is complete.
             history["valid_at_load"] = validate(start_iteration, " (loaded checkpoint)")
     saved_at = start_iteration
+    exit_signal = ExitSignalHandler() if args.exit_signal_handler else None
     for chunk in model:
         chunk.train()
     iteration = start_iteration
@@ -161,9 +163,18 @@ def pretrain(args) -> dict:
         if exiting:
             print_rank_0(f" exiting after iteration {iteration} (--exit-interval {args.exit_interval})")
             break
+        if exit_signal is not None and exit_signal.any_rank_received():
+            if saved_at < iteration:
+                checkpointing.save_checkpoint(args, iteration, consumed, model, optimizer, scheduler)
+                saved_at = iteration
+            print_rank_0(f" exiting after iteration {iteration}: SIGTERM received (--exit-signal-handler), "
+                         "checkpoint saved")
+            break
     if args.save and iteration > saved_at:
         checkpointing.save_checkpoint(args, iteration, consumed, model, optimizer, scheduler)
     board.close()
+    if exit_signal is not None:
+        exit_signal.close()
     return history
 
 

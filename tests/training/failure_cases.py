@@ -85,3 +85,28 @@ def full_disk_saves(ctx, argv: List[str], directory: str) -> Dict[str, object]:
             dist.barrier()
             out[label + "_leftovers"] = sorted(p.name for p in Path(directory).iterdir())
     return out
+
+
+def sigterm_mid_training(ctx, argv: List[str], at_iteration: int) -> Dict[str, object]:
+    """Rank 1 (only) gets SIGTERM during iteration ``at_iteration``; with --exit-signal-handler all ranks save and stop."""
+    import os
+    import signal
+
+    from megatron.training import training
+    from tests.training.pretrain_cases import pretrain_in_pool
+
+    calls = {"n": 0}
+    original = training._mean_loss
+
+    def mean_loss(reduced):
+        calls["n"] += 1
+        if calls["n"] == at_iteration and dist.get_rank() == dist.get_world_size() - 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler only records it
+        return original(reduced)
+
+    training._mean_loss = mean_loss
+    try:
+        history = pretrain_in_pool(ctx, argv)
+    finally:
+        training._mean_loss = original
+    return {"iterations": len(history["losses"]), "handler_restored": signal.getsignal(signal.SIGTERM)}

@@ -439,3 +439,13 @@ def test_fault_injection_spec_is_checked_at_start_up(monkeypatch, spec, pattern)
     monkeypatch.setenv(files.FAULT_ENV, spec)
     with pytest.raises(ArgumentError, match=pattern):
         validate_args(parse_args(["--mock-data"]), 2)
+
+
+def test_exit_signal_handler_saves_at_the_next_iteration_on_every_rank(tmp_path):
+    """Issue 18.7: SIGTERM on one rank during iteration 2 of 10: every rank saves iteration 2 and stops."""
+    save = str(tmp_path / "ckpt")
+    argv = MODEL + B8 + _fsdp("optim_grads_params") + ["--save", save, "--exit-signal-handler", "--eval-interval", "10"]
+    results = _pool_of(2).run("tests.training.failure_cases:sigterm_mid_training", timeout=300, argv=argv,
+                              at_iteration=2)
+    assert [r["iterations"] for r in results] == [2, 2]
+    assert files.read_tracker(tmp_path / "ckpt") == 2
