@@ -31,3 +31,23 @@ def replicas_built_differently(ctx, strategy: str, steps: int = 3):
         "trained": {k: v for k, v in trained.items() if k != "causal_offset"},
         "broadcasts": model.ledger.calls("broadcast"),
     }
+
+
+def collective_on_one_rank(ctx, timeout_s: float = 3.0):
+    """Rank 0 alone calls ``full_state_dict`` (a collective under ZeRO-3): it must fail naming the call, not hang."""
+    import datetime
+
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(ctx.size)), timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        model = mfsdp.fully_shard(TinyLM(), strategy="optim_grads_params", process_group=group, unit_modules=(Block,))
+        if ctx.rank != 0:
+            return None
+        try:
+            model.full_state_dict()
+        except mfsdp.CollectiveError as exc:
+            return str(exc)
+        return "nothing raised"
+    finally:
+        dist.destroy_process_group(group)

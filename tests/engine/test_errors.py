@@ -57,3 +57,12 @@ def test_replicas_built_with_different_seeds_become_rank0s(pool, strategy):
         assert r["wrap_equals_rank0_build"] and r["broadcasts"] > 0, r
     for name, value in results[0]["trained"].items():
         assert torch.equal(value, results[1]["trained"][name]), name
+
+
+def test_collective_called_on_one_rank_names_itself_instead_of_hanging():
+    """Issue 18.2: ``full_state_dict`` on rank 0 alone waited gloo's 30 minutes, silently."""
+    from tests.conftest import _pool_of
+
+    message = _pool_of(2).run("tests.engine.failure_cases:collective_on_one_rank", timeout=HANG_TIMEOUT)[0]
+    assert message.startswith("full_state_dict is a collective: every rank of dp_shard must call it; "
+                              "all_reduce on axis dp_shard (purpose: state_dict) did not complete"), message

@@ -340,28 +340,28 @@ def test_checkpoint_argument_errors(argv, pattern):
 # ------------------------------------------------------------ issue 18: damage, full disk, paths
 def test_damaged_checkpoints_name_the_file_and_the_previous_good_one(tmp_path):
     """Truncated / overwritten .distcp, missing .metadata, binary tracker: one line each."""
-    argv = MODEL + B8 + _fsdp("optim_grads_params") + ["--train-iters", "2", "--eval-interval", "2"]
+    argv = MODEL + B8 + _fsdp("optim_grads_params") + ["--train-iters", "3", "--eval-interval", "3"]
     save = str(tmp_path / "ckpt")
-    _pretrain(2, argv + ["--save", save, "--save-interval", "1"])
-    assert sorted(p.name for p in (tmp_path / "ckpt").glob("iter_*")) == ["iter_0000001", "iter_0000002"]
+    _pretrain(2, argv + ["--save", save, "--save-interval", "2"])
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("iter_*")) == ["iter_0000002", "iter_0000003"]
     import json
-    listed = json.loads((tmp_path / "ckpt" / "iter_0000002" / "manifest.json").read_text())["files"]
+    listed = json.loads((tmp_path / "ckpt" / "iter_0000003" / "manifest.json").read_text())["files"]
     assert ".metadata" in listed and "common.json" in listed and any(n.endswith(".distcp") for n in listed)
     from megatron.training import checkpoint_manifest
-    assert checkpoint_manifest.verify(tmp_path / "ckpt" / "iter_0000002") == []  # checksums taken while writing
+    assert checkpoint_manifest.verify(tmp_path / "ckpt" / "iter_0000003") == []  # checksums taken while writing
     errors = _pool_of(2).run("tests.training.failure_cases:damaged_loads", timeout=300, argv=argv,
                              directory=save, damages=["truncate", "overwrite", "no_metadata", "binary_tracker"])
     assert errors[0] == errors[1]
     e = errors[0]
     for how in ("truncate", "overwrite", "no_metadata"):
-        assert e[how] and "\n" not in e[how] and "iter_0000002 is damaged" in e[how], e
-        assert "--ckpt-step 1" in e[how], e
+        assert e[how] and "\n" not in e[how] and "iter_0000003 is damaged" in e[how], e
+        assert "--ckpt-step 2" in e[how], e
     assert ".distcp has" in e["truncate"] and "the manifest says" in e["truncate"]
     assert ".distcp fails its checksum" in e["overwrite"]
     assert ".metadata is missing" in e["no_metadata"]
     assert "not an iteration number" in e["binary_tracker"] and "--ckpt-step" in e["binary_tracker"]
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "checkpoint", "inspect.py"), "--verify",
-                          os.path.join(save, "iter_0000002")], capture_output=True, text=True, env=_env())
+                          os.path.join(save, "iter_0000003")], capture_output=True, text=True, env=_env())
     assert out.returncode == 0 and "verified" in out.stdout, out.stdout + out.stderr
 
 
