@@ -403,8 +403,35 @@ def fully_shard(
                 m.register_forward_hook(lambda _m, _a, out, u=unit: runtime.post_forward(u, out))
         for i, p in unit.storage.trainable_params:
             p.register_post_accumulate_grad_hook(functools.partial(_on_grad, weakref.ref(runtime), unit.index, i))
+    _guard_submodules(units, modules)
     sections = {DENSE: dense} if expert is None else {DENSE: dense, EXPERT: expert}
     return FullyShardedModule(module, runtime, units, inner, outer, levels, mp, no_weight_decay, sections)
+
+
+def _guard_submodules(units: List[FSDPUnit], modules: Dict[str, torch.nn.Module]) -> None:
+    """ZeRO-3: a submodule called outside its unit's forward gets a clear error, not a shape error.
+
+    Its parameters are empty tensors between uses; only the unit module's own hooks
+    gather them. The check is one attribute read per submodule call.
+    """
+    for unit in units:
+        if not unit.storage.releases:
+            continue
+        holders = dict.fromkeys(name.rpartition(".")[0] for name in unit.param_names)
+        for mname in holders:
+            sub = modules.get(mname)
+            if sub is not None and not any(sub is m for m in unit.modules):
+                sub.register_forward_pre_hook(functools.partial(_check_gathered, weakref.ref(unit.storage),
+                                                                unit.name, mname))
+
+
+def _check_gathered(storage_ref, unit_name: str, module_name: str, module, _args) -> None:
+    storage = storage_ref()
+    if storage is not None and not storage.resident:
+        raise RuntimeError(
+            f"{type(module).__name__} {module_name!r} was called outside the forward of its FSDP unit {unit_name}: "
+            "under optim_grads_params its weights are sharded (empty) outside that unit's forward; call the "
+            "unit module or the wrapped model, or make this submodule a unit of its own (unit_modules)")
 
 
 def _on_grad(runtime_ref, unit_index: int, param_index: int, _param) -> None:
