@@ -143,9 +143,10 @@ def _causes(exc: BaseException) -> Iterable[BaseException]:
         seen.add(id(e))
         yield e
         stack += [e.__cause__, e.__context__]
-        failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: exception}
+        failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: exception or a wrapper}
         if isinstance(failures, dict):
-            stack += [v for v in failures.values() if isinstance(v, BaseException)]
+            for v in failures.values():
+                stack.append(v if isinstance(v, BaseException) else v[0] if isinstance(v, tuple) and v else None)
 
 
 def is_out_of_space(exc: BaseException, root: Path) -> bool:
@@ -153,8 +154,8 @@ def is_out_of_space(exc: BaseException, root: Path) -> bool:
     for e in _causes(exc):
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        text = str(e)
-        if "No space left" in text or "unexpected pos" in text:
+        text = str(e) + repr(getattr(e, "failures", ""))
+        if "No space left" in text or "unexpected pos" in text or "Errno 28" in text:
             return True
     try:
         return free_bytes(root) < (1 << 20)

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.fsdp.checkpoint import mismatch_error
 
@@ -174,7 +175,7 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimize
     problem, written = None, {}
     try:
         written = write_step(state, tmp)
-    except Exception as exc:  # noqa: BLE001 - turned into one line below, or re-raised
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - one line below, or re-raised
         problem = (f"saving iteration {iteration} to {root} ran out of space (ENOSPC): it needs about "
                    f"{needed_bytes} bytes, {paths.free_bytes(root)} are free; the partial save was removed, "
                    "earlier checkpoints are intact") if paths.is_out_of_space(exc, root) else None
