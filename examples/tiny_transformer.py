@@ -145,6 +145,7 @@ def main():
                   flush=True)
 
     if distributed:
+        mfsdp.shutdown()  # the weight install gathers of the last step are still in flight
         dist.destroy_process_group()
 
 

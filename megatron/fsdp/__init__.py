@@ -9,7 +9,7 @@ See docs/engine.md for the design. Public API::
 from .checkpoint import (
     check_checkpoint_keys, load_model_state_dict, load_optimizer_state_dict, model_state_dict, optimizer_state_dict,
 )
-from .comm import Ledger, LedgerEvent
+from .comm import CollectiveError, Ledger, LedgerEvent
 from .experts import ExpertSharding
 from .layout import FlatLayout, ParamSpec, build_layout
 from .matrix_optimizer import TensorShards
@@ -20,13 +20,14 @@ from .optimizer import FullyShardedOptimizer
 from .precision_optimizer import OptimizerPrecision
 from .runtime import Overlap
 from .strategy import STRATEGIES, MeshStrategy, ShardingStrategy, parse_mesh_strategy, parse_strategy, valid_pairs
+from .teardown import shutdown
 from .unit import FSDPUnit, UnitState
 
 __all__ = [
-    "DataParallelMesh", "ExpertSharding", "MeshStrategy", "build_mesh", "parse_mesh_strategy", "valid_pairs",
+    "CollectiveError", "DataParallelMesh", "ExpertSharding", "MeshStrategy", "build_mesh", "parse_mesh_strategy", "valid_pairs",
     "FSDPUnit", "FlatLayout", "FullyShardedModule", "FullyShardedOptimizer", "Ledger", "LedgerEvent",
     "MixedPrecision", "Overlap", "ParamSpec", "PersistentMemory", "STRATEGIES", "ShardingStrategy", "UnitState",
     "build_layout", "fully_shard", "megatron_no_weight_decay", "parse_strategy",
     "check_checkpoint_keys", "load_model_state_dict", "load_optimizer_state_dict", "model_state_dict",
-    "optimizer_state_dict", "OptimizerPrecision", "TensorShards",
+    "optimizer_state_dict", "OptimizerPrecision", "TensorShards", "shutdown",
 ]

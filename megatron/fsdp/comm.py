@@ -21,7 +21,9 @@ with the same value (the two paths do not talk to each other).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import functools
 import os
 from typing import Dict, List, Optional, Tuple
 
@@ -88,15 +90,61 @@ class Ledger:
         return {key: (self._calls[key], self._bytes[key]) for key in self._calls}
 
 
+class CollectiveError(RuntimeError):
+    """A collective that failed or timed out, named by kind, axis and purpose (the ledger tag).
+
+    ``call`` is the public engine call that issued it, when one is known: its message
+    then says that every rank of the axis must make that call. A rank that skips a
+    collective leaves its peers waiting until the process-group timeout (the job's
+    ``--distributed-timeout-minutes``); this error is what they then see.
+    """
+
+    def __init__(self, kind: str, axis: str, tag: str, cause: BaseException, call: Optional[str] = None):
+        self.kind, self.axis, self.tag, self.call = kind, axis, tag, call
+        reason = str(cause).strip().splitlines()[0][:300] if str(cause).strip() else type(cause).__name__
+        what = f"{kind} on axis {axis} (purpose: {tag or 'unnamed'})"
+        if call:
+            message = (f"{call} is a collective: every rank of {axis} must call it; {what} did not complete "
+                       f"({reason})")
+        else:
+            message = (f"{what} did not complete ({reason}); every rank of {axis} must issue the same "
+                       "collectives in the same order (a rank that skipped one, or a dead peer, leaves the others "
+                       "waiting until the process-group timeout)")
+        super().__init__(message)
+
+
+@contextlib.contextmanager
+def collective_call(name: str):
+    """Name the public engine call ``name`` in a ``CollectiveError`` raised inside."""
+    try:
+        yield
+    except CollectiveError as exc:
+        if exc.call is not None:
+            raise
+        raise CollectiveError(exc.kind, exc.axis, exc.tag, exc.__cause__ or exc, call=name) from exc.__cause__
+
+
+def collective(name: str):
+    """Decorator: the function is a public collective engine call named ``name`` (see ``collective_call``)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            with collective_call(name):
+                return fn(*args, **kwargs)
+        return call
+    return wrap
+
+
 class Handle:
     """An in-flight collective plus what to run once it has landed."""
 
-    __slots__ = ("_work", "_then", "_keep")
+    __slots__ = ("_work", "_then", "_keep", "_what")
 
-    def __init__(self, work=None, then=None, keep=()):
+    def __init__(self, work=None, then=None, keep=(), what: Optional[Tuple[str, str, str]] = None):
         self._work = work
         self._then = then
         self._keep = keep  # tensors the collective reads or writes: alive until it lands
+        self._what = what  # (kind, axis, tag): named in the error if the collective fails
 
     def is_completed(self) -> bool:
         """The collective has landed (what runs after it may not have run yet)."""
@@ -106,7 +154,14 @@ class Handle:
         if self._work is not None:
             work = self._work
             self._work = None
-            work.wait()
+            try:
+                work.wait()
+            except CollectiveError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - gloo/NCCL timeouts and peer losses are RuntimeErrors
+                if self._what is None:
+                    raise
+                raise CollectiveError(*self._what, exc) from exc
         self._keep = ()
         if self._then is not None:
             then, self._then = self._then, None
@@ -151,7 +206,7 @@ class CommAxis:
                 output.copy_(shard)
             return Handle()
         self._record("all_gather", output, tag, 1)
-        return Handle(_ALL_GATHER(output, shard, group=self.group, async_op=True))
+        return Handle(_ALL_GATHER(output, shard, group=self.group, async_op=True), what=("all_gather", self.name, tag))
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, tag: str = "") -> Handle:
         """Sum ``full`` over ranks and leave this rank's slice in ``output``.
@@ -165,16 +220,25 @@ class CommAxis:
         if self.gloo_reduce_scatter == "ring" and full.device.type == "cpu":
             work = ring_reduce_scatter(output, full, self.group, self.rank, self.size)  # checks sizes first
             self._record("reduce_scatter", full, tag, 1)
-            return Handle(work)
+            return Handle(work, what=("reduce_scatter", self.name, tag))
         self._record("reduce_scatter", full, tag, 2 if self._gloo else 1)  # gloo: an all-reduce inside
-        return Handle(_REDUCE_SCATTER(output, full, group=self.group, async_op=True))
+        return Handle(_REDUCE_SCATTER(output, full, group=self.group, async_op=True),
+                      what=("reduce_scatter", self.name, tag))
+
+    def broadcast(self, tensor: torch.Tensor, tag: str = "") -> Handle:
+        """Overwrite ``tensor`` with rank 0's (rank 0 of this axis), in place."""
+        if self.size == 1:
+            return Handle()
+        self._record("broadcast", tensor, tag, 1)
+        src = dist.get_global_rank(self.group, 0)
+        return Handle(dist.broadcast(tensor, src=src, group=self.group, async_op=True), what=("broadcast", self.name, tag))
 
     def all_reduce(self, tensor: torch.Tensor, tag: str = "") -> Handle:
         """Sum ``tensor`` over ranks, in place."""
         if self.size == 1:
             return Handle()
         self._record("all_reduce", tensor, tag, 2)
-        return Handle(dist.all_reduce(tensor, group=self.group, async_op=True))
+        return Handle(dist.all_reduce(tensor, group=self.group, async_op=True), what=("all_reduce", self.name, tag))
 
     def all_to_all(self, output: torch.Tensor, send: torch.Tensor, output_splits, input_splits,
                    tag: str = "") -> Handle:
@@ -191,4 +255,4 @@ class CommAxis:
                            (send.numel() - int(input_splits[self.rank])) * size)
         work = dist.all_to_all_single(output, send, list(output_splits), list(input_splits),
                                       group=self.group, async_op=True)
-        return Handle(work, keep=(send, output))
+        return Handle(work, keep=(send, output), what=("all_to_all", self.name, tag))

@@ -76,6 +76,34 @@ def _mesh(device_type: str, rank: int) -> DeviceMesh:
     return DeviceMesh(device_type, [rank], _init_backend=False, _rank=rank)
 
 
+class _PieceHooks:
+    """DCP's chunk hooks of one piece, as bound methods of a module-level class (not closures).
+
+    Why: the hooks are attributes of the local tensor, and ``torch.save(model.state_dict())``
+    pickles them; closures cannot be pickled (the save failed half-way, leaving a corrupt file).
+    """
+
+    def __init__(self, shape, chunks, views, properties):
+        self.shape, self.chunks, self.views, self.properties = shape, chunks, views, properties
+
+    def write_items(self, fqn: str, _obj) -> List[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=c, properties=self.properties, size=self.shape))
+                for c in self.chunks]
+
+    def chunk_list(self):
+        return list(self.chunks)
+
+    def tensor_shard(self, index: MetadataIndex) -> torch.Tensor:
+        chunks = self.chunks
+        if index.index is not None and index.index < len(chunks) and chunks[index.index].offsets == index.offset:
+            return self.views[index.index]
+        for c, v in zip(chunks, self.views):
+            if c.offsets == index.offset:
+                return v
+        raise ValueError(f"{index.fqn}: this rank holds no chunk at offsets {tuple(index.offset)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class GlobalPlacement:
     """Where a rank's whole parameter sits inside a larger global tensor (e.g. its tensor-parallel shard).
@@ -148,22 +176,10 @@ def sharded_piece(local: torch.Tensor, shape: Sequence[int], lo: int,
     chunks = [ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.sizes)) for b in boxes]
     properties = TensorProperties.create_from_tensor(flat)
 
-    def write_items(fqn: str, _obj) -> List[WriteItem]:
-        return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=c, properties=properties, size=glob))
-                for c in chunks]
-
-    def tensor_shard(index: MetadataIndex) -> torch.Tensor:
-        if index.index is not None and index.index < len(chunks) and chunks[index.index].offsets == index.offset:
-            return views[index.index]
-        for c, v in zip(chunks, views):
-            if c.offsets == index.offset:
-                return v
-        raise ValueError(f"{index.fqn}: this rank holds no chunk at offsets {tuple(index.offset)}")
-
-    flat.__create_write_items__ = write_items
-    flat.__create_chunk_list__ = lambda: list(chunks)
-    flat.__get_tensor_shard__ = tensor_shard
+    hooks = _PieceHooks(glob, chunks, views, properties)
+    flat.__create_write_items__ = hooks.write_items
+    flat.__create_chunk_list__ = hooks.chunk_list
+    flat.__get_tensor_shard__ = hooks.tensor_shard
     flat._fsdp_piece = (tuple(shape), lo, placement)  # how ``on_host`` describes a copy the same way
     return dt
 

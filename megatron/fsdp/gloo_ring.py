@@ -7,11 +7,27 @@ all-reduce. This module builds the textbook ring from point-to-point messages:
 successor, receives one from its predecessor and adds its own contribution; after the
 last step it holds its own chunk summed over all ranks.
 
-Why a thread: step ``s + 1`` sends what step ``s`` received plus a local add, so the
-steps cannot all be posted up front, and nothing in gloo would run the adds between
-them. Each call runs its ring on a short-lived thread (waits and adds release the
-GIL), so ``reduce_scatter`` returns at once and the caller's compute overlaps it, as
-with a native async collective. ``RingWork.wait()`` joins that thread.
+Why a worker thread: step ``s + 1`` sends what step ``s`` received plus a local add,
+so the steps cannot all be posted up front, and nothing in gloo would run the adds
+between them. Each process group gets one long-lived worker thread (started on its
+first ring, stopped when the group is freed or the process exits) that runs that
+group's rings one after another in issue order (waits and adds release the GIL), so
+``reduce_scatter`` returns at once and the caller's compute overlaps it, as with a
+native async collective. ``RingWork.wait()`` waits for that ring only. Not a thread
+per call: every new thread gets its own malloc arena, and resident memory grew with
+them (issue 12). Not point-to-point driven from the waits: ranks wait in their own
+order, so a ring advanced only by its waiter would stall while a peer waits on
+another one.
+
+Why issue order is safe: every rank of a group issues its rings on that group in the
+same order, so each worker runs ring ``k`` while its peers run ring ``k`` too; rings
+of different groups run on different workers and never wait for each other.
+
+Teardown: ``shutdown_workers()`` (also run at interpreter exit) finishes every ring
+already issued, then joins the workers, so no Python thread is inside a gloo call
+while the interpreter finalizes (a daemon thread woken there is ended with
+``pthread_exit``, which aborts the process with ``terminate called without an active
+exception`` when it unwinds through C++ frames).
 
 Why this cannot hang or cross-match: gloo matches point-to-point messages by
 (peer, tag) on its own channel, apart from collectives, so rings do not depend on how
@@ -28,7 +44,10 @@ every rank of the default group, and an axis is built by its members only.
 
 from __future__ import annotations
 
+import atexit
+import collections
 import threading
+import time
 import weakref
 from typing import Optional
 
@@ -57,34 +76,134 @@ def ring_wire_bytes(nbytes_full: int, size: int) -> int:
 
 
 class RingWork:
-    """The work object of one ring: ``wait()`` joins its thread and re-raises its error."""
+    """The work object of one ring: ``wait()`` blocks until the group's worker has run it, then re-raises its error."""
 
-    __slots__ = ("_thread", "_error")
+    __slots__ = ("_run", "_done", "_error")
 
     def __init__(self, run=None):
+        self._run = run
         self._error: Optional[BaseException] = None
-        self._thread = None
-        if run is not None:
-            self._thread = threading.Thread(target=self._guarded, args=(run,), name="mfsdp-gloo-ring", daemon=True)
-            self._thread.start()
+        self._done = threading.Event()
+        if run is None:
+            self._done.set()
 
-    def _guarded(self, run) -> None:
+    def _execute(self) -> None:
         try:
             with torch.no_grad():  # grad mode is per thread; the adds must not build a graph
-                run()
+                self._run()
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
             self._error = exc
+        finally:
+            self._run = None  # drop the tensors and the group as soon as the ring is done
+            self._done.set()
 
-    def wait(self) -> bool:
-        if self._thread is not None:
-            self._thread.join()
+    def _cancel(self, reason: str) -> None:
+        self._error = RuntimeError(reason)
+        self._run = None
+        self._done.set()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"gloo ring reduce-scatter did not finish within {timeout:.0f}s")
         if self._error is not None:
             error, self._error = self._error, None
             raise error
         return True
 
     def is_completed(self) -> bool:
-        return self._thread is None or not self._thread.is_alive()
+        return self._done.is_set()
+
+
+class _RingWorker:
+    """One long-lived thread that runs one process group's rings in issue order."""
+
+    def __init__(self, name: str):
+        self._jobs: "collections.deque[RingWork]" = collections.deque()
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, work: RingWork) -> RingWork:
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("gloo ring reduce-scatter issued after its process group was shut down")
+            self._jobs.append(work)
+            self._cv.notify()
+        return work
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs and not self._stopping:
+                    self._cv.wait()
+                if not self._jobs:
+                    return
+                work = self._jobs.popleft()
+            work._execute()
+
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._jobs)
+
+    def stop(self) -> None:
+        """Finish the rings already issued, then end the thread (does not wait)."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+
+    def join(self, timeout: Optional[float]) -> bool:
+        """Wait for the thread to end; on timeout cancel the rings not yet started. True when it ended."""
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            return True
+        with self._cv:
+            while self._jobs:
+                self._jobs.popleft()._cancel("gloo ring reduce-scatter cancelled at shutdown (a peer never took part)")
+        return False
+
+
+_workers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_all_workers: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _worker_for(group) -> _RingWorker:
+    with _tag_lock:
+        worker = _workers.get(group)
+        if worker is None:
+            worker = _workers[group] = _RingWorker(f"mfsdp-gloo-ring-{len(_all_workers)}")
+            _all_workers.add(worker)
+            weakref.finalize(group, worker.stop)  # group freed: the thread ends once idle
+        return worker
+
+
+def submit(group, run) -> RingWork:
+    """Run ``run()`` on ``group``'s worker after the rings issued before it; return its work."""
+    return _worker_for(group).submit(RingWork(run))
+
+
+def live_workers() -> int:
+    """Worker threads still running (one per process group that has run a ring and is alive)."""
+    return sum(1 for w in list(_all_workers) if w._thread.is_alive())
+
+
+def shutdown_workers(timeout: float = 60.0) -> bool:
+    """Finish every ring already issued and end every worker thread; True when all ended in time.
+
+    Called at interpreter exit, and by ``megatron.fsdp.shutdown()`` before the process
+    groups are destroyed. A ring whose peers never take part is cancelled after
+    ``timeout`` seconds (its waiter gets an error) instead of holding the exit forever.
+    """
+    workers = list(_all_workers)
+    for worker in workers:
+        worker.stop()
+    with _tag_lock:
+        _workers.clear()
+    deadline = time.monotonic() + timeout
+    return all([worker.join(max(0.0, deadline - time.monotonic())) for worker in workers])
+
+
+atexit.register(shutdown_workers)
 
 
 def ring_reduce_scatter(output: torch.Tensor, full: torch.Tensor, group, rank: int, size: int) -> RingWork:
@@ -121,4 +240,4 @@ def ring_reduce_scatter(output: torch.Tensor, full: torch.Tensor, group, rank: i
             torch.add(received, chunks[(rank - step - 2) % size], out=target)
             outgoing = target
 
-    return RingWork(run)
+    return submit(group, run)

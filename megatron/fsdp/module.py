@@ -14,13 +14,15 @@ from torch.utils._pytree import tree_map
 
 from .buffers import UnitStorage
 from .checkpoint import load_model_state_dict, model_state_dict
-from .comm import CommAxis, Ledger
+from .comm import CommAxis, Ledger, collective
 from .experts import DENSE, EXPERT, ExpertSharding, Section
 from .layout import ParamSpec, build_layout
 from .mesh import DataParallelMesh
 from .meta_init import MetaMaterialiser, check_meta_module, is_on_meta, target_device
 from .mixed_precision import MixedPrecision
+from .replicas import broadcast_from_rank0
 from .runtime import Overlap, Runtime
+from .teardown import track
 from .strategy import MeshStrategy, ShardingStrategy, parse_mesh_strategy
 from .unit import FSDPUnit
 from .validation import check_same_module_on_all_ranks, module_signature
@@ -133,6 +135,7 @@ class FullyShardedModule(torch.nn.Module):
         """The name under which ``param`` is sharded (its first name in the module)."""
         return self._name_of[id(param)]
 
+    @collective("broadcast_params")
     def broadcast_params(self) -> None:
         """Make replicas equal to rank 0 of every axis whose level keeps them replicated.
 
@@ -146,7 +149,7 @@ class FullyShardedModule(torch.nn.Module):
             changed = False
             for axis, level in ((s.inner, s.levels.inner), (s.outer, s.levels.outer)):
                 if axis.size > 1 and not level.shard_optim:
-                    dist.broadcast(flat, src=dist.get_global_rank(axis.group, 0), group=axis.group)
+                    axis.broadcast(flat, tag="broadcast_params").wait()
                     changed = True
             if changed:
                 self._load_flat(s, flat)
@@ -182,10 +185,12 @@ class FullyShardedModule(torch.nn.Module):
         """
         return model_state_dict(self)
 
+    @collective("load_state_dict")
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load a ``state_dict()`` filled by ``dcp.load``: validates first, then rebuilds compute weights (a collective)."""
         return load_model_state_dict(self, state_dict, strict=strict)
 
+    @collective("full_state_dict")
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """Full, unsharded tensors by parameter name (main precision for trainable ones).
 
@@ -237,6 +242,7 @@ class FullyShardedModule(torch.nn.Module):
         if s.resident:
             s.full.copy_(flat)
 
+    @collective("load_full_state_dict")
     def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True):
         """Load full tensors (as produced by ``full_state_dict``); every rank takes its own piece."""
         names = [n for unit in self._units for n in unit.param_names]
@@ -307,6 +313,7 @@ def _assign_params(module: torch.nn.Module, unit_names: List[str]):
     return by_unit
 
 
+@collective("fully_shard")
 def fully_shard(
     module: torch.nn.Module,
     strategy="optim_grads_params",
@@ -339,9 +346,11 @@ def fully_shard(
     (default: the current CUDA device, else CPU), each submodule initialised by
     ``init_weights(submodule)`` or its own ``reset_parameters()`` in
     ``module.modules()`` order, keeping only this rank's shards (``meta_init.py``).
-    Every check that can fail runs before the first collective; the one
+    Every check that can fail runs before the first collective; the first
     collective here (a digest of parameter names, shapes and dtypes) makes all
-    ranks fail together when the models differ.
+    ranks fail together when the models differ. Then, as DDP does, every
+    parameter is overwritten with rank 0's values along each data-parallel axis
+    (``replicas.py``), so replicas that were built differently cannot diverge.
     """
     if mesh is not None and process_group is not None:
         raise ValueError("pass either process_group (a flat mesh) or mesh (two axes), not both")
@@ -400,6 +409,12 @@ def fully_shard(
     for axis in (inner, outer) + ((expert.inner, expert.outer) if expert is not None else ()):
         check_same_module_on_all_ranks(axis, signature, device)
     if storages is None:
+        # Every replica starts equal to rank 0's (DDP's rule; replicas.py). A meta-device
+        # model is initialised on every rank from the same seed instead (meta_init.py).
+        for uname in unit_names:
+            broadcast_from_rank0(split[uname][0], (dense.inner, dense.outer))
+            if expert is not None:
+                broadcast_from_rank0(split[uname][1], (expert.inner, expert.outer))
         storages = {key: build(key) for key, _ in groups}
 
     units: List[FSDPUnit] = []
@@ -414,6 +429,7 @@ def fully_shard(
                                   [s.spec.name for s in storage.layout.slots]))
     root = units[0] if units and units[0].name == "<root>" else None
     runtime = Runtime(units, root, overlap)
+    track(runtime)  # shutdown() waits for what it leaves in flight
     for unit in units:
         if unit is not root:
             for m in unit.modules:
@@ -421,6 +437,7 @@ def fully_shard(
                 m.register_forward_hook(lambda _m, _a, out, u=unit: runtime.post_forward(u, out))
         for i, p in unit.storage.trainable_params:
             p.register_post_accumulate_grad_hook(functools.partial(_on_grad, weakref.ref(runtime), unit.index, i))
+    _guard_submodules(units, modules)
     sections = {DENSE: dense} if expert is None else {DENSE: dense, EXPERT: expert}
     return FullyShardedModule(module, runtime, units, inner, outer, levels, mp, no_weight_decay, sections)
 
@@ -439,6 +456,32 @@ def _device_of_eager(named, device, init_weights) -> torch.device:
         raise ValueError(f"device={device} but the parameters are on {found}; move the module first "
                          "(device= chooses where a meta-device module is materialised)")
     return found
+
+
+def _guard_submodules(units: List[FSDPUnit], modules: Dict[str, torch.nn.Module]) -> None:
+    """ZeRO-3: a submodule called outside its unit's forward gets a clear error, not a shape error.
+
+    Its parameters are empty tensors between uses; only the unit module's own hooks
+    gather them. The check is one attribute read per submodule call.
+    """
+    for unit in units:
+        if not unit.storage.releases:
+            continue
+        holders = dict.fromkeys(name.rpartition(".")[0] for name in unit.param_names)
+        for mname in holders:
+            sub = modules.get(mname)
+            if sub is not None and not any(sub is m for m in unit.modules):
+                sub.register_forward_pre_hook(functools.partial(_check_gathered, weakref.ref(unit.storage),
+                                                                unit.name, mname))
+
+
+def _check_gathered(storage_ref, unit_name: str, module_name: str, module, _args) -> None:
+    storage = storage_ref()
+    if storage is not None and not storage.resident:
+        raise RuntimeError(
+            f"{type(module).__name__} {module_name!r} was called outside the forward of its FSDP unit {unit_name}: "
+            "under optim_grads_params its weights are sharded (empty) outside that unit's forward; call the "
+            "unit module or the wrapped model, or make this submodule a unit of its own (unit_modules)")
 
 
 def _on_grad(runtime_ref, unit_index: int, param_index: int, _param) -> None:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import load_optimizer_state_dict, optimizer_state_dict
+from .comm import collective
 from .experts import EXPERT
 from .matrix_checkpoint import check_matrix_state_dict, matrix_state_dict, split_state_dict, write_matrix_state
 from .matrix_optimizer import MatrixOptimizer
@@ -207,6 +208,7 @@ class FullyShardedOptimizer:
             model._runtime.after_step()
 
     @torch.no_grad()
+    @collective("optimizer.step")
     def step(self) -> float:
         """Finish gradient sync, clip, update the shards, install the new weights.
 

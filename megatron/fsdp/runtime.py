@@ -280,6 +280,10 @@ class Runtime:
         for unit in self.units:
             unit.wait_weights()
 
+    def wait_all(self) -> None:
+        """Nothing of this model in flight afterwards: reductions drained, install gathers landed."""
+        self._drain()
+        self.wait_weights()
 
 class _Plan:
     """An order of units to prefetch in: who comes first, who comes after a given unit."""

@@ -8,7 +8,7 @@ from typing import List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .comm import _ALL_GATHER, CommAxis
+from .comm import _ALL_GATHER, CollectiveError, CommAxis
 
 Signature = Tuple[str, Tuple[int, ...], str, bool]
 
@@ -44,7 +44,10 @@ def check_same_module_on_all_ranks(axis: CommAxis, signature: List[Signature], d
         return
     mine = _digest(signature).to(device)
     digests = torch.empty(axis.size, dtype=torch.int64, device=device)
-    _ALL_GATHER(digests, mine, group=axis.group)
+    try:
+        _ALL_GATHER(digests, mine, group=axis.group)
+    except Exception as exc:  # noqa: BLE001 - a rank that never called fully_shard: timeout
+        raise CollectiveError("all_gather", axis.name, "module digest", exc) from exc
     if bool((digests == digests[0]).all()):
         return
     everyone: List[List[Signature]] = [None] * axis.size  # type: ignore[list-item]

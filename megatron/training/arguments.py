@@ -7,6 +7,7 @@ in one message that names the arguments and the fix.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import List, Optional
 
 import megatron.fsdp as mfsdp
@@ -152,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(saving first with --save)")
     g.add_argument("--async-save", action="store_true", help="write checkpoints in the background: training "
                    "blocks only to copy this rank's pieces to host memory (docs/checkpoints.md)")
+    g = p.add_argument_group("fault tolerance (docs/training.md)")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="process-group timeout: a collective some rank never joins fails after this long, "
+                   "naming the collective (Megatron-LM's flag and default)")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM, save a checkpoint at the next iteration boundary (every rank), then exit")
     return show_every_default(p)
 
 
@@ -240,6 +247,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _validate_data(args)
     validate_writers(args)
     _validate_async_save(args)
+    _validate_fault_tolerance(args, world_size)
     if args.transformer_impl == "transformer_engine":
         try:
             import transformer_engine  # noqa: F401
@@ -378,6 +386,33 @@ def _validate_checkpointing(args: argparse.Namespace) -> None:
 def _validate_async_save(args: argparse.Namespace) -> None:
     if args.async_save and not args.save:
         _fail("--async-save needs --save DIR")
+
+
+def _validate_fault_tolerance(args: argparse.Namespace, world_size: int) -> None:
+    """Timeout, signal handler, fault injection and the --save/--load paths: all before any process group."""
+    from . import checkpoint_files, checkpoint_paths
+
+    if args.distributed_timeout_minutes < 1:
+        _fail(f"--distributed-timeout-minutes={args.distributed_timeout_minutes} must be at least 1")
+    if args.exit_signal_handler and not args.save:
+        _fail("--exit-signal-handler saves a checkpoint on SIGTERM: it needs --save DIR")
+    try:
+        checkpoint_files.check_fault_spec(world_size)
+    except ValueError as exc:
+        _fail(str(exc))
+    if args.save:
+        problem = checkpoint_paths.save_dir_problem(args.save)
+        if problem:
+            _fail(problem)
+        if int(os.environ.get("RANK", "0")) == 0:  # a failed save's leftovers would fill the disk again
+            removed = checkpoint_paths.remove_stale_temporaries(args.save)
+            if removed:
+                print(f" removed {len(removed)} unfinished save(s) of a dead job from {args.save}: "
+                      f"{', '.join(removed)}", flush=True)
+    if args.load:
+        problem = checkpoint_paths.load_dir_problem(args.load)
+        if problem:
+            _fail(problem)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

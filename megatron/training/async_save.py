@@ -117,7 +117,7 @@ class CheckpointSaver:
             self._group = dist.new_group(backend="gloo")  # beside NCCL: host flags, never device syncs
 
     def save(self, iteration: int, consumed: int, model, optimizer, scheduler) -> None:
-        from .checkpointing import save_checkpoint, stage_checkpoint
+        from .checkpointing import save_checkpoint, stage_checkpoint, write_step
 
         if not self.asynchronous:
             save_checkpoint(self.args, iteration, consumed, model, optimizer, scheduler)
@@ -129,7 +129,7 @@ class CheckpointSaver:
         rank = dist.get_rank()
 
         def write():
-            results = save_steps.write_pieces(staged)
+            results = write_step(staged)
             files.fault_point(FAULT_POINT, iteration, rank)
             return results
         job = background_writer().submit(write)

@@ -46,11 +46,25 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this run; the message names the keys or arguments."""
 
 
-def check_fault_spec() -> None:
-    """Reject a misspelt fault point up front: a typo would otherwise test nothing, silently."""
+def check_fault_spec(world_size: Optional[int] = None) -> None:
+    """Reject a spec that would never fire (a misspelt point, a rank outside the job, a bad number) up front.
+
+    A typo would otherwise test nothing, silently. ``validate_args`` calls it at start-up.
+    """
     spec = os.environ.get(FAULT_ENV)
-    if spec and spec.split(":")[0] not in FAULT_POINTS:
-        raise ValueError(f"{FAULT_ENV}={spec!r}: the point must be one of {', '.join(FAULT_POINTS)}")
+    if not spec:
+        return
+    parts = spec.split(":")
+    form = f"{FAULT_ENV}={spec!r} (form POINT[:RANK[:ITERATION]])"
+    if parts[0] not in FAULT_POINTS or len(parts) > 3:
+        raise ValueError(f"{form}: the point must be one of {', '.join(FAULT_POINTS)}")
+    for label, value in zip(("RANK", "ITERATION"), parts[1:]):
+        if value and not value.isdigit():
+            raise ValueError(f"{form}: {label} must be a non-negative integer, got {value!r}")
+    if world_size is not None and len(parts) > 1 and parts[1] and int(parts[1]) >= world_size:
+        raise ValueError(f"{form}: rank {parts[1]} does not exist in a job of {world_size} ranks")
+    if parts[0] != "after_write" and len(parts) > 1 and parts[1] and int(parts[1]) != 0:
+        raise ValueError(f"{form}: only rank 0 reaches {parts[0]} (it publishes the checkpoint); use rank 0")
 
 
 def fault_point(point: str, iteration: int, rank: int) -> None:
@@ -106,8 +120,12 @@ def read_common(directory: Path) -> Dict[str, Any]:
     path = Path(directory) / COMMON
     if not path.is_file():
         raise CheckpointError(f"{directory} has no {COMMON}: not a checkpoint written with --ckpt-format fsdp_dtensor")
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path} is damaged ({exc.__class__.__name__}); pass --ckpt-step N to load another "
+                              "iteration") from None
 
 
 def read_tracker(root: Path) -> Optional[int]:
@@ -115,11 +133,12 @@ def read_tracker(root: Path) -> Optional[int]:
     path = Path(root) / TRACKER
     if not path.is_file():
         return None
-    text = path.read_text().strip()
+    text = path.read_bytes()[:64].decode("utf-8", errors="replace").strip()
     try:
         return int(text)
     except ValueError:
-        raise CheckpointError(f"{path} holds {text!r}, not an iteration number") from None
+        raise CheckpointError(f"{path} holds {text[:32]!r}, not an iteration number: it is damaged; pass "
+                              "--ckpt-step N to load iteration N (the iter_* directories present)") from None
 
 
 def write_tracker(root: Path, iteration: int) -> None:
@@ -162,9 +181,23 @@ def publish(tmp: Path, root: Path, iteration: int, rank: int = 0) -> Path:
     return final
 
 
+def _owned_by_other(tmp: Path) -> bool:
+    from .checkpoint_paths import OWNER
+
+    try:
+        owner = json.loads((tmp / OWNER).read_text())
+    except (OSError, ValueError):
+        return False
+    return owner.get("pid") != os.getpid()
+
+
 def remove_temporaries(root: Path) -> None:
     """Delete unfinished saves and set-aside copies; only safe once the tracker names a complete checkpoint."""
+    from .checkpoint_paths import is_stale
+
     for entry in Path(root).iterdir():
+        if entry.name.startswith(".tmp_iter_") and entry.is_dir() and not is_stale(entry) and _owned_by_other(entry):
+            continue  # another live job is writing it
         if entry.name.startswith((".tmp_iter_", ".old_iter_")) and entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
         elif entry.name.startswith(f".{TRACKER}.") and entry.name.endswith(".tmp"):

@@ -35,11 +35,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.fsdp.checkpoint import mismatch_error
 from megatron.fsdp.precision_optimizer import converts_on_load
 
 from . import checkpoint_files as files
+from . import checkpoint_manifest as manifest
+from . import checkpoint_paths as paths
 from .checkpoint_files import CheckpointError
 from .logging_utils import print_rank_0
 
@@ -133,25 +136,55 @@ def _state_dict(model, optimizer, with_optimizer: bool, with_rng: bool,
 
 
 # ------------------------------------------------------------------------ save
+def _state_bytes(state: Mapping[str, Any]) -> int:
+    """Bytes this rank's part of the checkpoint will take on disk (tensors; pickled objects roughly)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(dict(state))
+    return sum(v.numel() * v.element_size() if isinstance(v, torch.Tensor)
+               else len(v) if isinstance(v, (bytes, bytearray)) else 256 for v in flat.values())
+
+
+def _prepare_directory(args, iteration: int, state: Mapping[str, Any]) -> Path:
+    """All ranks: the temporary directory of this save, after checking the free space (a collective).
+
+    Rank 0 creates ``--save``, checks the checkpoint's size (summed over ranks) against
+    the free space and marks the temporary directory as this job's (``checkpoint_paths``);
+    a problem is raised on every rank as one line, before anything is written.
+    """
+    rank, root = dist.get_rank(), Path(args.save)
+    needed = torch.tensor([_state_bytes(state)], dtype=torch.int64)
+    dist.all_reduce(needed)
+    needed_bytes = int(needed.item()) + (1 << 20)  # common.json, manifest, DCP metadata
+    plan: List[Any] = [None, None]
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            plan = [files.new_nonce(), paths.space_problem(root, iteration, needed_bytes, paths.free_bytes(root))]
+            if plan[1] is None:
+                paths.write_owner(files.temporary_dir(root, iteration, plan[0]))
+        except OSError as exc:
+            plan = [None, f"cannot save to --save {root}: {exc.strerror or exc}"]
+    dist.broadcast_object_list(plan, src=0)
+    if plan[1]:
+        raise CheckpointError(plan[1])
+    return files.temporary_dir(root, iteration, plan[0])
+
+
 def stage_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler):
     """Step 1 of a save (all ranks, a collective): this rank's pieces copied to host memory and DCP's plan.
 
-    Returns a ``save_steps.StagedSave``; ``save_steps.write_pieces`` and
-    ``save_steps.finish`` complete it (now, or in the background: ``async_save``).
+    Returns a ``save_steps.StagedSave``; ``write_step`` and ``save_steps.finish``
+    complete it (now, or in the background: ``async_save``).
     """
     from . import save_steps
 
-    files.check_fault_spec()
+    files.check_fault_spec(dist.get_world_size())
     rank = dist.get_rank()
-    root = Path(args.save)
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-    nonce = [files.new_nonce() if rank == 0 else None]
-    dist.broadcast_object_list(nonce, src=0)
-    tmp = files.temporary_dir(root, iteration, nonce[0])
     start = time.perf_counter()
     state, _ = _state_dict(model, optimizer, with_optimizer=True, with_rng=True, for_load=False)
     copied = time.perf_counter() - start
+    tmp = _prepare_directory(args, iteration, state)
     common = None if rank != 0 else {
         "format": FORMAT, "version": VERSION, "iteration": iteration,
         "consumed_train_samples": consumed_samples, "world_size": dist.get_world_size(),
@@ -159,7 +192,24 @@ def stage_checkpoint(args, iteration: int, consumed_samples: int, model, optimiz
         "parallel_layout": parallel_layout(args),
         "args": {k: _json_value(v) for k, v in sorted(vars(args).items())},
     }
-    return save_steps.stage(state, tmp, root, iteration, common, copied)
+    return save_steps.stage(state, tmp, Path(args.save), iteration, common, copied)
+
+
+def write_step(staged):
+    """Step 2 (this rank alone, any thread): the DCP write of this rank's files, checksummed while
+    written (``checkpoint_manifest``); running out of space becomes one line naming the directory,
+    the bytes needed and free. The one function a background writer calls."""
+    from . import save_steps
+
+    try:
+        return save_steps.write_pieces(staged)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - one line below, or re-raised
+        if not paths.is_out_of_space(exc, staged.root):
+            raise
+        raise CheckpointError(
+            f"saving iteration {staged.iteration} to {staged.root} ran out of space (ENOSPC): "
+            f"{paths.free_bytes(staged.root)} bytes are free; the partial save was removed, "
+            "earlier checkpoints are intact") from None
 
 
 def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler) -> Path:
@@ -169,13 +219,29 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimize
     start = time.perf_counter()
     staged = stage_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler)
     try:
-        results = save_steps.write_pieces(staged)
-    except Exception as exc:  # every rank learns of it in ``finish`` and raises the same error
+        results = write_step(staged)
+    except (Exception, CheckpointException) as exc:  # every rank learns of it in ``finish`` and raises it
         results = exc
     final = save_steps.finish(staged, results)
     print_rank_0(f" saved checkpoint at iteration {iteration:8d} to {final} in "
                  f"{time.perf_counter() - start:.2f} s")
     return final
+
+
+def verify_checkpoint(directory: Path) -> None:
+    """Check every file against the manifest (each rank a share; a collective); one line naming the damage."""
+    mine = manifest.verify(directory, dist.get_rank(), dist.get_world_size())
+    gathered: List[Optional[List[str]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    problems = sorted(p for per_rank in gathered for p in per_rank)
+    if not problems and not (Path(directory) / ".metadata").is_file():
+        problems = [f"{Path(directory) / '.metadata'} is missing"]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        good = manifest.previous_good(Path(directory).parent, Path(directory))
+        hint = (f"; load the previous good checkpoint with --ckpt-step {good}" if good is not None
+                else f"; no other complete checkpoint in {Path(directory).parent}")
+        raise CheckpointError(f"checkpoint {directory} is damaged: {problems[0]}{more}{hint}")
 
 
 # ------------------------------------------------------------------------ load
@@ -288,6 +354,7 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
     if directory is None:
         print_rank_0(f" no checkpoint in {args.load} (no {files.TRACKER}): starting from scratch")
         return 0, 0
+    verify_checkpoint(directory)
     common = files.read_common(directory)
     check_model_args(common, args, directory)
     with_optimizer = not (args.finetune or args.no_load_optim)

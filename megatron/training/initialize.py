@@ -34,7 +34,10 @@ def initialize(args):
         os.environ.setdefault("MASTER_PORT", "29511")
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-        dist.init_process_group("nccl" if cuda else "gloo")
+        import datetime
+
+        dist.init_process_group("nccl" if cuda else "gloo",
+                                timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
     from megatron.core import parallel_state as ps, tensor_parallel
 
     ps.initialize_model_parallel(
@@ -45,6 +48,7 @@ def initialize(args):
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
     seed = args.seed + 100 * ps.get_pipeline_model_parallel_rank()
     random.seed(seed)
@@ -66,8 +70,12 @@ def initialize(args):
 
 
 def shutdown() -> None:
+    """Wait for the engine's in-flight collectives and ring workers, then destroy the groups."""
     from megatron.core import parallel_state as ps
 
+    import megatron.fsdp
+
+    megatron.fsdp.shutdown()
     ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -25,13 +25,13 @@ later iteration boundary.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
@@ -41,6 +41,8 @@ from torch.distributed.checkpoint.utils import _DistWrapper
 from megatron.fsdp.dcp_pieces import on_host
 
 from . import checkpoint_files as files
+from . import checkpoint_manifest as manifest
+from . import checkpoint_paths as paths
 
 
 class CheckpointSavePlanner(DefaultSavePlanner):
@@ -59,7 +61,7 @@ class StagedSave:
     root: Path
     tmp: Path
     state: Dict[str, Any]
-    writer: FileSystemWriter
+    writer: manifest.ChecksummingWriter  # each file's size and CRC-32, taken while written
     planner: CheckpointSavePlanner
     plan: SavePlan
     metadata: Optional[Metadata]  # rank 0 only
@@ -86,7 +88,8 @@ def stage(state: Dict[str, Any], tmp: Path, root: Path, iteration: int,
     state = _host_copy(state, pin)
     if pin:
         torch.cuda.synchronize()  # the pinned copies are complete before a writer reads them
-    writer = FileSystemWriter(str(tmp), per_thread_copy_ahead=0)  # host tensors: no device streams in the writer
+    # host tensors: no device streams in the writer
+    writer = manifest.ChecksummingWriter(str(tmp), per_thread_copy_ahead=0)
     planner = CheckpointSavePlanner()
     dist_wrapper = _DistWrapper(None, True, 0)
     metadata_box: List[Optional[Metadata]] = [None]
@@ -128,6 +131,8 @@ def finish(staged: StagedSave, results: Any, barrier: bool = True, group=None) -
     failed = torch.tensor([0.0 if isinstance(results, list) else 1.0])
     dist.all_reduce(failed, group=group)
     if failed.item():
+        if rank == 0:  # a partial save leaves nothing behind (the tracker never named it)
+            shutil.rmtree(staged.tmp, ignore_errors=True)
         errors: List[Any] = [None] * world
         dist.all_gather_object(errors, None if isinstance(results, list) else f"{type(results).__name__}: {results}",
                                group=group)
@@ -136,13 +141,17 @@ def finish(staged: StagedSave, results: Any, barrier: bool = True, group=None) -
             f"the write of checkpoint iteration {staged.iteration} failed ({named}); nothing was published: "
             f"{staged.root}'s tracker still names iteration {files.read_tracker(staged.root)}")
     files.fault_point("after_write", staged.iteration, rank)
-    gathered: Optional[List[List[WriteResult]]] = [None] * world if rank == 0 else None
-    dist.gather_object(results, gathered, dst=0, group=group)
+    gathered: Optional[List[Any]] = [None] * world if rank == 0 else None
+    dist.gather_object((results, staged.writer.files), gathered, dst=0, group=group)
     final = staged.root / files.iteration_dir_name(staged.iteration)
     if rank == 0:
-        staged.writer.finish(metadata=staged.metadata, results=gathered)
+        staged.writer.finish(metadata=staged.metadata, results=[r for r, _ in gathered])
         files.write_common(staged.tmp, staged.common)
+        written = {k: v for _, per_rank in gathered for k, v in per_rank.items()}
+        written.update(staged.writer.files)  # rank 0's, now with the .metadata it just wrote
+        manifest.write_manifest(staged.tmp, written, extra=[files.COMMON])
         files.fsync_dir(staged.tmp)
+        (staged.tmp / paths.OWNER).unlink(missing_ok=True)
         final = files.publish(staged.tmp, staged.root, staged.iteration, rank)
     if barrier:
         dist.barrier(group=group)

@@ -16,6 +16,7 @@ from .initialize import initialize, shutdown
 from .logging_utils import (IntervalLog, end_of_run_line, format_fields, gather_per_rank, insert_field, memory_line,
                             memory_mib, persistent_line, print_rank_0, reset_peak_memory, summary)
 from .moe_logging import moe_aux_losses
+from .signal_handler import ExitSignalHandler
 from .throughput import throughput
 from .timers import IterationTimers
 from .writers import ScalarWriters
@@ -147,6 +148,7 @@ def _train(args, device, model, optimizer, scheduler, forward_backward, forward_
            consumed: int) -> int:
     """The iterations from ``start_iteration``; returns the last one (saves through ``saver``)."""
     saved_at = start_iteration
+    exit_signal = ExitSignalHandler() if args.exit_signal_handler else None
     for chunk in model:
         chunk.train()
     iteration = start_iteration
@@ -207,9 +209,18 @@ def _train(args, device, model, optimizer, scheduler, forward_backward, forward_
         if exiting:
             print_rank_0(f" exiting after iteration {iteration} (--exit-interval {args.exit_interval})")
             break
+        if exit_signal is not None and exit_signal.any_rank_received():
+            if saved_at < iteration:
+                saver.save(iteration, consumed, model, optimizer, scheduler)
+                saved_at = iteration
+            print_rank_0(f" exiting after iteration {iteration}: SIGTERM received (--exit-signal-handler), "
+                         "checkpoint saved")
+            break
     if args.save and iteration > saved_at:
         saver.save(iteration, consumed, model, optimizer, scheduler)
     saver.wait(iteration)  # the end of training (or --exit-interval) waits for the write in flight
+    if exit_signal is not None:
+        exit_signal.close()
     highest_peak = max([highest_peak] + [row[0] for row in gather_per_rank([memory_mib()["peak"]])])
     done = iteration - start_iteration
     history.update(max_peak_mib=highest_peak, iterations=done)

@@ -15,7 +15,7 @@ import torch
 
 from megatron.fsdp import Ledger
 from megatron.fsdp.comm import GLOO_REDUCE_SCATTER_ENV, CommAxis
-from megatron.fsdp.gloo_ring import RingWork
+from megatron.fsdp import gloo_ring
 
 CASES = "tests.engine.test_comm:"
 TIMEOUT = 120
@@ -276,10 +276,33 @@ def test_ring_error_reaches_the_waiter():
     def fail():
         raise RuntimeError("peer gone")
 
-    work = RingWork(fail)
+    class Group:  # any weak-referenceable key stands for a process group here
+        pass
+
+    group = Group()
+    work = gloo_ring.submit(group, fail)
     with pytest.raises(RuntimeError, match="peer gone"):
         work.wait()
     assert work.is_completed() and work.wait()  # raised once, then done
+
+
+def test_one_long_lived_worker_per_group_not_a_thread_per_call():
+    """Many rings on one group run on one thread (no new thread, so no new malloc arena, per call)."""
+    import threading
+
+    class Group:
+        pass
+
+    group, names = Group(), []
+    before = threading.active_count()
+    works = [gloo_ring.submit(group, lambda: names.append(threading.current_thread().name)) for _ in range(50)]
+    for work in works:
+        work.wait()
+    assert len(set(names)) == 1 and threading.active_count() <= before + 1
+    assert gloo_ring.shutdown_workers(timeout=10) and gloo_ring.live_workers() == 0
+    # a ring issued after shutdown gets a fresh worker, and shutdown finishes issued rings first
+    slow = gloo_ring.submit(group, lambda: time.sleep(0.2))
+    assert gloo_ring.shutdown_workers(timeout=10) and slow.is_completed()
 
 
 @pytest.mark.parametrize("size, overrides", [

@@ -1,6 +1,7 @@
 """Print what a checkpoint holds: iteration, arguments, and every key with its shape and dtype.
 
     python tools/checkpoint/inspect.py CKPT [--keys REGEX] [--json]
+    python tools/checkpoint/inspect.py CKPT --verify     # every file against manifest.json
 
 ``CKPT`` is a ``--save`` directory (its latest checkpoint, or ``--iteration N``)
 or one ``iter_XXXXXXX`` directory. Reads the DCP metadata and ``common.json``
@@ -29,7 +30,7 @@ def resolve(path: str, iteration: Optional[int] = None) -> Path:
     from megatron.training import checkpoint_files as files
 
     root = Path(path)
-    if (root / ".metadata").is_file():
+    if (root / ".metadata").is_file() or (root / "manifest.json").is_file():
         return root
     iteration = iteration if iteration is not None else files.read_tracker(root)
     if iteration is None:
@@ -86,6 +87,32 @@ def layout_lines(common: dict) -> list:
     return [f"  written at: {written}", f"  loads at: {loads}"]
 
 
+def verify(directory: Path) -> int:
+    """Offline check of one checkpoint; prints one line per problem (or one ``verified`` line); the exit code."""
+    import time
+
+    from megatron.training import checkpoint_manifest as manifest
+
+    listed = manifest.read_manifest(directory)
+    if listed is None:
+        print(f"{directory}: no {manifest.MANIFEST} (saved before manifests existed): nothing to verify against")
+        return 1
+    start = time.perf_counter()
+    problems = manifest.verify(directory)
+    if not (directory / ".metadata").is_file() and not any(".metadata" in p for p in problems):
+        problems.append(f"{directory / '.metadata'} is missing")
+    for problem in problems:
+        print(f"damaged: {problem}")
+    if problems:
+        good = manifest.previous_good(directory.parent, directory)
+        if good is not None:
+            print(f"previous good checkpoint: iteration {good} (--ckpt-step {good})")
+        return 1
+    total = sum(e["size"] for e in listed.values())
+    print(f"{directory}: verified {len(listed)} files, {total} bytes in {time.perf_counter() - start:.2f} s")
+    return 0
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("checkpoint")
@@ -93,7 +120,11 @@ def main(argv=None) -> None:
                    help="read iter_N of the save directory instead of the latest (the tracker's)")
     p.add_argument("--keys", default=None, help="only keys matching this regular expression")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--verify", action="store_true",
+                   help="check every file's size and CRC-32 against the checkpoint's manifest.json; exit 1 if damaged")
     args = p.parse_args(argv)
+    if args.verify:
+        raise SystemExit(verify(resolve(args.checkpoint, args.iteration)))
     info = describe(resolve(args.checkpoint, args.iteration))
     if args.keys:
         info["keys"] = {k: v for k, v in info["keys"].items() if re.search(args.keys, k)}

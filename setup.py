@@ -1,0 +1,5 @@
+"""Thin shim: everything lives in pyproject.toml; this only lets tools that expect setup.py work."""
+
+from setuptools import setup
+
+setup()
