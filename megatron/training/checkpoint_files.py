@@ -40,6 +40,7 @@ COMMON = "common.json"
 FAULT_ENV = "MEGATRON_FSDP_CKPT_FAULT"
 # ``in_background_write``: in --async-save's writer thread, this rank's files written, training running.
 FAULT_POINTS = ("after_write", "before_rename", "after_rename_before_tracker", "after_tracker", "in_background_write")
+EVERY_RANK_POINTS = ("after_write", "in_background_write")  # the others are rank 0's publish steps
 
 
 class CheckpointError(ValueError):
@@ -63,7 +64,7 @@ def check_fault_spec(world_size: Optional[int] = None) -> None:
             raise ValueError(f"{form}: {label} must be a non-negative integer, got {value!r}")
     if world_size is not None and len(parts) > 1 and parts[1] and int(parts[1]) >= world_size:
         raise ValueError(f"{form}: rank {parts[1]} does not exist in a job of {world_size} ranks")
-    if parts[0] != "after_write" and len(parts) > 1 and parts[1] and int(parts[1]) != 0:
+    if parts[0] not in EVERY_RANK_POINTS and len(parts) > 1 and parts[1] and int(parts[1]) != 0:
         raise ValueError(f"{form}: only rank 0 reaches {parts[0]} (it publishes the checkpoint); use rank 0")
 
 
