@@ -36,7 +36,7 @@ def build(config, topology, strategy: str, outer: Optional[str] = None, instance
     return model, optimizer
 
 
-def fsdp_run(ctx, topology: gpt.Topology, strategy: str, steps: int = 5, micro_batches: int = 4,
+def fsdp_run(ctx, topology: gpt.Topology, strategy: str, steps: int = gpt.STEPS, micro_batches: int = gpt.MICRO_BATCHES,
              trace: bool = False, outer: Optional[str] = None, use_pg_collection: bool = False,
              **ddp_overrides) -> dict:
     """``ddp_overrides``: further FullyShardedDataParallelConfig fields (e.g. the expert levels)."""

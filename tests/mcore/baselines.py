@@ -10,15 +10,13 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from tests.mcore.gpt import Topology
-
-STEPS, MICRO_BATCHES = 5, 4  # gpt.megatron_ddp_run's defaults: every parity test trains this long
+from tests.mcore.gpt import MICRO_BATCHES, STEPS, Topology
 
 _runs: Dict[tuple, List[dict]] = {}
 
 
 def megatron_ddp(pool, topology: Topology, use_distributed_optimizer: bool = False, **overrides) -> List[dict]:
-    """Per-rank results of ``gpt.megatron_ddp_run`` for ``topology`` (5 steps, 4 micro-batches)."""
+    """Per-rank results of ``gpt.megatron_ddp_run`` for ``topology`` (``gpt.STEPS`` steps of ``gpt.MICRO_BATCHES`` micro-batches)."""
     key = (topology, use_distributed_optimizer, tuple(sorted(overrides.items())))
     if key not in _runs:
         _runs[key] = pool.run("tests.mcore.gpt:megatron_ddp_run", timeout=300, topology=topology, steps=STEPS,

@@ -14,7 +14,7 @@ An adapter test swaps only the wrapper and the optimizer and reuses the rest::
         config = tiny_gpt_config(topology)
         chunks = build_model_chunks(config, topology)
         model = [MyDataParallel(config, ddp_config, c) for c in chunks]
-        return train(model, my_optimizer, config, topology, steps=5, micro_batches=4)
+        return train(model, my_optimizer, config, topology, STEPS, MICRO_BATCHES)
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ ROWS_PER_DP_RANK = 4  # micro_batch_size: every DP rank gets the same number of 
 LR = 2e-3
 WEIGHT_DECAY = 0.1
 CLIP_GRAD = 1.0
+# Every parity run trains this long: three steps show the first update and one built on it,
+# two micro-batches show gradient accumulation (a doubled or missed micro-batch changes the
+# first grad norm). Longer runs found nothing more and cost the suite minutes (docs/testing.md).
+STEPS, MICRO_BATCHES = 3, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,7 +371,7 @@ def make_scheduler(optimizer, steps: int = 1000):
         wd_incr_steps=steps, wd_incr_style="constant")
 
 
-def megatron_ddp_run(ctx, topology: Topology, steps: int = 5, micro_batches: int = 4,
+def megatron_ddp_run(ctx, topology: Topology, steps: int = STEPS, micro_batches: int = MICRO_BATCHES,
                      use_distributed_optimizer: bool = False, **ddp_overrides) -> dict:
     """Megatron-Core's own DistributedDataParallel + ``get_megatron_optimizer`` on the tiny GPT.
 

@@ -1,7 +1,7 @@
 """Adapter parity: Megatron-Core's GPTModel through megatron.fsdp.mcore vs Megatron-Core's own DDP.
 
-Same seed, data, optimizer settings and schedule (``get_forward_backward_func``, 4
-micro-batches, 5 iterations); only the data-parallel wrapper, the optimizer and the
+Same seed, data, optimizer settings and schedule (``get_forward_backward_func``,
+``gpt.MICRO_BATCHES`` micro-batches, ``gpt.STEPS`` iterations); only the data-parallel wrapper, the optimizer and the
 schedule hooks differ. Losses and grad norms must agree within 1e-5 relative.
 """
 
@@ -9,7 +9,7 @@ import pytest
 
 from tests.harness.matrix import covering
 from tests.mcore.baselines import megatron_ddp
-from tests.mcore.gpt import TOPOLOGIES, Topology
+from tests.mcore.gpt import STEPS, TOPOLOGIES, Topology
 
 RTOL = 1e-5
 LEVELS = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -38,7 +38,7 @@ def test_parity_with_megatron_ddp(mcore_pool, name, strategy):
     result = results[0]
     for key in ("losses", "grad_norms"):
         errs = [_rel(a, b) for a, b in zip(result[key], baseline[key])]
-        assert len(errs) == 5 and max(errs) <= RTOL, f"{key}: {result[key]} vs Megatron DDP {baseline[key]}"
+        assert len(errs) == STEPS and max(errs) <= RTOL, f"{key}: {result[key]} vs Megatron DDP {baseline[key]}"
 
 
 def test_zero3_schedule_inside_megatron_schedule(mcore_pool):
