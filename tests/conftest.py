@@ -8,10 +8,14 @@ pool whose size is exactly ``tp * pp * cp * dp``, and four covers every 2 x 2 to
 resharded to 1, 2 and 3 ranks, ``pretrain_gpt`` on 2). ``moe_pool``: four ranks of
 their own for the MoE cases of every module (Megatron-Core's MoE layers create
 process groups of their own; keeping them out of ``mcore_pool`` keeps its workers
-lean). ``pool`` closes after the last test that uses it, ``moe_pool`` after the last test
-of each module that uses it: the groups Megatron-Core's MoE layers keep alive hold
-hundreds of gloo threads per worker, which burn CPU even while the pool idles through
-other modules (measured: 4 idle MoE workers took 1.3 of the 2 cores). A pool is
+lean). ``pool`` closes after the last test that uses it. The MoE cases of every module run
+together, as one block at the end of the session (the collection hook below moves them
+there, keeping their order), on one ``moe_pool`` started for the block; every other pool
+is closed when the block starts. The groups Megatron-Core's MoE layers keep alive hold
+hundreds of gloo threads per worker, which burn CPU while a pool idles (measured: 4 idle
+MoE workers took 1.3 of the 2 cores), so the MoE pool must never idle through other
+modules, and starting it once instead of once per module saves its start-up (~20 s on a
+quiet machine) for every module but one. A pool is
 started on first use, shared by every module that asks for the same one, and
 restarted only after a case killed it (a hang or a crash). See docs/testing.md for
 the time budget.
@@ -39,18 +43,20 @@ def _pool_of(size: int, purpose: str = "") -> WorkerPool:
 # The pools that only fixtures hand out close after the last collected test that asks for them:
 # their processes (up to ~0.5 GiB each) are not kept through the rest of the session.
 _CLOSE_AFTER_LAST_USE = {"pool": (6, ""), "moe_pool": (4, "moe")}
-_PER_MODULE = {"moe_pool"}  # closed after the last user of every module, not of the session
-_last_users = {}  # fixture name -> ids of the tests after which its pool closes
+_last_users = {}  # fixture name -> id of the test after which its pool closes
+
+
+def _uses(item, fixture: str) -> bool:
+    return fixture in getattr(item, "fixturenames", ())
 
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection
 def pytest_collection_modifyitems(session, config, items):
+    # Stable: every other test keeps its place, the MoE cases keep their order among themselves.
+    items[:] = [i for i in items if not _uses(i, "moe_pool")] + [i for i in items if _uses(i, "moe_pool")]
     for name in _CLOSE_AFTER_LAST_USE:
-        last = {}
-        for item in items:
-            if name in getattr(item, "fixturenames", ()):
-                last[item.module.__name__ if name in _PER_MODULE else ""] = item
-        _last_users[name] = {id(item) for item in last.values()}
+        users = [item for item in items if _uses(item, name)]
+        _last_users[name] = {id(users[-1])} if users else set()
 
 
 def _pool_until_last_use(request, name: str):
@@ -74,6 +80,8 @@ def mcore_pool():
 
 @pytest.fixture
 def moe_pool(request):
+    for key in [k for k in _pools if k != _CLOSE_AFTER_LAST_USE["moe_pool"]]:
+        _pools.pop(key).close()  # the MoE block ends the session: nothing else needs them (idle, they cost CPU)
     yield from _pool_until_last_use(request, "moe_pool")
 
 

@@ -129,7 +129,8 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", 
 @pytest.mark.parametrize("dispatcher, ep, expert_level", [("alltoall", 2, "optim"), ("allgather", 4, None)])
 def test_pretrain_gpt_moe_4_ranks_matches_megatron_ddp(moe_pool, dispatcher, ep, expert_level):
     """pretrain_gpt.py --num-experts 4 on 4 CPU ranks: dense ZeRO-3, experts at their own level."""
-    moe = MOE + ["--moe-token-dispatcher-type", dispatcher, "--expert-model-parallel-size", str(ep)]
+    moe = MOE + ["--moe-token-dispatcher-type", dispatcher, "--expert-model-parallel-size", str(ep),
+                 "--train-iters", "4", "--eval-interval", "2"]  # the suite's budget: 4 iterations show the updates
     levels = _fsdp("optim_grads_params") + (
         ["--expert-data-parallel-sharding-strategy", expert_level] if expert_level else [])
     base = moe_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300, argv=MODEL + moe)[0]
