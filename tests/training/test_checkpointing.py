@@ -9,7 +9,6 @@ killed start processes of their own (torchrun).
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import tarfile
@@ -249,16 +248,12 @@ def test_virtual_pipeline_checkpoint_loads_without_pipeline(tmp_path):
 
 
 # ----------------------------------------------------------------------- faults
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun(nproc, argv, env):
+def _launch(nproc, argv, env):
+    """pretrain_gpt.py on ``nproc`` fresh processes that can be killed (``fork_launch.py``: torchrun's
+    environment and failure handling, the imports done once)."""
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", **env)
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                           "--master_port", str(_free_port()), os.path.join(ROOT, "pretrain_gpt.py")] + argv,
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tests", "training", "fork_launch.py"),
+                           "--nproc", str(nproc), "--"] + argv,
                           capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
 
 
@@ -270,7 +265,7 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path, point, rank, mode
     runs, or when publishing): the tracker still names 2, which resumes exactly."""
     argv = MODEL + B8 + _fsdp("optim_grads_params") + ["--train-iters", "4", "--eval-interval", "2",
                                                        "--save", str(tmp_path), "--save-interval", "2"] + mode
-    out = _torchrun(2, argv, {files.FAULT_ENV: f"{point}:{rank}:4"})
+    out = _launch(2, argv, {files.FAULT_ENV: f"{point}:{rank}:4"})
     assert out.returncode != 0 and f"killing this process at {point}" in out.stdout, out.stdout[-2000:]
     logged = [(float(loss), float(norm)) for _, loss, norm in LINE.findall(out.stdout)]
     assert len(logged) == 4
