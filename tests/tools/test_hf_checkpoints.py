@@ -95,9 +95,9 @@ def _hf_llama(vocab=257, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False, rms_norm_eps=1e-5, **overrides)
+    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, rms_norm_eps=1e-5)
+    config = LlamaConfig(vocab_size=vocab, **{**shape, **overrides})
     return LlamaForCausalLM(config).eval()
 
 
@@ -127,8 +127,11 @@ def test_errors_name_the_problem(tmp_path):
     with pytest.raises(hf_convert.ConversionError, match="rope scaling 'linear' is not converted"):
         hf_convert.from_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
-    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
         hf_convert.from_hf(str(tmp_path), str(tmp_path / "ckpt"))
+    _hf_llama().config.save_pretrained(tmp_path / "empty")  # a config, no weights
+    with pytest.raises(FileNotFoundError, match="no model.safetensors or model.safetensors.index.json"):
+        hf_convert.from_hf(str(tmp_path / "empty"), str(tmp_path / "ckpt"))
 
 
 def _convert_in_a_fresh_process(*argv):

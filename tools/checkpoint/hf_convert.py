@@ -138,6 +138,9 @@ def from_hf(hf_dir: str, save_dir: str) -> Tuple[ConversionReport, Arch]:
 
     rss_before = hf_io.current_rss_bytes()
     source = Path(hf_dir)
+    if not (source / "config.json").is_file():
+        raise FileNotFoundError(f"{source}: no config.json (a HuggingFace model directory, as save_pretrained "
+                                "writes it, holds config.json and model.safetensors or shards with an index)")
     config = json.loads((source / "config.json").read_text())
     model_type, arch = arch_from_hf(config)
     reader = hf_io.SafetensorsReader(source)

@@ -100,20 +100,37 @@ def write_dcp_lazily(directory: Path, shapes: Mapping[str, Tuple[Tuple[int, ...]
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+    written: List[torch.Tensor] = []
+
+    def release() -> None:
+        # DCP's writer keeps every tensor of a file in a dict until the file is done (it needs them
+        # for its safetensors format only); the previous tensor is written once the next is asked
+        # for (serial loader), so its storage is released here and the dict keeps empty shells.
+        while written:
+            written.pop().untyped_storage().resize_(0)
+
     class LazyPlanner(DefaultSavePlanner):
         def resolve_data(self, write_item):
-            tensor = produce(write_item.index.fqn)
+            release()
+            tensor = produce(write_item.index.fqn).contiguous()
             want = shapes[write_item.index.fqn]
             if tuple(tensor.shape) != tuple(want[0]) or tensor.dtype != want[1]:
                 raise RuntimeError(f"{write_item.index.fqn}: produced {tuple(tensor.shape)} {tensor.dtype}, "
                                    f"planned {want}")
-            return tensor.contiguous()
+            storage = tensor.untyped_storage()
+            if storage.nbytes() != tensor.nbytes or not storage.resizable():
+                # its own storage, one release() can free (a view's would be copied by DCP, out of
+                # reach; one numpy has seen, e.g. read with readinto, cannot be resized)
+                tensor = tensor.clone()
+            written.append(tensor)
+            return tensor
 
     state = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (shape, dtype) in shapes.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(directory), thread_count=1),
                  planner=LazyPlanner(), no_dist=True)
+    release()
 
 
 # ------------------------------------------------------------ safetensors, reading
