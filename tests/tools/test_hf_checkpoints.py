@@ -34,7 +34,7 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--group-query-attention",
          "--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
          "--rotary-base", "500000"]
-MIXTRAL = LLAMA[:-3] + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48"]
+MIXTRAL = LLAMA[:-2] + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48"]
 ZERO3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
 MODELS = {  # name -> (pool, model flags, the sharded layout it is trained and saved at, model type)
     "gpt2": ("mcore", [], ["--tensor-model-parallel-size", "2"], "gpt2"),
@@ -118,6 +118,29 @@ def test_finetune_from_a_huggingface_model_has_its_loss(mcore_pool, tmp_path):
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), got["labels"].reshape(-1))
     assert abs(got["losses"][0] - loss.item()) <= 1e-5 * loss.item(), (got["losses"], loss.item())
     assert got["losses"][1] != got["losses"][0]
+
+
+def test_models_saved_by_transformers_round_trip(tmp_path):
+    """GPT-2, Qwen2 and Mixtral made and saved by transformers itself (its own tensor layout: fused
+    Mixtral experts in transformers 5) -> from-hf -> to-hf: they load again and give the same logits."""
+    from transformers import AutoModelForCausalLM, GPT2Config, MixtralConfig, Qwen2Config
+
+    small = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=100, max_position_embeddings=32)
+    configs = {"gpt2": GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=100, n_positions=32,
+                                  activation_function="gelu"),
+               "qwen2": Qwen2Config(**small), "mixtral": MixtralConfig(**small, num_local_experts=3)}
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(2))
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        model.save_pretrained(tmp_path / name)
+        hf_convert.from_hf(str(tmp_path / name), str(tmp_path / f"{name}-ckpt"))
+        hf_convert.to_hf(str(tmp_path / f"{name}-ckpt"), str(tmp_path / f"{name}-out"))
+        again, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / f"{name}-out"), output_loading_info=True)
+        assert all(not info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (name, info)
+        with torch.no_grad():
+            assert torch.equal(model(tokens).logits, again.eval()(tokens).logits), name
 
 
 def test_errors_name_the_problem(tmp_path):

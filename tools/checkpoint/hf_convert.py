@@ -159,10 +159,10 @@ def from_hf(hf_dir: str, save_dir: str) -> Tuple[ConversionReport, Arch]:
     owner: Dict[str, Rule] = {}
     shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
     for rule in rules:
-        if not rule.megatron:  # a check only (q/k/v biases HF has and this Megatron model has not)
-            _apply(rule, {k: reader.read(k) for k in rule.hf}, to_hf=False)
-            continue
         meta = {k: torch.empty(reader.shape(k), dtype=torch.float32, device="meta") for k in rule.hf}
+        if not rule.from_hf(*meta.values()):  # a check only (q/k/v biases HF has and this Megatron model has not)
+            rule.from_hf(*(reader.read(k) for k in rule.hf))
+            continue
         for name, t in _apply(rule, meta, to_hf=False):
             owner["model." + name] = rule
             shapes["model." + name] = (tuple(t.shape), torch.float32)

@@ -347,6 +347,8 @@ def check_exportable(model_type: str, a: Arch) -> None:
                 problems.append(f"{model_type} needs {what}")
         if model_type == "mixtral" and (not a.num_experts or not all(a.moe_layers)):
             problems.append("mixtral needs --num-experts with every layer an MoE layer (--moe-layer-freq 1)")
+        if model_type == "mixtral" and a.bias:
+            problems.append("mixtral has no biases: it needs --disable-bias-linear")
         if model_type != "mixtral" and a.num_experts:
             problems.append(f"{model_type} is dense: use --model-type mixtral for --num-experts")
         if model_type == "qwen2" and a.bias:
