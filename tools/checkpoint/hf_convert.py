@@ -82,6 +82,7 @@ def to_hf(checkpoint: str, out: str, model_type: Optional[str] = None, iteration
     from megatron.training.checkpointing import tp_global
     from tools.checkpoint.inspect import resolve
 
+    hf_io.return_large_buffers_to_the_os()
     rss_before = hf_io.current_rss_bytes()
     directory = resolve(checkpoint, iteration)
     common = files.read_common(directory)
@@ -136,6 +137,7 @@ def from_hf(hf_dir: str, save_dir: str) -> Tuple[ConversionReport, Arch]:
     from megatron.training import checkpoint_files as files
     from megatron.training.checkpointing import FORMAT, VERSION
 
+    hf_io.return_large_buffers_to_the_os()
     rss_before = hf_io.current_rss_bytes()
     source = Path(hf_dir)
     if not (source / "config.json").is_file():

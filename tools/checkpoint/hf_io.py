@@ -35,6 +35,23 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
+def return_large_buffers_to_the_os() -> None:
+    """Have glibc serve buffers of 1 MiB and more with their own mappings, unmapped when freed.
+
+    Why: glibc raises its mmap threshold each time a mapped buffer is freed (up to 32 MiB),
+    after which same-sized tensors come from the heap, whose freed pages it keeps: measured,
+    from-hf's peak grew by +129 MiB instead of +48 MiB on a 160 MiB model. A fixed threshold
+    (``mallopt(M_MMAP_THRESHOLD)``, as ``MALLOC_MMAP_THRESHOLD_`` would set) stops that. No-op
+    where glibc is not the allocator.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident memory so far (``VmHWM``; ``ru_maxrss`` where /proc is missing)."""
     try:
