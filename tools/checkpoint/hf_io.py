@@ -52,11 +52,11 @@ def return_large_buffers_to_the_os() -> None:
         pass
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory so far (``VmHWM``; ``ru_maxrss`` where /proc is missing)."""
+def _status_bytes(field: str) -> int:
+    """A memory line of /proc/self/status in bytes (``ru_maxrss``, the peak, where /proc is missing)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -65,14 +65,13 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (``VmHWM``)."""
+    return _status_bytes("VmHWM")
+
+
 def current_rss_bytes() -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return peak_rss_bytes()
+    return _status_bytes("VmRSS")
 
 
 # ------------------------------------------------------------------ DCP, reading
