@@ -1,4 +1,4 @@
-"""Convert a checkpoint to one torch file of full tensors, and back.
+"""Convert a checkpoint to one torch file of full tensors, or to a HuggingFace model, and back.
 
     python tools/checkpoint/convert.py to-torch CKPT OUT.pt [--model-only]
     python tools/checkpoint/convert.py from-torch IN.pt SAVE_DIR
