@@ -23,7 +23,6 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import _pool_of
 from tools.checkpoint import convert, hf_convert
 from tools.checkpoint.hf_io import SafetensorsReader
 
