@@ -1,7 +1,9 @@
-"""Convert a checkpoint to one torch file of full tensors, and back.
+"""Convert a checkpoint to one torch file of full tensors, or to a HuggingFace model, and back.
 
     python tools/checkpoint/convert.py to-torch CKPT OUT.pt [--model-only]
     python tools/checkpoint/convert.py from-torch IN.pt SAVE_DIR
+    python tools/checkpoint/convert.py to-hf CKPT HF_DIR [--model-type gpt2|llama|qwen2|mixtral]
+    python tools/checkpoint/convert.py from-hf HF_DIR SAVE_DIR
 
 ``to-torch`` reads a ``--save`` directory's latest checkpoint (or an
 ``iter_XXXXXXX`` directory) into full, unsharded tensors, in one process without
@@ -13,6 +15,8 @@ checkpoint written at any TP, PP, EP or DP layout.
 ``from-torch`` writes such a file (not ``--model-only``) back as a checkpoint
 ``SAVE_DIR/iter_XXXXXXX`` with the same atomic protocol as training, so
 ``pretrain_gpt.py --load SAVE_DIR`` resumes from it at any DP size or level.
+``to-hf`` / ``from-hf``: HuggingFace safetensors directories, streamed one layer
+at a time (``hf_convert.py``; docs/checkpoints.md, "HuggingFace").
 """
 
 import argparse
@@ -109,9 +113,12 @@ def main(argv=None) -> None:
     b = sub.add_parser("from-torch", help="torch file (from to-torch) -> checkpoint in SAVE_DIR")
     b.add_argument("torch_file")
     b.add_argument("save_dir")
+    _add_hf_commands(sub)
     args = p.parse_args(argv)
     start = time.perf_counter()
-    if args.command == "to-torch":
+    if args.command in ("to-hf", "from-hf"):
+        _run_hf_command(args, start)
+    elif args.command == "to-torch":
         print(f"> reading {args.checkpoint} (full tensors, one process) ...", flush=True)
         directory = to_torch(args.checkpoint, args.out, args.model_only, args.iteration)
         print(f"wrote {args.out} from {directory}{_rate(Path(args.out), start)}")
@@ -119,6 +126,48 @@ def main(argv=None) -> None:
         print(f"> writing {args.torch_file} as a checkpoint under {args.save_dir} ...", flush=True)
         written = from_torch(args.torch_file, args.save_dir)
         print(f"wrote {written}{_rate(written, start)}")
+
+
+def _add_hf_commands(sub) -> None:
+    from tools.checkpoint.hf_layouts import MODEL_TYPES
+
+    a = sub.add_parser("to-hf", help="checkpoint -> HuggingFace directory (safetensors shards, index, config.json)")
+    a.add_argument("checkpoint")
+    a.add_argument("out")
+    a.add_argument("--model-type", choices=MODEL_TYPES, default=None,
+                   help="default: the one it came from (from-hf), else mixtral with experts, llama with SwiGLU, "
+                        "gpt2 otherwise")
+    a.add_argument("--iteration", type=int, default=None)
+    a.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="tensor dtype written (default: the HuggingFace source's, else float32)")
+    a.add_argument("--max-shard-size", type=float, default=5.0, help="GiB per safetensors shard (default 5)")
+    b = sub.add_parser("from-hf", help="HuggingFace directory -> checkpoint SAVE_DIR/iter_0000000 (weights only)")
+    b.add_argument("hf_dir")
+    b.add_argument("save_dir")
+
+
+def _run_hf_command(args, start: float) -> None:
+    from tools.checkpoint.hf_convert import from_hf, to_hf
+    from tools.checkpoint.hf_layouts import ConversionError
+
+    try:
+        if args.command == "to-hf":
+            print(f"> writing {args.checkpoint} as a HuggingFace model in {args.out} (streamed, one layer at a "
+                  "time) ...", flush=True)
+            report = to_hf(args.checkpoint, args.out, args.model_type, args.iteration, args.dtype,
+                           int(args.max_shard_size * 2 ** 30))
+            print(f"wrote {report.written}{_rate(report.written, start)}")
+        else:
+            print(f"> writing {args.hf_dir} as a checkpoint under {args.save_dir} (streamed, one tensor at a "
+                  "time) ...", flush=True)
+            report, arch = from_hf(args.hf_dir, args.save_dir)
+            print(f"wrote {report.written}{_rate(report.written, start)}")
+            print("train from it with: pretrain_gpt.py --load " + args.save_dir + " --finetune "
+                  + " ".join(arch.megatron_flags()) + " --make-vocab-size-divisible-by 1 (and a tokenizer of "
+                  f"{arch.vocab_size} ids)")
+    except (ConversionError, FileNotFoundError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    print(report.line())
 
 
 def _rate(path: Path, start: float) -> str:

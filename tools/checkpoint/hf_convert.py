@@ -1,0 +1,200 @@
+"""``convert.py to-hf`` and ``from-hf``: fsdp_dtensor checkpoints <-> HuggingFace safetensors, streamed.
+
+``to_hf`` reads a checkpoint one layer at a time (``DcpTensors``), maps each layer's
+Megatron tensors to HuggingFace's (``hf_layouts``) and appends them to the open
+safetensors shard, whose header was written from a plan made on meta tensors.
+``from_hf`` plans the DCP save on meta tensors and produces each Megatron tensor
+from its HuggingFace sources only when DCP's writer asks for it. Neither ever
+holds more than one layer's tensors, whatever the model's size; both report the
+process's peak resident memory.
+
+A checkpoint written by ``from_hf`` is iteration 0 with the model weights only:
+``pretrain_gpt.py --load DIR --finetune`` (with the flags ``from_hf`` prints)
+starts training from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from tools.checkpoint import hf_io
+from tools.checkpoint.hf_layouts import (Arch, ConversionError, Rule, arch_from_hf, check_exportable, hf_config,
+                                         rules_for)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+# HuggingFace tensors that are not weights (old GPT-2 files keep their attention masks).
+_NOT_WEIGHTS = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|\.rotary_emb\.inv_freq)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConversionReport:
+    """What a conversion wrote and the memory it took (bytes)."""
+
+    written: Path
+    model_bytes: int  # the converted tensors' size, as written
+    rss_before: int  # resident memory before the first tensor was read (interpreter, torch, ...)
+    peak_rss: int  # VmHWM at the end
+
+    def line(self) -> str:
+        mib = 2 ** 20
+        return (f"peak resident memory {self.peak_rss / mib:.1f} MiB ({self.rss_before / mib:.1f} MiB before "
+                f"converting, +{(self.peak_rss - self.rss_before) / mib:.1f} MiB); model "
+                f"{self.model_bytes / mib:.1f} MiB")
+
+
+def _group(rules: List[Rule]) -> List[List[Rule]]:
+    """Rules by layer, in order (embeddings first, then each layer, then the final norm and output)."""
+    groups: Dict[Any, List[Rule]] = {}
+    for rule in rules:
+        m = _LAYER.match(rule.megatron[0])
+        groups.setdefault(int(m.group(1)) if m else ("post" if any(type(k) is int for k in groups) else "pre"),
+                          []).append(rule)
+    return list(groups.values())
+
+
+def _apply(rule: Rule, tensors: Dict[str, torch.Tensor], to_hf: bool) -> List[Tuple[str, torch.Tensor]]:
+    src, dst, fn = (rule.megatron, rule.hf, rule.to_hf) if to_hf else (rule.hf, rule.megatron, rule.from_hf)
+    out = fn(*(tensors[k] for k in src))
+    if len(out) != len(dst):
+        raise RuntimeError(f"rule {src} -> {dst} gave {len(out)} tensors")
+    return list(zip(dst, out))
+
+
+# ------------------------------------------------------------------------ to HF
+def _default_model_type(common: Dict[str, Any], arch: Arch) -> str:
+    saved = common.get("hf", {}).get("model_type")
+    if saved:
+        return saved
+    return "mixtral" if arch.num_experts else "llama" if arch.swiglu else "gpt2"
+
+
+def to_hf(checkpoint: str, out: str, model_type: Optional[str] = None, iteration: Optional[int] = None,
+          dtype: Optional[str] = None, max_shard_bytes: int = 5 * 2 ** 30) -> ConversionReport:
+    """Write ``checkpoint``'s model as a HuggingFace directory ``out`` (config.json, shards, index)."""
+    from megatron.training import checkpoint_files as files
+    from megatron.training.checkpointing import tp_global
+    from tools.checkpoint.inspect import resolve
+
+    hf_io.return_large_buffers_to_the_os()
+    rss_before = hf_io.current_rss_bytes()
+    directory = resolve(checkpoint, iteration)
+    common = files.read_common(directory)
+    if not tp_global(common):
+        raise ConversionError("this checkpoint has layout version 1 (keys per tensor-parallel rank): load it with "
+                              "pretrain_gpt.py at the TP size it was saved with and save it again, then convert that")
+    arch = Arch.from_args(common["args"])
+    model_type = model_type or _default_model_type(common, arch)
+    saved_hf = common.get("hf", {})
+    torch_dtype = DTYPES[dtype or saved_hf.get("dtype", "float32")]
+    check_exportable(model_type, arch)
+    reader = hf_io.DcpTensors(directory)
+    stored = {k[len("model."):]: v for k, v in reader.meta.items() if k.startswith("model.")}
+    qkv_bias = "model" if "decoder.layers.0.self_attention.linear_qkv.bias" in stored else "zero"
+    rules = rules_for(model_type, arch, qkv_bias=qkv_bias)
+    needed = {k for r in rules for k in r.megatron}
+    unknown, missing = sorted(set(stored) - needed), sorted(needed - set(stored))
+    if unknown or missing:
+        raise ConversionError(f"{directory} does not hold a {model_type} model: "
+                              + (f"tensors without a HuggingFace place: {unknown[:6]}; " if unknown else "")
+                              + (f"tensors the mapping needs but the checkpoint lacks: {missing[:6]}" if missing else ""))
+    groups = _group(rules)
+
+    def run(group, tensors):
+        for rule in group:
+            for name, t in _apply(rule, tensors, to_hf=True):
+                yield name, t.to(torch_dtype)
+
+    entries = []
+    for group in groups:  # the plan, on meta tensors
+        meta = {k: torch.empty(stored[k][0], dtype=stored[k][1], device="meta") for r in group for k in r.megatron}
+        entries += [(name, tuple(t.shape), t.dtype) for name, t in run(group, meta)]
+
+    def tensors() -> Iterator[Tuple[str, torch.Tensor]]:
+        for group in groups:
+            loaded = reader.read(["model." + k for k in dict.fromkeys(k for r in group for k in r.megatron)])
+            yield from run(group, {k[len("model."):]: v for k, v in loaded.items()})
+            del loaded
+
+    root = Path(out)
+    written = hf_io.write_safetensors_shards(root, entries, tensors(), max_shard_bytes)
+    config = saved_hf.get("config") if saved_hf.get("model_type") == model_type else None
+    config = dict(config or hf_config(model_type, arch, torch_dtype))
+    (root / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    model_bytes = sum(p.stat().st_size for p in written if p.suffix == ".safetensors")
+    return ConversionReport(root, model_bytes, rss_before, hf_io.peak_rss_bytes())
+
+
+# ---------------------------------------------------------------------- from HF
+def from_hf(hf_dir: str, save_dir: str) -> Tuple[ConversionReport, Arch]:
+    """Write HuggingFace model ``hf_dir`` as the fsdp_dtensor checkpoint ``save_dir/iter_0000000``."""
+    from megatron.training import checkpoint_files as files
+    from megatron.training.checkpointing import FORMAT, VERSION
+
+    hf_io.return_large_buffers_to_the_os()
+    rss_before = hf_io.current_rss_bytes()
+    source = Path(hf_dir)
+    if not (source / "config.json").is_file():
+        raise FileNotFoundError(f"{source}: no config.json (a HuggingFace model directory, as save_pretrained "
+                                "writes it, holds config.json and model.safetensors or shards with an index)")
+    config = json.loads((source / "config.json").read_text())
+    model_type, arch = arch_from_hf(config)
+    reader = hf_io.SafetensorsReader(source)
+    fused = any(k.endswith(".mlp.experts.gate_up_proj") for k in reader.entries)
+    rules = rules_for(model_type, arch, qkv_bias="zero", fused_experts=fused)
+    needed = {k for r in rules for k in r.hf}
+    present = {k for k in reader.entries if not _NOT_WEIGHTS.search(k)}
+    if arch.tied:
+        present.discard("lm_head.weight")  # some files keep the tied copy
+    unknown, missing = sorted(present - needed), sorted(needed - present)
+    if unknown or missing:
+        raise ConversionError(f"{source} is not the {model_type} model its config.json describes: "
+                              + (f"tensors without a Megatron place: {unknown[:6]}; " if unknown else "")
+                              + (f"missing tensors: {missing[:6]}" if missing else ""))
+    source_dtypes = {reader.dtype(k) for k in needed}
+    owner: Dict[str, Rule] = {}
+    shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
+    for rule in rules:
+        meta = {k: torch.empty(reader.shape(k), dtype=torch.float32, device="meta") for k in rule.hf}
+        if not rule.from_hf(*meta.values()):  # a check only (q/k/v biases HF has and this Megatron model has not)
+            rule.from_hf(*(reader.read(k) for k in rule.hf))
+            continue
+        for name, t in _apply(rule, meta, to_hf=False):
+            owner["model." + name] = rule
+            shapes["model." + name] = (tuple(t.shape), torch.float32)
+    cache: Dict[str, torch.Tensor] = {}
+
+    def produce(key: str) -> torch.Tensor:
+        if key not in cache:
+            rule = owner[key]
+            made = _apply(rule, {k: reader.read(k).to(torch.float32) for k in rule.hf}, to_hf=False)
+            cache.update({"model." + name: t.contiguous() for name, t in made})
+        return cache.pop(key)
+
+    root = Path(save_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = files.temporary_dir(root, 0, files.new_nonce())
+    hf_io.write_dcp_lazily(tmp, shapes, produce)
+    dtype = str(source_dtypes.pop()).replace("torch.", "") if len(source_dtypes) == 1 else "float32"
+    files.write_common(tmp, {
+        "format": FORMAT, "version": VERSION, "iteration": 0, "consumed_train_samples": 0, "world_size": 1,
+        "scheduler": {}, "model_args": arch.model_args(), "args": arch.as_args(),
+        "parallel_layout": {"world_size": 1, "data_parallel_size": 1, "tensor_model_parallel_size": 1,
+                            "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
+                            "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1},
+        "hf": {"model_type": model_type, "dtype": dtype, "config": config, "source": str(source.resolve())},
+    })
+    files.fsync_dir(tmp)
+    written = files.publish(tmp, root, 0)
+    model_bytes = sum(_nbytes(*v) for v in shapes.values())
+    return ConversionReport(written, model_bytes, rss_before, hf_io.peak_rss_bytes()), arch
+
+
+def _nbytes(shape, dtype) -> int:
+    return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
