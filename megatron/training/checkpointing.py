@@ -317,9 +317,6 @@ def check_model_args(common: Mapping[str, Any], args, directory: Path) -> None:
     free = set()  # what this checkpoint's layout lets change
     if tp_global(common):
         free |= set(KEY_LAYOUT_ARGS) | {"expert_model_parallel_size"}
-        if saved.get("moe_grouped_gemm"):
-            # Unverified: a grouped-GEMM checkpoint loaded at another expert TP and EP gave another loss.
-            free -= {"expert_tensor_parallel_size", "expert_model_parallel_size"}
         if saved.get("true_vocab_size") is not None:
             free.add("padded_vocab_size")  # padding rows are cut or added (load_checkpoint)
     diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} in the checkpoint, {v!r} now"
@@ -328,9 +325,7 @@ def check_model_args(common: Mapping[str, Any], args, directory: Path) -> None:
         hint = ("; this checkpoint has layout version 1 (keys per tensor-parallel rank): load it at the sizes it "
                 "was saved with and save it again to get one that loads at any TP and EP size"
                 if not tp_global(common) and any(k in d for d in diffs for k in ("tensor", "expert-model"))
-                else "; grouped-GEMM experts (--moe-grouped-gemm) load only at the expert TP and EP sizes they "
-                     "were saved with (set --expert-tensor-parallel-size to keep it when TP changes)"
-                if saved.get("moe_grouped_gemm") and any("expert" in d for d in diffs) else "")
+                else "")
         raise CheckpointError(f"checkpoint {directory} was saved with a different model: " + "; ".join(diffs) + hint)
 
 
