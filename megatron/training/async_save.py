@@ -39,6 +39,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.fsdp.staging import StagingArena
+
 from . import checkpoint_files as files
 from . import save_steps
 from .logging_utils import print_rank_0
@@ -113,8 +115,23 @@ class CheckpointSaver:
         self.asynchronous = bool(getattr(args, "async_save", False))
         self._pending: Optional[PendingSave] = None
         self._group = None
-        if self.asynchronous and dist.get_backend() != "gloo":
-            self._group = dist.new_group(backend="gloo")  # beside NCCL: host flags, never device syncs
+        self.arena: Optional[StagingArena] = None
+        if self.asynchronous:
+            self.arena = StagingArena(pin=torch.cuda.is_available())
+            if dist.get_backend() != "gloo":
+                self._group = dist.new_group(backend="gloo")  # beside NCCL: host flags, never device syncs
+
+    def prepare(self, model, optimizer) -> None:
+        """At start-up (``--async-save``): one staging round into the arena, so every save after it
+        copies into host memory that is already mapped (and pinned) instead of allocating it."""
+        from .checkpointing import save_state_dict
+
+        if self.arena is None:
+            return
+        start = time.perf_counter()
+        save_state_dict(model, optimizer, self.arena)
+        print_rank_0(f" --async-save: {self.arena.nbytes / 2**20:.1f} MiB of host staging buffers on rank 0, "
+                     f"reused by every save (allocated in {time.perf_counter() - start:.3f} s)")
 
     def save(self, iteration: int, consumed: int, model, optimizer, scheduler) -> None:
         from .checkpointing import save_checkpoint, stage_checkpoint, write_step
@@ -125,7 +142,7 @@ class CheckpointSaver:
         start = time.perf_counter()
         self.wait()
         waited = time.perf_counter() - start
-        staged = stage_checkpoint(self.args, iteration, consumed, model, optimizer, scheduler)
+        staged = stage_checkpoint(self.args, iteration, consumed, model, optimizer, scheduler, self.arena)
         rank = dist.get_rank()
 
         def write():

@@ -171,18 +171,29 @@ def _prepare_directory(args, iteration: int, state: Mapping[str, Any]) -> Path:
     return files.temporary_dir(root, iteration, plan[0])
 
 
-def stage_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler):
+def save_state_dict(model, optimizer, arena=None) -> Dict[str, Any]:
+    """What a save writes: copies of this rank's pieces (into ``arena``'s host buffers when given:
+    ``megatron/fsdp/staging.py``)."""
+    from megatron.fsdp.staging import staging_into
+
+    if arena is None:
+        return _state_dict(model, optimizer, with_optimizer=True, with_rng=True, for_load=False)[0]
+    with staging_into(arena):
+        return _state_dict(model, optimizer, with_optimizer=True, with_rng=True, for_load=False)[0]
+
+
+def stage_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler, arena=None):
     """Step 1 of a save (all ranks, a collective): this rank's pieces copied to host memory and DCP's plan.
 
     Returns a ``save_steps.StagedSave``; ``write_step`` and ``save_steps.finish``
-    complete it (now, or in the background: ``async_save``).
+    complete it (now, or in the background: ``async_save``, which passes its ``arena``).
     """
     from . import save_steps
 
     files.check_fault_spec(dist.get_world_size())
     rank = dist.get_rank()
     start = time.perf_counter()
-    state, _ = _state_dict(model, optimizer, with_optimizer=True, with_rng=True, for_load=False)
+    state = save_state_dict(model, optimizer, arena)
     copied = time.perf_counter() - start
     tmp = _prepare_directory(args, iteration, state)
     common = None if rank != 0 else {

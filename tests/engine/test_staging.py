@@ -1,0 +1,31 @@
+"""Host staging buffers of ``--async-save`` (megatron/fsdp/staging.py): reused between saves, never shared
+between values of one save, and invisible outside ``staging_into``."""
+
+import torch
+
+from megatron.fsdp.staging import StagingArena, staged_copy, staged_zeros, staging_into
+
+
+def _round(arena, values):
+    with staging_into(arena):
+        return [staged_copy(v, torch.float32) for v in values] + [staged_zeros(3, torch.bfloat16, torch.device("cpu"))]
+
+
+def test_arena_reuses_its_buffers_from_one_save_to_the_next():
+    values = [torch.randn(4, 5, dtype=torch.bfloat16), torch.randn(7)]
+    arena = StagingArena()
+    first = _round(arena, values)
+    values[1].add_(1.0)  # training moved on: the next save must see the new values
+    second = _round(arena, values)
+    assert [t.data_ptr() for t in first] == [t.data_ptr() for t in second]  # the same memory
+    assert len({t.data_ptr() for t in second}) == len(second)  # one buffer per value
+    assert second[0].dtype == torch.float32 and torch.equal(second[0], values[0].float())
+    assert torch.equal(second[1], values[1]) and torch.equal(second[2], torch.zeros(3, dtype=torch.bfloat16))
+    assert arena.replaced == 0 and arena.nbytes == (20 + 7) * 4 + 3 * 2
+    # A value whose size changed gets a new buffer (once); the others stay put.
+    third = _round(arena, [values[0], torch.randn(8)])
+    assert arena.replaced == 1 and third[0].data_ptr() == first[0].data_ptr()
+    assert third[1].data_ptr() != first[1].data_ptr() and third[1].shape == (8,)
+    # Outside staging_into a copy is a fresh tensor, as the engine's state dicts always were.
+    fresh = staged_copy(values[1])
+    assert fresh.data_ptr() != values[1].data_ptr() and torch.equal(fresh, values[1])
