@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from typing import Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -47,6 +47,7 @@ class StagingArena:
         self._cursor = 0
         self.replaced = 0  # slots allocated after the first round (sizes changed between saves)
         self.rounds = 0
+        self._pieces: Dict[int, Tuple[Any, torch.Tensor, Any]] = {}  # slot index: (description, slot, DTensor)
 
     @property
     def nbytes(self) -> int:
@@ -58,6 +59,7 @@ class StagingArena:
 
     def end(self) -> None:
         del self._slots[self._cursor:]  # values this round did not ask for
+        self._pieces = {i: v for i, v in self._pieces.items() if i < self._cursor}
         self.rounds += 1
 
     def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -82,6 +84,20 @@ class StagingArena:
     def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self.take((numel,), dtype).zero_()
 
+    def piece(self, value: torch.Tensor, dtype: Optional[torch.dtype], description: Tuple,
+              build: Callable[[torch.Tensor], Any]) -> Any:
+        """``build(copy of value)`` (a DTensor piece), kept with its slot: the next round that copies into the
+        same slot for the same description gets the same object back, its data the slot's new contents
+        (building DCP's description of a piece costs more than the copy of a small one)."""
+        i = self._cursor
+        local = self.copy(value, dtype)
+        kept = self._pieces.get(i)
+        if kept is not None and kept[0] == description and kept[1] is self._slots[i]:
+            return kept[2]
+        built = build(local)
+        self._pieces[i] = (description, self._slots[i], built)
+        return built
+
 
 @contextlib.contextmanager
 def staging_into(arena: StagingArena) -> Iterator[StagingArena]:
@@ -101,6 +117,17 @@ def staged_copy(value: torch.Tensor, dtype: Optional[torch.dtype] = None) -> tor
     if arena is None:
         return value.detach().to(dtype=dtype or value.dtype, copy=True)
     return arena.copy(value, dtype)
+
+
+def staged_piece(value: torch.Tensor, shape, lo: int, placement=None, dtype: Optional[torch.dtype] = None):
+    """``sharded_piece`` of a copy of ``value`` (``dcp_pieces``); in an arena the piece is reused across saves."""
+    from .dcp_pieces import sharded_piece
+
+    arena = _ARENA.get()
+    if arena is None:
+        return sharded_piece(staged_copy(value, dtype), shape, lo, placement)
+    return arena.piece(value, dtype, (tuple(shape), lo, placement),
+                       lambda local: sharded_piece(local, shape, lo, placement))
 
 
 def staged_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

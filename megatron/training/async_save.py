@@ -150,11 +150,12 @@ class CheckpointSaver:
             files.fault_point(FAULT_POINT, iteration, rank)
             return results
         job = background_writer().submit(write)
-        blocked = time.perf_counter() - start
+        blocked = time.perf_counter() - start - staged.arrival_seconds
         self._pending = PendingSave(staged, job, blocked)
         print_rank_0(f" saving checkpoint at iteration {iteration:8d} in the background: training blocked "
                      f"{blocked:.3f} s (copy {staged.copy_seconds:.3f} s, plan {staged.plan_seconds:.3f} s"
-                     + (f", waiting for the previous write {waited:.3f} s)" if waited > 1e-3 else ")"))
+                     + (f", waiting for the previous write {waited:.3f} s" if waited > 1e-3 else "")
+                     + f"; before it {staged.arrival_seconds:.3f} s waiting for the slowest rank to reach the save)")
 
     def poll(self, iteration: int) -> None:
         """After each iteration: publish the write in flight if every rank has finished it (one tiny all-reduce)."""

@@ -192,6 +192,8 @@ def stage_checkpoint(args, iteration: int, consumed_samples: int, model, optimiz
 
     files.check_fault_spec(dist.get_world_size())
     rank = dist.get_rank()
+    arrived = time.perf_counter()
+    dist.all_reduce(torch.zeros(1))  # every rank at the save: waiting for the slowest is not the save's cost
     start = time.perf_counter()
     state = save_state_dict(model, optimizer, arena)
     copied = time.perf_counter() - start
@@ -203,7 +205,9 @@ def stage_checkpoint(args, iteration: int, consumed_samples: int, model, optimiz
         "parallel_layout": parallel_layout(args),
         "args": {k: _json_value(v) for k, v in sorted(vars(args).items())},
     }
-    return save_steps.stage(state, tmp, Path(args.save), iteration, common, copied)
+    staged = save_steps.stage(state, tmp, Path(args.save), iteration, common, copied)
+    staged.arrival_seconds = start - arrived
+    return staged
 
 
 def write_step(staged):
@@ -235,7 +239,8 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimize
         results = exc
     final = save_steps.finish(staged, results)
     print_rank_0(f" saved checkpoint at iteration {iteration:8d} to {final} in "
-                 f"{time.perf_counter() - start:.2f} s")
+                 f"{time.perf_counter() - start - staged.arrival_seconds:.3f} s (after "
+                 f"{staged.arrival_seconds:.3f} s waiting for the slowest rank to reach the save)")
     return final
 
 

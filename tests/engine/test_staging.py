@@ -29,3 +29,20 @@ def test_arena_reuses_its_buffers_from_one_save_to_the_next():
     # Outside staging_into a copy is a fresh tensor, as the engine's state dicts always were.
     fresh = staged_copy(values[1])
     assert fresh.data_ptr() != values[1].data_ptr() and torch.equal(fresh, values[1])
+
+
+def test_pieces_are_kept_with_their_slots():
+    """A DTensor piece built over a slot is handed out again while its slot and description stay, with the
+    new values; outside an arena every call builds a new one."""
+    from megatron.fsdp.staging import staged_piece
+
+    arena, value = StagingArena(), torch.arange(6, dtype=torch.float32)
+    pieces = []
+    for step in range(2):
+        value.add_(step)
+        with staging_into(arena):
+            pieces.append(staged_piece(value[2:], (2, 3), 2))
+    assert pieces[0] is pieces[1] and torch.equal(pieces[1]._local_tensor, value[2:])
+    with staging_into(arena):
+        moved = staged_piece(value[2:], (2, 3), 1)  # another description: built anew
+    assert moved is not pieces[0] and staged_piece(value[2:], (2, 3), 2) is not pieces[0]
