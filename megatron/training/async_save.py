@@ -1,7 +1,9 @@
 """``--async-save``: checkpoints written by a background thread while training continues.
 
 The training loop blocks only for ``save_steps.stage`` (this rank's pieces are
-copies in host memory, pinned on a GPU, and DCP's plan is agreed). The write of
+copied into host staging buffers kept from one save to the next, pinned on a GPU:
+``megatron/fsdp/staging.py``, filled once at start-up by ``prepare``; and DCP's plan is
+agreed). The write of
 this rank's files (``save_steps.write_pieces``) runs on one long-lived writer
 thread. Completion is agreed at a later iteration boundary: while a write is in
 flight, every rank all-reduces one flag ("mine is done") after each iteration,
