@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from .buffers import UnitStorage
 from .dcp_pieces import GlobalPlacement, local_piece, sharded_piece
 from .precision_optimizer import converts_on_load
+from .staging import staged_copy, staged_piece, staged_zeros
 from .unit import UnitState
 
 
@@ -151,10 +152,10 @@ def model_state_dict(model) -> Dict[str, Any]:
         for unit in model.units:
             s = unit.storage
             for p in owned_pieces(unit):
-                local = piece_values(s, p).to(dtype=s.main_dtype, copy=True)
-                out[p.name] = sharded_piece(local, p.shape, p.param_lo, placement_of(model, p.name))
+                out[p.name] = staged_piece(piece_values(s, p), p.shape, p.param_lo, placement_of(model, p.name),
+                                           s.main_dtype)
         for name, buf in persistent_buffers(model.module).items():
-            out[name] = buf.detach().clone()
+            out[name] = staged_copy(buf)
     return out
 
 
@@ -412,13 +413,15 @@ def optimizer_state_dict(optimizer, main_weights: bool = True) -> Dict[str, Any]
     with torch.no_grad():
         for key, p, run, s, placement in _trainable_pieces(optimizer, layout):
             if main_weights:
-                out[f"main.{key}"] = sharded_piece(piece_values(s, p).clone(), p.shape, p.param_lo, placement)
+                out[f"main.{key}"] = sharded_piece(staged_copy(piece_values(s, p)), p.shape, p.param_lo, placement)
             for name, dtype in layout.shaped:
                 if run is not None and layout.initialized:
-                    local = inner.state[run.tensor][name][p.a - run.a:p.b - run.a].clone()
+                    value = staged_piece(inner.state[run.tensor][name][p.a - run.a:p.b - run.a], p.shape,
+                                         p.param_lo, placement)
                 else:
-                    local = torch.zeros(p.b - p.a, dtype=dtype, device=s.main.device)
-                out[f"state.{key}.{name}"] = sharded_piece(local, p.shape, p.param_lo, placement)
+                    value = sharded_piece(staged_zeros(p.b - p.a, dtype, s.main.device), p.shape, p.param_lo,
+                                          placement)
+                out[f"state.{key}.{name}"] = value
     for g, group in enumerate(inner.param_groups):
         for hp, value in group.items():
             if hp != "params":

@@ -17,6 +17,7 @@ import torch
 
 from .checkpoint import _qualified, _shape_of, agreed, check_against, install_pieces
 from .dcp_pieces import local_piece, sharded_piece
+from .staging import staged_copy
 
 MOMENTUM = "momentum_buffer"
 
@@ -47,8 +48,8 @@ def matrix_state_dict(optimizer) -> Dict[str, Any]:
     with torch.no_grad():
         for key, mu, j, (a, b) in _entries(optimizer):
             m = mu.matrices[j]
-            out[f"main.{key}"] = sharded_piece(mu.params[j].clone(), m.shape, a - m.start)
-            out[f"state.{key}.{MOMENTUM}"] = sharded_piece(mu.bufs[j].clone(), m.shape, a - m.start)
+            out[f"main.{key}"] = sharded_piece(staged_copy(mu.params[j]), m.shape, a - m.start)
+            out[f"state.{key}.{MOMENTUM}"] = sharded_piece(staged_copy(mu.bufs[j]), m.shape, a - m.start)
     for hp, value in optimizer.matrix.param_groups[0].items():
         if hp != "params":
             out[f"matrix_groups.0.{hp}"] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)

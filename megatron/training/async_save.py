@@ -1,7 +1,9 @@
 """``--async-save``: checkpoints written by a background thread while training continues.
 
 The training loop blocks only for ``save_steps.stage`` (this rank's pieces are
-copies in host memory, pinned on a GPU, and DCP's plan is agreed). The write of
+copied into host staging buffers kept from one save to the next, pinned on a GPU:
+``megatron/fsdp/staging.py``, filled once at start-up by ``prepare``; and DCP's plan is
+agreed). The write of
 this rank's files (``save_steps.write_pieces``) runs on one long-lived writer
 thread. Completion is agreed at a later iteration boundary: while a write is in
 flight, every rank all-reduces one flag ("mine is done") after each iteration,
@@ -38,6 +40,8 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron.fsdp.staging import StagingArena
 
 from . import checkpoint_files as files
 from . import save_steps
@@ -113,8 +117,23 @@ class CheckpointSaver:
         self.asynchronous = bool(getattr(args, "async_save", False))
         self._pending: Optional[PendingSave] = None
         self._group = None
-        if self.asynchronous and dist.get_backend() != "gloo":
-            self._group = dist.new_group(backend="gloo")  # beside NCCL: host flags, never device syncs
+        self.arena: Optional[StagingArena] = None
+        if self.asynchronous:
+            self.arena = StagingArena(pin=torch.cuda.is_available())
+            if dist.get_backend() != "gloo":
+                self._group = dist.new_group(backend="gloo")  # beside NCCL: host flags, never device syncs
+
+    def prepare(self, model, optimizer) -> None:
+        """At start-up (``--async-save``): one staging round into the arena, so every save after it
+        copies into host memory that is already mapped (and pinned) instead of allocating it."""
+        from .checkpointing import save_state_dict
+
+        if self.arena is None:
+            return
+        start = time.perf_counter()
+        save_state_dict(model, optimizer, self.arena)
+        print_rank_0(f" --async-save: {self.arena.nbytes / 2**20:.1f} MiB of host staging buffers on rank 0, "
+                     f"reused by every save (allocated in {time.perf_counter() - start:.3f} s)")
 
     def save(self, iteration: int, consumed: int, model, optimizer, scheduler) -> None:
         from .checkpointing import save_checkpoint, stage_checkpoint, write_step
@@ -125,7 +144,7 @@ class CheckpointSaver:
         start = time.perf_counter()
         self.wait()
         waited = time.perf_counter() - start
-        staged = stage_checkpoint(self.args, iteration, consumed, model, optimizer, scheduler)
+        staged = stage_checkpoint(self.args, iteration, consumed, model, optimizer, scheduler, self.arena)
         rank = dist.get_rank()
 
         def write():
@@ -133,11 +152,12 @@ class CheckpointSaver:
             files.fault_point(FAULT_POINT, iteration, rank)
             return results
         job = background_writer().submit(write)
-        blocked = time.perf_counter() - start
+        blocked = time.perf_counter() - start - staged.arrival_seconds
         self._pending = PendingSave(staged, job, blocked)
         print_rank_0(f" saving checkpoint at iteration {iteration:8d} in the background: training blocked "
                      f"{blocked:.3f} s (copy {staged.copy_seconds:.3f} s, plan {staged.plan_seconds:.3f} s"
-                     + (f", waiting for the previous write {waited:.3f} s)" if waited > 1e-3 else ")"))
+                     + (f", waiting for the previous write {waited:.3f} s" if waited > 1e-3 else "")
+                     + f"; before it {staged.arrival_seconds:.3f} s waiting for the slowest rank to reach the save)")
 
     def poll(self, iteration: int) -> None:
         """After each iteration: publish the write in flight if every rank has finished it (one tiny all-reduce)."""

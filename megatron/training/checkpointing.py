@@ -171,18 +171,31 @@ def _prepare_directory(args, iteration: int, state: Mapping[str, Any]) -> Path:
     return files.temporary_dir(root, iteration, plan[0])
 
 
-def stage_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler):
+def save_state_dict(model, optimizer, arena=None) -> Dict[str, Any]:
+    """What a save writes: copies of this rank's pieces (into ``arena``'s host buffers when given:
+    ``megatron/fsdp/staging.py``)."""
+    from megatron.fsdp.staging import staging_into
+
+    if arena is None:
+        return _state_dict(model, optimizer, with_optimizer=True, with_rng=True, for_load=False)[0]
+    with staging_into(arena):
+        return _state_dict(model, optimizer, with_optimizer=True, with_rng=True, for_load=False)[0]
+
+
+def stage_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler, arena=None):
     """Step 1 of a save (all ranks, a collective): this rank's pieces copied to host memory and DCP's plan.
 
     Returns a ``save_steps.StagedSave``; ``write_step`` and ``save_steps.finish``
-    complete it (now, or in the background: ``async_save``).
+    complete it (now, or in the background: ``async_save``, which passes its ``arena``).
     """
     from . import save_steps
 
     files.check_fault_spec(dist.get_world_size())
     rank = dist.get_rank()
+    arrived = time.perf_counter()
+    dist.all_reduce(torch.zeros(1))  # every rank at the save: waiting for the slowest is not the save's cost
     start = time.perf_counter()
-    state, _ = _state_dict(model, optimizer, with_optimizer=True, with_rng=True, for_load=False)
+    state = save_state_dict(model, optimizer, arena)
     copied = time.perf_counter() - start
     tmp = _prepare_directory(args, iteration, state)
     common = None if rank != 0 else {
@@ -192,7 +205,9 @@ def stage_checkpoint(args, iteration: int, consumed_samples: int, model, optimiz
         "parallel_layout": parallel_layout(args),
         "args": {k: _json_value(v) for k, v in sorted(vars(args).items())},
     }
-    return save_steps.stage(state, tmp, Path(args.save), iteration, common, copied)
+    staged = save_steps.stage(state, tmp, Path(args.save), iteration, common, copied)
+    staged.arrival_seconds = start - arrived
+    return staged
 
 
 def write_step(staged):
@@ -224,7 +239,8 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimize
         results = exc
     final = save_steps.finish(staged, results)
     print_rank_0(f" saved checkpoint at iteration {iteration:8d} to {final} in "
-                 f"{time.perf_counter() - start:.2f} s")
+                 f"{time.perf_counter() - start - staged.arrival_seconds:.3f} s (after "
+                 f"{staged.arrival_seconds:.3f} s waiting for the slowest rank to reach the save)")
     return final
 
 
@@ -317,9 +333,6 @@ def check_model_args(common: Mapping[str, Any], args, directory: Path) -> None:
     free = set()  # what this checkpoint's layout lets change
     if tp_global(common):
         free |= set(KEY_LAYOUT_ARGS) | {"expert_model_parallel_size"}
-        if saved.get("moe_grouped_gemm"):
-            # Unverified: a grouped-GEMM checkpoint loaded at another expert TP and EP gave another loss.
-            free -= {"expert_tensor_parallel_size", "expert_model_parallel_size"}
         if saved.get("true_vocab_size") is not None:
             free.add("padded_vocab_size")  # padding rows are cut or added (load_checkpoint)
     diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} in the checkpoint, {v!r} now"
@@ -328,9 +341,7 @@ def check_model_args(common: Mapping[str, Any], args, directory: Path) -> None:
         hint = ("; this checkpoint has layout version 1 (keys per tensor-parallel rank): load it at the sizes it "
                 "was saved with and save it again to get one that loads at any TP and EP size"
                 if not tp_global(common) and any(k in d for d in diffs for k in ("tensor", "expert-model"))
-                else "; grouped-GEMM experts (--moe-grouped-gemm) load only at the expert TP and EP sizes they "
-                     "were saved with (set --expert-tensor-parallel-size to keep it when TP changes)"
-                if saved.get("moe_grouped_gemm") and any("expert" in d for d in diffs) else "")
+                else "")
         raise CheckpointError(f"checkpoint {directory} was saved with a different model: " + "; ".join(diffs) + hint)
 
 

@@ -68,6 +68,7 @@ class StagedSave:
     common: Optional[Dict[str, Any]]  # rank 0 only
     copy_seconds: float = 0.0  # this rank's pieces into host memory (the state dict's copies, then pinned)
     plan_seconds: float = 0.0  # DCP's plan agreed across ranks
+    arrival_seconds: float = 0.0  # waiting for the slowest rank to reach the save (not the save's cost)
 
 
 def _host_copy(value: Any, pin: bool) -> Any:

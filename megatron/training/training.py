@@ -133,6 +133,7 @@ def pretrain(args) -> dict:
             # The saved run logged this validation loss too: equal values show the load is complete.
             history["valid_at_load"] = validate(start_iteration, " (loaded checkpoint)")
     saver = CheckpointSaver(args)
+    saver.prepare(model, optimizer)  # --async-save: its host staging buffers, once
     try:
         _train(args, device, model, optimizer, scheduler, forward_backward, forward_step, train_ds, board, timers,
                history, validate, saver, start_iteration, consumed)

@@ -10,7 +10,9 @@ to training (the synchronous save time; the async blocked time, staging plus
 publishing), the background write time, their ratio, and the wall time of the
 iterations around each save (the interval between consecutive iteration log
 lines, so a save's blocking lands in the iteration it follows) against the
-median of the others.
+median of the others. Both save times start once every rank has reached the save
+(the log lines give the wait for the slowest rank apart: it is rank skew, which the
+next collective of training would absorb without a save too).
 
 ``--writer-compare`` measures what a background writer costs the training
 thread (GIL contention, memory bandwidth): a step loop of many small torch ops

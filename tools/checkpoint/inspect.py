@@ -72,9 +72,6 @@ def layout_lines(common: dict) -> list:
 
     if tp_global(common):
         loads = "any TP, PP, EP, expert TP and DP size, level or mesh (TP-global keys)"
-        if args.get("moe_grouped_gemm"):
-            loads += (f"; grouped-GEMM experts: expert TP {args.get('expert_tensor_parallel_size')} and EP "
-                      f"{(saved or {}).get('expert_model_parallel_size')} only")
         if args.get("true_vocab_size") is not None:
             loads += f"; padded vocabulary {args.get('padded_vocab_size')} rows, cut or added to the new padding"
     else:

@@ -1,0 +1,135 @@
+"""Where a state dict's copies go: fresh tensors, or host buffers kept from one save to the next.
+
+Why: the engine's state dicts hold copies, never views of live storage (see
+``checkpoint.py``). A synchronous save can let them be freed afterwards, but an
+asynchronous save makes them every time training is blocked: a fresh allocation of
+one checkpoint's worth of host memory per save costs page faults (each first touch
+of a fresh page zeroes it) on top of the copy itself, and on a GPU pinning fresh
+memory costs more still. ``StagingArena`` keeps the host memory: one tensor per
+value, handed out in the order the state dict asks for them (the same order and
+shapes at every save), so once a round has run the copies go into memory that is
+already mapped (and pinned); ``async_save`` runs that first round at start-up.
+
+``staged_copy`` is what the engine's state-dict functions call for each value.
+A context variable (not an argument) selects the arena: the state dicts are
+built through ``nn.Module.state_dict`` and the optimizer wrappers, whose
+signatures are not ours to extend; outside ``staging_into`` nothing changes.
+
+Safe reuse needs one rule, kept by the caller (``megatron/training/async_save.py``):
+the next save into an arena starts only after the writer of the previous one has
+finished reading it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+_ARENA: "contextvars.ContextVar[Optional[StagingArena]]" = contextvars.ContextVar("staging_arena", default=None)
+
+
+class StagingArena:
+    """Host tensors reused across saves: the i-th value a round asks for gets the i-th slot.
+
+    One tensor per value (not views of one flat buffer): DCP's writer clones a view
+    whose storage is larger than itself before ``torch.save``, so separate storages
+    spare the writer a copy. A slot whose element count or dtype no longer fits is
+    replaced (counted in ``replaced``).
+    """
+
+    def __init__(self, pin: bool = False):
+        self.pin = pin
+        self._slots: List[torch.Tensor] = []
+        self._cursor = 0
+        self.replaced = 0  # slots allocated after the first round (sizes changed between saves)
+        self.rounds = 0
+        self._pieces: Dict[int, Tuple[Any, torch.Tensor, Any]] = {}  # slot index: (description, slot, DTensor)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._slots)
+
+    def begin(self) -> None:
+        """A new round (one save): slots are handed out from the first again."""
+        self._cursor = 0
+
+    def end(self) -> None:
+        del self._slots[self._cursor:]  # values this round did not ask for
+        self._pieces = {i: v for i, v in self._pieces.items() if i < self._cursor}
+        self.rounds += 1
+
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised host tensor of ``shape`` and ``dtype`` (last round's contents)."""
+        numel, i = math.prod(shape), self._cursor
+        self._cursor += 1
+        if i < len(self._slots) and self._slots[i].numel() == numel and self._slots[i].dtype == dtype:
+            return self._slots[i].view(tuple(shape))
+        slot = torch.empty(numel, dtype=dtype, device="cpu", pin_memory=self.pin)
+        if i < len(self._slots):
+            self._slots[i] = slot
+            self.replaced += 1
+        else:
+            self._slots.append(slot)
+            self.replaced += self.rounds > 0
+        return slot.view(tuple(shape))
+
+    def copy(self, value: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        out = self.take(value.shape, dtype or value.dtype)
+        return out.copy_(value.detach(), non_blocking=self.pin)  # the caller synchronises a device once
+
+    def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.take((numel,), dtype).zero_()
+
+    def piece(self, value: torch.Tensor, dtype: Optional[torch.dtype], description: Tuple,
+              build: Callable[[torch.Tensor], Any]) -> Any:
+        """``build(copy of value)`` (a DTensor piece), kept with its slot: the next round that copies into the
+        same slot for the same description gets the same object back, its data the slot's new contents
+        (building DCP's description of a piece costs more than the copy of a small one)."""
+        i = self._cursor
+        local = self.copy(value, dtype)
+        kept = self._pieces.get(i)
+        if kept is not None and kept[0] == description and kept[1] is self._slots[i]:
+            return kept[2]
+        built = build(local)
+        self._pieces[i] = (description, self._slots[i], built)
+        return built
+
+
+@contextlib.contextmanager
+def staging_into(arena: StagingArena) -> Iterator[StagingArena]:
+    """State dicts built inside copy their values into ``arena`` (host memory kept between saves)."""
+    arena.begin()
+    token = _ARENA.set(arena)
+    try:
+        yield arena
+    finally:
+        _ARENA.reset(token)
+        arena.end()
+
+
+def staged_copy(value: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A copy of ``value`` (in ``dtype``): into the active arena, or a fresh tensor beside ``value``."""
+    arena = _ARENA.get()
+    if arena is None:
+        return value.detach().to(dtype=dtype or value.dtype, copy=True)
+    return arena.copy(value, dtype)
+
+
+def staged_piece(value: torch.Tensor, shape, lo: int, placement=None, dtype: Optional[torch.dtype] = None):
+    """``sharded_piece`` of a copy of ``value`` (``dcp_pieces``); in an arena the piece is reused across saves."""
+    from .dcp_pieces import sharded_piece
+
+    arena = _ARENA.get()
+    if arena is None:
+        return sharded_piece(staged_copy(value, dtype), shape, lo, placement)
+    return arena.piece(value, dtype, (tuple(shape), lo, placement),
+                       lambda local: sharded_piece(local, shape, lo, placement))
+
+
+def staged_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    arena = _ARENA.get()
+    return torch.zeros(numel, dtype=dtype, device=device) if arena is None else arena.zeros(numel, dtype)
