@@ -361,20 +361,20 @@ def test_moe_grouped_gemm_checkpoint_loads_at_another_tp_and_ep(tmp_path):
     after match the run that never stopped (a vocabulary that pads the same at TP 1 and 2: the 4.6% gap that once
     had such loads refused was the padding change, 512 -> 384 rows, not the expert weights)."""
     argv = (MODEL + B8 + SAME_PADDING + MOE + _fsdp("optim_grads_params")
-            + ["--moe-grouped-gemm", "--bf16", "--train-iters", "6", "--eval-interval", "3"])  # GroupedMLP: bf16
+            + ["--moe-grouped-gemm", "--bf16", "--train-iters", "4", "--eval-interval", "2"])  # GroupedMLP: bf16 (emulated on some CPUs: few steps)
     saved = _pretrain(4, argv + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                  "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather",
-                                 "--save", str(tmp_path), "--save-interval", "3"])
-    keys = ckpt_inspect.describe(tmp_path / "iter_0000003")["keys"]
+                                 "--save", str(tmp_path), "--save-interval", "2"])
+    keys = ckpt_inspect.describe(tmp_path / "iter_0000002")["keys"]
     assert keys["model.decoder.layers.0.mlp.experts.weight1"]["shape"] == [4, 64, 256]
     assert keys["model.decoder.layers.0.mlp.experts.weight2"]["shape"] == [4, 256, 64]
     got = _pretrain(4, argv + ["--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "alltoall",
-                               "--load", str(tmp_path), "--ckpt-step", "3"])
-    assert got["start_iteration"] == 3 and len(got["losses"]) == 3
+                               "--load", str(tmp_path), "--ckpt-step", "2"])
+    assert got["start_iteration"] == 2 and len(got["losses"]) == 2
     # GroupedMLP computes in bf16 only, which rounds differently at another TP: measured 3.4e-5 at most
     # (the same layout: equal; a misplaced expert or ffn block: percent). The fp32 weights loaded are the saved ones.
     assert _rel(got["valid_at_load"], saved["valid"][0]) <= 1e-4, (got["valid_at_load"], saved["valid"])
-    assert all(_rel(a, b) <= 1e-4 for a, b in zip(got["losses"], saved["losses"][3:])), (got["losses"], saved["losses"])
+    assert all(_rel(a, b) <= 1e-4 for a, b in zip(got["losses"], saved["losses"][2:])), (got["losses"], saved["losses"])
 
 
 V1_ARGS = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--num-layers", "1",
