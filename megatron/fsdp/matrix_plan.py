@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .layout import FlatLayout
 from .strategy import MeshStrategy
@@ -35,7 +35,12 @@ Range = Tuple[int, int]
 
 @dataclasses.dataclass(frozen=True)
 class MatrixSlot:
-    """One matrix: where it lives (model chunk, unit, slot, buffer range ``[start, end)``) and its owner."""
+    """One matrix: where it lives (model chunk, unit, slot, buffer range ``[start, end)``) and its owner.
+
+    A parameter is one matrix, or (grouped-GEMM expert weights) several
+    consecutive row-major blocks of its storage, each its own matrix: then
+    ``name`` is ``param[k]`` and ``[start, end)`` is block ``k``'s range.
+    """
 
     model: int
     unit: int
@@ -45,6 +50,7 @@ class MatrixSlot:
     start: int
     end: int
     owner: int  # index in the section's owner set (inner coordinate + N * outer coordinate)
+    param: str = ""  # the parameter's name (== name unless the parameter holds several matrices)
 
     @property
     def numel(self) -> int:
@@ -125,17 +131,41 @@ def overlap(r: Range, start: int, end: int) -> Range:
     return (a, b) if a < b else (start, start)
 
 
-def matrix_slots(units: Sequence[Tuple[int, int, FlatLayout, Sequence[str]]], selected: Sequence[Sequence[bool]],
-                 owners: OwnerSet) -> List[MatrixSlot]:
-    """Every selected slot of ``units`` (``(model, unit index, layout, names)``) with its owner, in unit order."""
+def matrix_blocks(name: str, shape: Sequence[int], block: Optional[Sequence[int]]) -> Tuple[int, int]:
+    """The shape of each matrix of a parameter: itself, or ``block`` when its storage holds several
+    (``numel`` must be a multiple of the block's); one error naming the parameter otherwise."""
+    if block is None:
+        return tuple(shape)
+    block = tuple(int(n) for n in block)
+    numel = math.prod(shape)
+    if len(block) != 2 or min(block) < 1 or numel % math.prod(block):
+        raise ValueError(f"matrix_split({name!r}) returned {block}, which does not tile the parameter of shape "
+                         f"{tuple(shape)}: return (rows, cols) of one of its consecutive row-major matrices, "
+                         "or None for one matrix")
+    return block
+
+
+def matrix_slots(units: Sequence[Tuple[int, int, FlatLayout, Sequence[str]]],
+                 selected: Sequence[Sequence[Optional[Tuple[int, int]]]], owners: OwnerSet) -> List[MatrixSlot]:
+    """Every selected slot of ``units`` (``(model, unit index, layout, names)``) with its owner, in unit order.
+
+    ``selected[u][i]`` is ``None`` (not a matrix) or the shape of each matrix in
+    slot ``i`` (the parameter's own shape, or a block of it: one matrix per block).
+    """
     found = []
-    for (model, unit, layout, names), flags in zip(units, selected):
-        for i, (slot, name, chosen) in enumerate(zip(layout.slots, names, flags)):
-            if chosen:
-                found.append((model, unit, i, name, tuple(slot.spec.shape), slot.start, slot.end))
-    costs = [math.prod(shape) * min(shape) for *_, shape, _, _ in found]
+    for (model, unit, layout, names), blocks in zip(units, selected):
+        for i, (slot, name, block) in enumerate(zip(layout.slots, names, blocks)):
+            if block is None:
+                continue
+            size = math.prod(block)
+            count = (slot.end - slot.start) // size
+            for k in range(count):
+                label = name if count == 1 and tuple(block) == tuple(slot.spec.shape) else f"{name}[{k}]"
+                found.append((model, unit, i, label, tuple(block), slot.start + k * size,
+                              slot.start + (k + 1) * size, name))
+    costs = [math.prod(shape) * min(shape) for _, _, _, _, shape, _, _, _ in found]
     owner_of = assign_owners(costs, owners.size)
-    return [MatrixSlot(m, u, i, n, shape, s, e, o) for (m, u, i, n, shape, s, e), o in zip(found, owner_of)]
+    return [MatrixSlot(m, u, i, n, shape, s, e, o, p) for (m, u, i, n, shape, s, e, p), o in zip(found, owner_of)]
 
 
 def loads(slots: Sequence[MatrixSlot], owners: int) -> Dict[int, int]:

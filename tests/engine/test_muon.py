@@ -13,19 +13,19 @@ import functools
 import pytest
 import torch
 
-from tests.engine.muon_training import muon_reference
+from tests.engine.muon_training import grouped_blocks, muon_reference
 from tests.engine.training import RunConfig
 
 LOSS_RTOL = 2e-4
 
 
 @functools.lru_cache(maxsize=None)
-def reference(cfg: RunConfig):
-    return muon_reference(cfg)
+def reference(cfg: RunConfig, grouped: bool = False):
+    return muon_reference(cfg, split=grouped_blocks if grouped else None)
 
 
-def _run(pool, cfg, size):
-    results = pool.run("tests.engine.muon_training:muon_run", size=size, cfg=cfg)
+def _run(pool, cfg, size, grouped: bool = False):
+    results = pool.run("tests.engine.muon_training:muon_run", size=size, cfg=cfg, grouped=grouped)
     for r in results[1:]:
         assert r["losses"] == results[0]["losses"]
     return results
@@ -91,18 +91,27 @@ MESHES = {
     # HFSDP: both axes shard optimizer state: the two-stage exchange (outer, then inner)
     "hfsdp": (RunConfig(strategy="optim_grads_params", steps=6, micro_batches=3, mesh=(2, 2),
                         outer_strategy="optim"), 4, 1),
-    # an expert section on its own 2 x 2 mesh (each expert matrix owned separately), dense ZeRO-1
-    "experts": (RunConfig(strategy="optim", steps=6, expert_strategy="optim_grads_params", expert_mesh=(2, 2),
-                          expert_outer_strategy="optim"), 4, 1),
+    # an expert section on its own 2 x 2 mesh, dense ZeRO-1; the MLP weights are grouped-GEMM-like,
+    # two "experts" per parameter (grouped_blocks), each expert's matrix owned and stepped separately
+    "grouped-experts": (RunConfig(strategy="optim", steps=6, expert_strategy="optim_grads_params",
+                                  expert_mesh=(2, 2), expert_outer_strategy="optim"), 4, 1),
 }
 
 
 @pytest.mark.parametrize("name", sorted(MESHES))
 def test_muon_parity_meshes_and_experts(pool, name):
     cfg, owners, replicas = MESHES[name]
-    results = _run(pool, cfg, 4)
-    _check_parity(results, reference(cfg))
+    grouped = name == "grouped-experts"
+    results = _run(pool, cfg, 4, grouped)
+    _check_parity(results, reference(cfg, grouped))
     _check_steps(results, owners, replicas)
+    if grouped:  # one matrix per expert, each stepped once per step (not the whole parameter)
+        names = set().union(*(r["steps"] for r in results))
+        for layer in range(cfg.layers):
+            for w in ("up", "down"):
+                prefix = f"blocks.{layer}.mlp.{w}.weight"
+                assert {n for n in names if n.startswith(prefix)} == {prefix + "[0]", prefix + "[1]"}
+        assert "blocks.0.qkv.weight" in names  # an unsplit matrix keeps its name
     if name == "hfsdp":
         # two stages per unit and direction; each moves (M-1)/(N M^2) + (N-1)/(N^2 M) of the matrix bytes
         matrix_bytes = results[0]["matrix_bytes"]["dense"]
