@@ -42,7 +42,7 @@ def matrix_state_dict(optimizer) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     with torch.no_grad():
         for key, e in _entries(optimizer):
-            out[key] = sharded_piece(e.tensor.clone(), e.shape, e.offset)
+            out[key] = sharded_piece(e.tensor.reshape(-1).clone(), e.shape, e.offset)
     for hp, value in optimizer.matrix.param_groups[0].items():
         if hp != "params":
             out[f"matrix_groups.0.{hp}"] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)

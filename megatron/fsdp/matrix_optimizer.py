@@ -16,7 +16,8 @@ thing and ``O`` is bf16. Per unit and direction there is one all-to-all-v per
 exchange stage; the next unit's exchange is in flight while the owner computes,
 and the first one while the elementwise optimizer steps.
 
-Contract for a matrix optimizer class: ``torch.optim.Muon`` or a subclass; its
+Other per-matrix optimizers run whole on the owners (``matrix_whole.py``).
+Contract for the Muon class here: ``torch.optim.Muon`` or a subclass; its
 constructor validates the hyperparameters (one param group, which the LR
 scheduler may edit between steps); a subclass may define
 ``adjusted_lr(group, shape) -> float`` to replace torch's ``adjust_lr_fn``

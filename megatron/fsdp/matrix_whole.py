@@ -26,7 +26,7 @@ The contract for such a class (docs/muon.md):
 * no collectives, no tensor-parallel gathering (``matrix_shards`` needs Muon).
 
 Traffic per step: fp32 weights and gradients toward the owner, fp32 weights back,
-one all-to-all-v per unit, direction and stage, as for Muon (6x its bf16 bytes).
+one all-to-all-v per unit, direction and stage, as for Muon (3x its bf16 bytes: 8 + 4 bytes per element).
 Memory: each owner keeps its owned matrices whole (weights, gradients, state):
 about ``1/N`` of the matrices per rank.
 """
@@ -119,31 +119,42 @@ class WholeMatrixOptimizer(MatrixOptimizer):
 
     # ------------------------------------------------------------ checkpoints
     def checkpoint_entries(self) -> List[CheckpointEntry]:
-        """Main-weight pieces per parameter; each owned matrix's state tensors whole."""
+        """Main-weight pieces per parameter; each matrix's state tensors, whole on its owner and empty
+        elsewhere (every rank lists every key: DCP and the key check see one state dict layout)."""
         out = []
         for mu in self.units:
             for piece in mu.by_param:
                 out.append(CheckpointEntry(mu.model, piece.name, None, piece.shape, piece.offset, piece.main))
-        for (u, j), whole in self.whole.items():
-            mu = self.units[u]
-            state = self._state_of(whole)
-            for key, value in sorted(state.items()):
-                if isinstance(value, torch.Tensor):
-                    out.append(CheckpointEntry(mu.model, mu.matrices[j].name, key, tuple(value.shape), 0, value))
+        for u, mu in enumerate(self.units):
+            for j, m in enumerate(mu.matrices):
+                whole = self.whole.get((u, j))
+                state = self._state_of(whole) if whole is not None else self._probe(m.shape)
+                for key, value in sorted(state.items()):
+                    if isinstance(value, torch.Tensor):  # a 0-d tensor (a step counter) is saved as shape (1,)
+                        local = value if whole is not None else value.new_empty(0)
+                        out.append(CheckpointEntry(mu.model, m.name, key, tuple(value.shape) or (1,), 0, local))
         return out
 
     def _state_of(self, whole: torch.nn.Parameter) -> dict:
-        """The optimizer's state of ``whole``; before its first step, the probe's keys and shapes, zeroed."""
+        """The optimizer's state of ``whole``; before its first step, the probe's, zeroed."""
         state = self.hyper.state[whole]
         if not state:
-            probe = torch.nn.Parameter(torch.zeros_like(whole))
-            probe.grad = torch.zeros_like(whole)
-            group = {k: v for k, v in self.hyper.param_groups[0].items() if k != "params"}
+            state.update(self._probe(tuple(whole.shape)))
+        return state
+
+    def _probe(self, shape: Tuple[int, int]) -> dict:
+        """Zeroed state of one step of the optimizer on a zero matrix of ``shape`` (keys, shapes, dtypes)."""
+        cache = self.__dict__.setdefault("_probes", {})
+        if shape not in cache:
+            main = self.units[0].storage.main if self.units else torch.zeros(0)
+            probe = torch.nn.Parameter(main.new_zeros(shape))
+            probe.grad = main.new_zeros(shape)
+            group = self.hyper.param_groups[0]
             trial = self.cls([probe], **{k: v for k, v in group.items() if k in self.hyper.defaults})
             trial.step()
-            for key, value in trial.state[probe].items():
-                state[key] = torch.zeros_like(value) if isinstance(value, torch.Tensor) else value
-        return state
+            cache[shape] = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v
+                            for k, v in trial.state[probe].items()}
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in cache[shape].items()}
 
 
 def make_matrix_optimizer(models, matrix_cls: Callable, *args, **kwargs) -> MatrixOptimizer:

@@ -18,6 +18,9 @@ from tests.engine.training import (GLOBAL_MICRO_BATCH, OPTIMIZERS, RunConfig, bu
 from tests.models import make_batches
 
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5)
+# A second per-matrix optimizer (factored second moment: needs whole rows and columns), run whole
+# on each matrix's owner (megatron/fsdp/matrix_whole.py).
+ADAFACTOR = dict(lr=0.02, weight_decay=0.1)
 
 
 def is_matrix(name: str, param) -> bool:
@@ -65,7 +68,7 @@ class BlockMuon:
             leaf.grad = None
 
 
-def muon_reference(cfg: RunConfig, muon: Optional[dict] = None, split=None) -> Dict[str, object]:
+def muon_reference(cfg: RunConfig, muon: Optional[dict] = None, split=None, matrix: str = "muon") -> Dict[str, object]:
     model = build_model(cfg)
     cls, kwargs = OPTIMIZERS["adamw"]
     matrices = [(n, p) for n, p in model.named_parameters() if is_matrix(n, p)]
@@ -75,21 +78,27 @@ def muon_reference(cfg: RunConfig, muon: Optional[dict] = None, split=None) -> D
             (no_decay if mfsdp.megatron_no_weight_decay(n, p) else decay).append(p)
     adamw = cls([{"params": decay, "weight_decay": kwargs["weight_decay"]},
                  {"params": no_decay, "weight_decay": 0.0}], **kwargs)
+    if matrix == "adafactor":
+        return reference_training(model, cfg, [torch.optim.Adafactor([p for _, p in matrices], **ADAFACTOR), adamw])
     return reference_training(model, cfg, [BlockMuon(matrices, split, **(muon or MUON)), adamw])
 
 
-def muon_wrap(ctx, cfg: RunConfig, muon: Optional[dict] = None, split=None):
+def muon_wrap(ctx, cfg: RunConfig, muon: Optional[dict] = None, split=None, matrix: str = "muon"):
     fsdp, _ = wrap(ctx, cfg)
     cls, kwargs = OPTIMIZERS["adamw"]
-    opt = mfsdp.FullyShardedOptimizer(fsdp, cls, clip_grad=cfg.clip_grad, matrix_optimizer=torch.optim.Muon,
-                                      matrix_kwargs=muon or MUON, matrix_split=split, **kwargs)
+    matrix_cls, matrix_kwargs = (torch.optim.Adafactor, ADAFACTOR) if matrix == "adafactor" \
+        else (torch.optim.Muon, muon or MUON)
+    opt = mfsdp.FullyShardedOptimizer(fsdp, cls, clip_grad=cfg.clip_grad, matrix_optimizer=matrix_cls,
+                                      matrix_kwargs=matrix_kwargs, matrix_split=split, **kwargs)
     return fsdp, opt
 
 
-def muon_run(ctx, cfg: RunConfig, muon: Optional[dict] = None, grouped: bool = False) -> Dict[str, object]:
+def muon_run(ctx, cfg: RunConfig, muon: Optional[dict] = None, grouped: bool = False,
+             matrix: str = "muon") -> Dict[str, object]:
     """Worker side: losses, norms, full parameters (rank 0), per-step matrix traffic and step counts
-    (``grouped``: the MLP weights split per "expert", ``grouped_blocks``)."""
-    fsdp, opt = muon_wrap(ctx, cfg, muon, grouped_blocks if grouped else None)
+    (``grouped``: the MLP weights split per "expert", ``grouped_blocks``; ``matrix``: "muon" or
+    "adafactor")."""
+    fsdp, opt = muon_wrap(ctx, cfg, muon, grouped_blocks if grouped else None, matrix)
     losses: List[float] = []
     norms: List[float] = []
     wire: List[int] = []
