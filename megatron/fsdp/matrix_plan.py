@@ -9,10 +9,12 @@ and sends the pieces of the result back. Everything here is a function of the
 layouts and the levels, so every rank computes the same plan without talking,
 and collective order follows unit order.
 
-Owners are dealt largest-cost first onto the least-loaded rank (ties: the
-lowest owner index), the cost being the Newton-Schulz work of a matrix
-(``rows * cols * min(rows, cols)``). With ``N`` owners each rank receives and
-sends back about ``(N-1)/N^2`` of the matrix bytes per direction.
+Owners are dealt largest-cost first, the cost being the Newton-Schulz work of
+a matrix (``rows * cols * min(rows, cols)``), onto the least-loaded rank, or
+onto another rank that keeps the same compute makespan and leaves the largest
+per-rank byte count smaller (``assign_owners``). With ``N`` owners each rank
+sends about ``(N-1)/N^2`` of the matrix bytes per direction, less where owners
+hold much of their own matrices.
 
 Exchange stages: on a flat axis one stage (inner). When the outer level shards
 optimizer state too, a rank's piece is an outer piece of an inner shard, so the
@@ -85,15 +87,52 @@ def owner_set(levels: MeshStrategy, inner_size: int, outer_size: int) -> OwnerSe
                     outer_size if levels.outer.shard_optim else 1)
 
 
-def assign_owners(costs: Sequence[int], owners: int) -> List[int]:
-    """Largest cost first onto the least-loaded owner; ties go to the lower index. Deterministic."""
+def assign_owners(costs: Sequence[int], owners: int, held: Optional[Sequence[Sequence[int]]] = None) -> List[int]:
+    """Largest cost first onto the least-loaded owner; ties go to the lower index. Deterministic.
+
+    With ``held`` (``held[o][k]``: elements of matrix ``k`` owner ``o`` holds before the
+    exchange) the choice also balances bytes: among the owners that keep the compute
+    makespan where the least-loaded choice would put it, the one that leaves the largest
+    per-rank send load smallest (an owner sends back all but its own piece; every other
+    rank sends its piece), so no rank sends much more than ``2 (N-1)/N^2`` of the matrix
+    elements, and owners that hold much of a matrix save its traffic.
+    """
     load = [0] * owners
+    send = [0] * owners
     result = [0] * len(costs)
     for k in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):
-        o = min(range(owners), key=lambda r: (load[r], r))
+        least = min(range(owners), key=lambda r: (load[r], r))
+        if held is None:
+            result[k] = least
+            load[least] += costs[k]
+            continue
+        cap = max(max(load), load[least] + costs[k])
+        numel = sum(held[r][k] for r in range(owners))
+        best = None
+        for o in range(owners):
+            if load[o] + costs[k] > cap:
+                continue
+            after = [send[r] + (numel - held[r][k] if r == o else held[r][k]) for r in range(owners)]
+            key = (max(after), load[o], o)
+            if best is None or key < best[0]:
+                best = (key, o, after)
+        _, o, send = best
         result[k] = o
         load[o] += costs[k]
     return result
+
+
+def held_elements(layout: FlatLayout, owners: "OwnerSet", start: int, end: int) -> List[int]:
+    """Elements of ``[start, end)`` each owner index holds before the exchange (its inner shard, cut
+    into ``owners.outer`` equal parts when the outer axis shards optimizer state too)."""
+    out = []
+    for o in range(owners.size):
+        inner, outer = owners.coordinates(o)
+        lo, hi = layout.shard_range(inner) if owners.inner > 1 else (0, layout.padded_size)
+        width = (hi - lo) // owners.outer
+        a, b = overlap((lo + outer * width, lo + (outer + 1) * width), start, end)
+        out.append(b - a)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +203,9 @@ def matrix_slots(units: Sequence[Tuple[int, int, FlatLayout, Sequence[str]]],
                 found.append((model, unit, i, label, tuple(block), slot.start + k * size,
                               slot.start + (k + 1) * size, name))
     costs = [math.prod(shape) * min(shape) for _, _, _, _, shape, _, _, _ in found]
-    owner_of = assign_owners(costs, owners.size)
+    layouts = {(model, unit): layout for model, unit, layout, _ in units}
+    per_matrix = [held_elements(layouts[(m, u)], owners, s, e) for m, u, _, _, _, s, e, _ in found]
+    owner_of = assign_owners(costs, owners.size, [list(col) for col in zip(*per_matrix)] if found else None)
     return [MatrixSlot(m, u, i, n, shape, s, e, o, p) for (m, u, i, n, shape, s, e, p), o in zip(found, owner_of)]
 
 

@@ -118,7 +118,20 @@ def muon_run(ctx, cfg: RunConfig, muon: Optional[dict] = None, grouped: bool = F
         "wire": wire, "calls": calls, "steps": dict(matrix.steps),
         "matrix_bytes": {k: v for k, v in matrix.traffic_theory().items()},
         "matrix_units": len(matrix.units),
+        "planned": _planned_bf16_bytes(matrix),
     }
+
+
+def _planned_bf16_bytes(matrix) -> int:
+    """What this rank should send per step over one-stage exchanges: its pieces of the matrices others
+    own, and all but its own piece of each matrix it owns (bf16, both directions)."""
+    total = 0
+    for mu in matrix.units:
+        if len(mu.stages) != 1:
+            continue
+        for m, (a, b) in zip(mu.matrices, mu.pieces):
+            total += (m.numel - (b - a)) if m.owner == mu.me else (b - a)
+    return 2 * total
 
 
 def replace(cfg: RunConfig, **kw) -> RunConfig:

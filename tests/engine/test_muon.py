@@ -70,12 +70,9 @@ def test_muon_parity_and_traffic_flat(pool, strategy, size, micro_batches):
     wire = [r["wire"][-1] for r in results]
     if not sharded:
         assert wire == [0] * size
-    elif size == 2:  # two owners: every rank sends exactly the other's half of its pieces
-        assert wire == [theory] * size
-    else:  # owners hold part of their own matrices: never above theory on average, each rank near it
-        mean = sum(wire) / size
-        assert 0.8 * theory <= mean <= 1.1 * theory, (wire, theory)
-        assert max(wire) <= 1.35 * theory, (wire, theory)
+    else:  # the ledger is the plan, and no rank sends more than 1.1 x 2(N-1)/N^2 of the matrix bytes
+        assert wire == [r["planned"] for r in results]
+        assert 0 < max(wire) <= 1.1 * theory, (wire, theory)
 
 
 def test_muon_world_size_one_is_bitwise(pool):
@@ -118,8 +115,8 @@ def test_muon_parity_meshes_and_experts(pool, name):
         two_stage = 2 * (1 / 8 + 1 / 8) * matrix_bytes
         for r in results:
             assert r["calls"] == [4 * r["matrix_units"]] * 6
-        mean = sum(r["wire"][-1] for r in results) / 4
-        assert 0.8 * two_stage <= mean <= 1.1 * two_stage
+        wire = [r["wire"][-1] for r in results]  # owners holding much of their matrices send less
+        assert 0 < max(wire) <= 1.1 * two_stage, (wire, two_stage)
 
 
 def test_muon_resume_exact_and_reshard(pool, tmp_path):
