@@ -57,3 +57,14 @@ def test_pretrain_muon_tp2_blockwise_and_duplicated_match_no_shard(mcore_pool):
 def test_muon_startup_errors(argv, pattern):
     with pytest.raises(ArgumentError, match=pattern):
         validate_args(parse_args(["--mock-data"] + argv), 2)
+
+
+def test_pretrain_muon_exact_resume_zero3(mcore_pool, tmp_path):
+    """--optimizer muon at DP 4 ZeRO-3, 10 iterations saving at 5 (fsdp_dtensor, Muon momentum and
+    AdamW state in the DCP optimizer state) against a fresh run loading iteration 5: bitwise."""
+    from tests.training.test_checkpointing import _assert_exact_resume
+
+    argv = ["--hidden-dropout", "0", "--attention-dropout", "0"] + _fsdp("optim_grads_params")
+    straight = _pretrain(mcore_pool, argv + ["--save", str(tmp_path), "--save-interval", "5"])
+    resumed = _pretrain(mcore_pool, argv + ["--load", str(tmp_path), "--ckpt-step", "5"])
+    _assert_exact_resume(straight, resumed, 5)
