@@ -1,11 +1,14 @@
 """Checkpoint entries of the matrix optimizer: main weights and momentum per matrix, in logical coordinates.
 
 The same scheme as the elementwise optimizer (``checkpoint.py``): ``main.<param>``
-and ``state.<param>.momentum_buffer`` are DTensors of the parameter's global
+and ``state.<param>.momentum_buffer`` (one entry per parameter, also for a
+grouped-GEMM weight that holds one matrix per expert) are DTensors of the parameter's global
 shape holding this rank's piece, so DCP reshards them to any world size, level
 or mesh; ``matrix_groups.0.<hyperparameter>`` holds the matrix optimizer's
 hyperparameters. The momentum exists from the start (zeros are exactly the
-state ``torch.optim.Muon`` creates on its first step).
+state ``torch.optim.Muon`` creates on its first step). Another per-matrix
+optimizer (``matrix_whole.py``) saves ``state.<matrix>.<key>`` for each state
+tensor, held whole by the matrix's owner.
 """
 
 from __future__ import annotations
@@ -19,23 +22,16 @@ from .checkpoint import _qualified, _shape_of, agreed, check_against, install_pi
 from .dcp_pieces import local_piece, sharded_piece
 from .staging import staged_copy
 
-MOMENTUM = "momentum_buffer"
-
-
 def _entries(optimizer):
-    """``(key, matrix unit, index, piece range)`` of every matrix on this rank."""
-    for mu in optimizer.matrix.units:
-        for j, m in enumerate(mu.matrices):
-            yield _qualified(optimizer, mu.model, m.name), mu, j, mu.pieces[j]
+    """``(key, entry)`` of every matrix checkpoint tensor on this rank (a grouped parameter is one entry)."""
+    for e in optimizer.matrix.checkpoint_entries():
+        key = _qualified(optimizer, e.model, e.name)
+        yield (f"main.{key}" if e.state is None else f"state.{key}.{e.state}"), e
 
 
 def matrix_keys(optimizer) -> Dict[str, Any]:
     """Every key of the matrix entries with its expected shape (``None``: not a tensor)."""
-    keys: Dict[str, Any] = {}
-    for key, mu, j, _ in _entries(optimizer):
-        shape = mu.matrices[j].shape
-        keys[f"main.{key}"] = shape
-        keys[f"state.{key}.{MOMENTUM}"] = shape
+    keys: Dict[str, Any] = {key: e.shape for key, e in _entries(optimizer)}
     for hp, value in optimizer.matrix.param_groups[0].items():
         if hp != "params":
             keys[f"matrix_groups.0.{hp}"] = _shape_of(value)
@@ -46,10 +42,8 @@ def matrix_state_dict(optimizer) -> Dict[str, Any]:
     """Copies of this rank's pieces (collective-free)."""
     out: Dict[str, Any] = {}
     with torch.no_grad():
-        for key, mu, j, (a, b) in _entries(optimizer):
-            m = mu.matrices[j]
-            out[f"main.{key}"] = sharded_piece(staged_copy(mu.params[j]), m.shape, a - m.start)
-            out[f"state.{key}.{MOMENTUM}"] = sharded_piece(staged_copy(mu.bufs[j]), m.shape, a - m.start)
+        for key, e in _entries(optimizer):
+            out[key] = sharded_piece(staged_copy(e.tensor.reshape(-1)), e.shape, e.offset)
     for hp, value in optimizer.matrix.param_groups[0].items():
         if hp != "params":
             out[f"matrix_groups.0.{hp}"] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
@@ -68,10 +62,8 @@ def check_matrix_state_dict(optimizer, state_dict: Mapping[str, Any]) -> List[tu
     def check():
         check_against("optimizer load_state_dict (matrix optimizer)", state_dict, matrix_keys(optimizer))
         writes = []
-        for key, mu, j, (a, b) in _entries(optimizer):
-            lo = a - mu.matrices[j].start
-            writes.append((mu.params[j], local_piece(state_dict[f"main.{key}"], lo, lo + b - a, f"main.{key}")))
-            writes.append((mu.bufs[j], local_piece(state_dict[f"state.{key}.{MOMENTUM}"], lo, lo + b - a, key)))
+        for key, e in _entries(optimizer):
+            writes.append((e.tensor, local_piece(state_dict[key], e.offset, e.offset + e.tensor.numel(), key)))
         return writes
     return agreed(optimizer.models, check)
 
@@ -80,7 +72,7 @@ def check_matrix_state_dict(optimizer, state_dict: Mapping[str, Any]) -> List[tu
 def write_matrix_state(optimizer, state_dict: Mapping[str, Any], writes: List[tuple]) -> None:
     """Write the validated pieces and hyperparameters, then rebuild compute weights (a collective)."""
     for target, piece in writes:
-        target.copy_(piece)
+        target.copy_(piece.view_as(target))
     group = optimizer.matrix.param_groups[0]
     for hp in [hp for hp in group if hp != "params"]:
         value = state_dict[f"matrix_groups.0.{hp}"]

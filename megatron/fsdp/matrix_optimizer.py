@@ -16,7 +16,8 @@ thing and ``O`` is bf16. Per unit and direction there is one all-to-all-v per
 exchange stage; the next unit's exchange is in flight while the owner computes,
 and the first one while the elementwise optimizer steps.
 
-Contract for a matrix optimizer class: ``torch.optim.Muon`` or a subclass; its
+Other per-matrix optimizers run whole on the owners (``matrix_whole.py``).
+Contract for the Muon class here: ``torch.optim.Muon`` or a subclass; its
 constructor validates the hyperparameters (one param group, which the LR
 scheduler may edit between steps); a subclass may define
 ``adjusted_lr(group, shape) -> float`` to replace torch's ``adjust_lr_fn``
@@ -40,7 +41,7 @@ import torch
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from .comm import CommAxis, Handle
-from .matrix_plan import MatrixSlot, Stage, exchange_stages, matrix_slots, overlap, owner_set
+from .matrix_plan import MatrixSlot, Stage, exchange_stages, matrix_blocks, matrix_slots, overlap, owner_set
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -64,10 +65,39 @@ def _view_param(spec, original: torch.nn.Parameter) -> torch.nn.Parameter:
     return meta
 
 
+MOMENTUM = "momentum_buffer"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CheckpointEntry:
+    """One checkpoint tensor of this rank: flat elements ``[offset, offset + tensor.numel())`` of a
+    tensor of ``shape``, the main weights (``state`` None) or state ``state`` of parameter ``name``."""
+
+    model: int
+    name: str
+    state: Optional[str]
+    shape: Tuple[int, ...]
+    offset: int
+    tensor: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ParamPiece:
+    """This rank's piece of one matrix parameter (all its matrices): main weights and momentum views."""
+
+    name: str
+    slot: int
+    shape: Tuple[int, ...]
+    offset: int  # of the piece in the flattened parameter
+    main: torch.Tensor
+    momentum: torch.Tensor
+
+
 class _MatrixUnit:
     """One unit's matrices on this rank: pieces of main weights, gradients and momentum; exchange stages."""
 
-    def __init__(self, model: int, unit, matrices: List[MatrixSlot], owners, shards: Dict[int, TensorShards]):
+    def __init__(self, model: int, unit, matrices: List[MatrixSlot], owners, shards: Dict[int, TensorShards],
+                 momentum: bool = True):
         s = unit.storage
         self.model, self.unit, self.storage, self.matrices = model, unit, s, matrices
         self.tag = f"matrix:{unit.name}"
@@ -79,13 +109,21 @@ class _MatrixUnit:
         m0, m1 = s.regions.main
         self.pieces = [overlap((m0, m1), m.start, m.end) for m in matrices]
         total = sum(b - a for a, b in self.pieces)
-        self.momentum = torch.zeros(total, dtype=s.main_dtype, device=s.main.device)
+        self.momentum = torch.zeros(total if momentum else 0, dtype=s.main_dtype, device=s.main.device)
         self.bufs, self.params, self.grads = [], [], []
         offset = 0
-        for a, b in self.pieces:
-            self.bufs.append(self.momentum[offset:offset + b - a])
+        self.by_param: List[ParamPiece] = []  # per parameter (several matrices of a grouped one share it)
+        for j, (a, b) in enumerate(self.pieces):
+            self.bufs.append(self.momentum[offset:offset + b - a] if momentum else None)
             self.params.append(s.main[a - m0:b - m0])
             self.grads.append(s.main_grad[a - m0:b - m0])
+            m = matrices[j]
+            if not self.by_param or self.by_param[-1].slot != m.slot:
+                slot = s.layout.slots[m.slot]
+                lo, hi = overlap((m0, m1), slot.start, slot.end)
+                self.by_param.append(ParamPiece(m.param, m.slot, tuple(slot.spec.shape), lo - slot.start,
+                                                s.main[lo - m0:hi - m0],
+                                                self.momentum[offset:offset + hi - lo] if momentum else None))
             offset += b - a
 
     def coordinate(self, m: MatrixSlot, axis: str) -> int:
@@ -107,18 +145,25 @@ class _MatrixUnit:
 
 
 class MatrixOptimizer:
-    """Steps the selected matrices of ``models`` with ``matrix_cls`` semantics; see the module docstring."""
+    """Steps the selected matrices of ``models`` with ``matrix_cls`` semantics; see the module docstring.
+
+    This class runs ``torch.optim.Muon`` (and subclasses) with its momentum sharded;
+    ``matrix_whole.WholeMatrixOptimizer`` runs any other per-matrix optimizer on whole
+    matrices on their owners (``make_matrix_optimizer`` picks).
+    """
+
+    keeps_momentum = True  # sharded momentum_buffer per matrix (Muon's elementwise part)
 
     def __init__(self, models: Sequence, matrix_cls: Callable, matrix_kwargs: Optional[dict] = None,
-                 matrix_params: Optional[Callable] = None, matrix_shards: Optional[Callable] = None):
-        if not (isinstance(matrix_cls, type) and issubclass(matrix_cls, torch.optim.Muon)):
-            raise TypeError(f"matrix_optimizer must be torch.optim.Muon or a subclass of it, got {matrix_cls!r}; "
-                            "other matrix optimizers are not supported yet")
+                 matrix_params: Optional[Callable] = None, matrix_shards: Optional[Callable] = None,
+                 matrix_split: Optional[Callable] = None):
+        self._check_class(matrix_cls)
         self.cls = matrix_cls
+        self.kwargs = dict(matrix_kwargs or {})
         placeholder = torch.nn.Parameter(torch.zeros(1, 1))
         # The constructor validates the hyperparameters; its one param group is the live copy
         # (an LR scheduler edits it); the placeholder is never stepped.
-        self.hyper = matrix_cls([placeholder], **(matrix_kwargs or {}))
+        self.hyper = matrix_cls([placeholder], **self.kwargs)
         if len(self.hyper.param_groups) != 1:
             raise ValueError("the matrix optimizer takes one param group")
         self.steps = collections.Counter()  # matrix name -> Newton-Schulz runs on this rank
@@ -140,7 +185,8 @@ class MatrixOptimizer:
                             f"matrix_params selected {name!r} of shape {tuple(slot.spec.shape)}, a {what} "
                             "parameter; the matrix optimizer steps trainable 2-D parameters only: make the "
                             "selector return False for it (the elementwise optimizer then steps it)")
-                    chosen.append(pick)
+                    block = None if not pick or matrix_split is None else matrix_split(name, view)
+                    chosen.append(matrix_blocks(name, slot.spec.shape, block) if pick else None)
                 by_section.setdefault(s.section, []).append((k, unit, chosen))
         for section, entries in by_section.items():
             s0 = entries[0][1].storage
@@ -158,8 +204,14 @@ class MatrixOptimizer:
                                                                   unit.storage.params[m.slot]))
                         if spec is not None and spec.axis.size > 1:
                             shards[j] = spec
-                self.units.append(_MatrixUnit(k, unit, mine, owners, shards))
-                self.names.update((k, m.name) for m in mine)
+                self.units.append(_MatrixUnit(k, unit, mine, owners, shards, self.keeps_momentum))
+                self.names.update((k, m.param) for m in mine)
+
+    @staticmethod
+    def _check_class(matrix_cls) -> None:
+        if not (isinstance(matrix_cls, type) and issubclass(matrix_cls, torch.optim.Muon)):
+            raise TypeError(f"MatrixOptimizer runs torch.optim.Muon or a subclass of it, got {matrix_cls!r}; "
+                            "use make_matrix_optimizer for other per-matrix optimizers")
 
     # ---------------------------------------------------------------- queries
     @property
@@ -175,6 +227,16 @@ class MatrixOptimizer:
 
     def state_bytes(self) -> int:
         return sum(mu.momentum.untyped_storage().nbytes() for mu in self.units)
+
+    def checkpoint_entries(self) -> List["CheckpointEntry"]:
+        """This rank's pieces for the checkpoint: main weights and momentum, per parameter."""
+        out = []
+        for mu in self.units:
+            for piece in mu.by_param:
+                out.append(CheckpointEntry(mu.model, piece.name, None, piece.shape, piece.offset, piece.main))
+                out.append(CheckpointEntry(mu.model, piece.name, MOMENTUM, piece.shape, piece.offset,
+                                           piece.momentum))
+        return out
 
     # ------------------------------------------------------------------- step
     @torch.no_grad()
@@ -208,17 +270,24 @@ class MatrixOptimizer:
             buf.lerp_(g, 1 - momentum)
             update = g.lerp(buf, momentum) if nesterov else buf
             held[j] = update.bfloat16()
+        return self._exchange_toward(mu, held)
+
+    def _exchange_toward(self, mu: _MatrixUnit, held: Dict[int, torch.Tensor], width: int = 1,
+                         dtype: torch.dtype = torch.bfloat16) -> Callable[[], Dict[int, torch.Tensor]]:
+        """Start moving ``held`` (this rank's pieces) toward the owners; the function completes it."""
         stages = list(mu.stages)
-        first = self._stage_toward(mu, stages[0], held) if stages else Handle()
+        first = self._stage_toward(mu, stages[0], held, width, dtype) if stages else Handle()
 
         def finish() -> Dict[int, torch.Tensor]:
             first.wait()
             for stage in stages[1:]:
-                self._stage_toward(mu, stage, held).wait()
+                self._stage_toward(mu, stage, held, width, dtype).wait()
             return held
         return finish
 
-    def _stage_toward(self, mu: _MatrixUnit, stage: Stage, held: Dict[int, torch.Tensor]) -> Handle:
+    def _stage_toward(self, mu: _MatrixUnit, stage: Stage, held: Dict[int, torch.Tensor], width: int = 1,
+                      dtype: torch.dtype = torch.bfloat16) -> Handle:
+        """One stage toward the owners; ``held[j]``: ``width`` values per element of matrix ``j``'s piece."""
         axis = mu.axes[stage.axis]
         me = axis.rank
         active = mu.active(stage)
@@ -229,11 +298,11 @@ class MatrixOptimizer:
             send_parts += parts
             in_splits.append(sum(p.numel() for p in parts))
         mine = [j for j in active if dest[j] == me]
-        lengths = [[_length(overlap(stage.ranges[k], mu.matrices[j].start, mu.matrices[j].end)) for j in mine]
+        lengths = [[width * _length(overlap(stage.ranges[k], mu.matrices[j].start, mu.matrices[j].end)) for j in mine]
                    for k in range(axis.size)]
         out_splits = [sum(row) for row in lengths]
-        send = _cat(send_parts, held)
-        out = torch.empty(sum(out_splits), dtype=torch.bfloat16, device=send.device)
+        send = _cat(send_parts, held, dtype)
+        out = torch.empty(sum(out_splits), dtype=dtype, device=send.device)
 
         def unpack():
             chunks = {j: [] for j in mine}
@@ -248,7 +317,8 @@ class MatrixOptimizer:
                 held[j] = torch.cat(chunks[j])
         return Handle(axis.all_to_all(out, send, out_splits, in_splits, mu.tag), then=unpack)
 
-    def _stage_back(self, mu: _MatrixUnit, stage: Stage, held: Dict[int, torch.Tensor]) -> Handle:
+    def _stage_back(self, mu: _MatrixUnit, stage: Stage, held: Dict[int, torch.Tensor], width: int = 1,
+                    dtype: torch.dtype = torch.bfloat16) -> Handle:
         axis = mu.axes[stage.axis]
         me = axis.rank
         active = mu.active(stage)
@@ -262,13 +332,14 @@ class MatrixOptimizer:
                 m = mu.matrices[j]
                 base = overlap(union, m.start, m.end)[0]
                 a, b = overlap(stage.ranges[k], m.start, m.end)
-                send_parts.append(held[j][a - base:b - base])
-                n += b - a
+                send_parts.append(held[j][width * (a - base):width * (b - base)])
+                n += width * (b - a)
             in_splits.append(n)
-        recv = [(j, _length(overlap(stage.ranges[me], mu.matrices[j].start, mu.matrices[j].end))) for j in active]
+        recv = [(j, width * _length(overlap(stage.ranges[me], mu.matrices[j].start, mu.matrices[j].end)))
+                for j in active]
         out_splits = [sum(n for j, n in recv if dest[j] == k) for k in range(axis.size)]
-        send = _cat(send_parts, held)
-        out = torch.empty(sum(out_splits), dtype=torch.bfloat16, device=send.device)
+        send = _cat(send_parts, held, dtype)
+        out = torch.empty(sum(out_splits), dtype=dtype, device=send.device)
 
         def unpack():
             offset = 0
@@ -314,14 +385,16 @@ class MatrixOptimizer:
                 offset += m.numel
         return out
 
-    def _from_owner(self, mu: _MatrixUnit, held: Dict[int, torch.Tensor]) -> Callable[[], None]:
+    def _from_owner(self, mu: _MatrixUnit, held: Dict[int, torch.Tensor], width: int = 1,
+                    dtype: torch.dtype = torch.bfloat16) -> Callable[[], None]:
+        """Start sending the owned results in ``held`` back; the function completes it (pieces in ``held``)."""
         stages = list(reversed(mu.stages))
-        first = self._stage_back(mu, stages[0], held) if stages else Handle()
+        first = self._stage_back(mu, stages[0], held, width, dtype) if stages else Handle()
 
         def finish():
             first.wait()
             for stage in stages[1:]:
-                self._stage_back(mu, stage, held).wait()
+                self._stage_back(mu, stage, held, width, dtype).wait()
         return finish
 
     def _apply(self, mu: _MatrixUnit, held: Dict[int, torch.Tensor], finish: Callable[[], None], group) -> None:
@@ -349,11 +422,11 @@ def _length(r) -> int:
     return r[1] - r[0]
 
 
-def _cat(parts: List[torch.Tensor], held: Dict[int, torch.Tensor]) -> torch.Tensor:
+def _cat(parts: List[torch.Tensor], held: Dict[int, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     if parts:
         return torch.cat(parts)
     some = next(iter(held.values()), None)
-    return torch.empty(0, dtype=torch.bfloat16, device=some.device if some is not None else "cpu")
+    return torch.empty(0, dtype=dtype, device=some.device if some is not None else "cpu")
 
 
 def matrix_numel(optimizer: MatrixOptimizer) -> int:

@@ -9,10 +9,12 @@ and sends the pieces of the result back. Everything here is a function of the
 layouts and the levels, so every rank computes the same plan without talking,
 and collective order follows unit order.
 
-Owners are dealt largest-cost first onto the least-loaded rank (ties: the
-lowest owner index), the cost being the Newton-Schulz work of a matrix
-(``rows * cols * min(rows, cols)``). With ``N`` owners each rank receives and
-sends back about ``(N-1)/N^2`` of the matrix bytes per direction.
+Owners are dealt largest-cost first, the cost being the Newton-Schulz work of
+a matrix (``rows * cols * min(rows, cols)``), onto the least-loaded rank, or
+onto another rank that keeps the same compute makespan and leaves the largest
+per-rank byte count smaller (``assign_owners``). With ``N`` owners each rank
+sends about ``(N-1)/N^2`` of the matrix bytes per direction, less where owners
+hold much of their own matrices.
 
 Exchange stages: on a flat axis one stage (inner). When the outer level shards
 optimizer state too, a rank's piece is an outer piece of an inner shard, so the
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .layout import FlatLayout
 from .strategy import MeshStrategy
@@ -35,7 +37,12 @@ Range = Tuple[int, int]
 
 @dataclasses.dataclass(frozen=True)
 class MatrixSlot:
-    """One matrix: where it lives (model chunk, unit, slot, buffer range ``[start, end)``) and its owner."""
+    """One matrix: where it lives (model chunk, unit, slot, buffer range ``[start, end)``) and its owner.
+
+    A parameter is one matrix, or (grouped-GEMM expert weights) several
+    consecutive row-major blocks of its storage, each its own matrix: then
+    ``name`` is ``param[k]`` and ``[start, end)`` is block ``k``'s range.
+    """
 
     model: int
     unit: int
@@ -45,6 +52,7 @@ class MatrixSlot:
     start: int
     end: int
     owner: int  # index in the section's owner set (inner coordinate + N * outer coordinate)
+    param: str = ""  # the parameter's name (== name unless the parameter holds several matrices)
 
     @property
     def numel(self) -> int:
@@ -79,15 +87,52 @@ def owner_set(levels: MeshStrategy, inner_size: int, outer_size: int) -> OwnerSe
                     outer_size if levels.outer.shard_optim else 1)
 
 
-def assign_owners(costs: Sequence[int], owners: int) -> List[int]:
-    """Largest cost first onto the least-loaded owner; ties go to the lower index. Deterministic."""
+def assign_owners(costs: Sequence[int], owners: int, held: Optional[Sequence[Sequence[int]]] = None) -> List[int]:
+    """Largest cost first onto the least-loaded owner; ties go to the lower index. Deterministic.
+
+    With ``held`` (``held[o][k]``: elements of matrix ``k`` owner ``o`` holds before the
+    exchange) the choice also balances bytes: among the owners that keep the compute
+    makespan where the least-loaded choice would put it, the one that leaves the largest
+    per-rank send load smallest (an owner sends back all but its own piece; every other
+    rank sends its piece), so no rank sends much more than ``2 (N-1)/N^2`` of the matrix
+    elements, and owners that hold much of a matrix save its traffic.
+    """
     load = [0] * owners
+    send = [0] * owners
     result = [0] * len(costs)
     for k in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):
-        o = min(range(owners), key=lambda r: (load[r], r))
+        least = min(range(owners), key=lambda r: (load[r], r))
+        if held is None:
+            result[k] = least
+            load[least] += costs[k]
+            continue
+        cap = max(max(load), load[least] + costs[k])
+        numel = sum(held[r][k] for r in range(owners))
+        best = None
+        for o in range(owners):
+            if load[o] + costs[k] > cap:
+                continue
+            after = [send[r] + (numel - held[r][k] if r == o else held[r][k]) for r in range(owners)]
+            key = (max(after), load[o], o)
+            if best is None or key < best[0]:
+                best = (key, o, after)
+        _, o, send = best
         result[k] = o
         load[o] += costs[k]
     return result
+
+
+def held_elements(layout: FlatLayout, owners: "OwnerSet", start: int, end: int) -> List[int]:
+    """Elements of ``[start, end)`` each owner index holds before the exchange (its inner shard, cut
+    into ``owners.outer`` equal parts when the outer axis shards optimizer state too)."""
+    out = []
+    for o in range(owners.size):
+        inner, outer = owners.coordinates(o)
+        lo, hi = layout.shard_range(inner) if owners.inner > 1 else (0, layout.padded_size)
+        width = (hi - lo) // owners.outer
+        a, b = overlap((lo + outer * width, lo + (outer + 1) * width), start, end)
+        out.append(b - a)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,17 +170,43 @@ def overlap(r: Range, start: int, end: int) -> Range:
     return (a, b) if a < b else (start, start)
 
 
-def matrix_slots(units: Sequence[Tuple[int, int, FlatLayout, Sequence[str]]], selected: Sequence[Sequence[bool]],
-                 owners: OwnerSet) -> List[MatrixSlot]:
-    """Every selected slot of ``units`` (``(model, unit index, layout, names)``) with its owner, in unit order."""
+def matrix_blocks(name: str, shape: Sequence[int], block: Optional[Sequence[int]]) -> Tuple[int, int]:
+    """The shape of each matrix of a parameter: itself, or ``block`` when its storage holds several
+    (``numel`` must be a multiple of the block's); one error naming the parameter otherwise."""
+    if block is None:
+        return tuple(shape)
+    block = tuple(int(n) for n in block)
+    numel = math.prod(shape)
+    if len(block) != 2 or min(block) < 1 or numel % math.prod(block):
+        raise ValueError(f"matrix_split({name!r}) returned {block}, which does not tile the parameter of shape "
+                         f"{tuple(shape)}: return (rows, cols) of one of its consecutive row-major matrices, "
+                         "or None for one matrix")
+    return block
+
+
+def matrix_slots(units: Sequence[Tuple[int, int, FlatLayout, Sequence[str]]],
+                 selected: Sequence[Sequence[Optional[Tuple[int, int]]]], owners: OwnerSet) -> List[MatrixSlot]:
+    """Every selected slot of ``units`` (``(model, unit index, layout, names)``) with its owner, in unit order.
+
+    ``selected[u][i]`` is ``None`` (not a matrix) or the shape of each matrix in
+    slot ``i`` (the parameter's own shape, or a block of it: one matrix per block).
+    """
     found = []
-    for (model, unit, layout, names), flags in zip(units, selected):
-        for i, (slot, name, chosen) in enumerate(zip(layout.slots, names, flags)):
-            if chosen:
-                found.append((model, unit, i, name, tuple(slot.spec.shape), slot.start, slot.end))
-    costs = [math.prod(shape) * min(shape) for *_, shape, _, _ in found]
-    owner_of = assign_owners(costs, owners.size)
-    return [MatrixSlot(m, u, i, n, shape, s, e, o) for (m, u, i, n, shape, s, e), o in zip(found, owner_of)]
+    for (model, unit, layout, names), blocks in zip(units, selected):
+        for i, (slot, name, block) in enumerate(zip(layout.slots, names, blocks)):
+            if block is None:
+                continue
+            size = math.prod(block)
+            count = (slot.end - slot.start) // size
+            for k in range(count):
+                label = name if count == 1 and tuple(block) == tuple(slot.spec.shape) else f"{name}[{k}]"
+                found.append((model, unit, i, label, tuple(block), slot.start + k * size,
+                              slot.start + (k + 1) * size, name))
+    costs = [math.prod(shape) * min(shape) for _, _, _, _, shape, _, _, _ in found]
+    layouts = {(model, unit): layout for model, unit, layout, _ in units}
+    per_matrix = [held_elements(layouts[(m, u)], owners, s, e) for m, u, _, _, _, s, e, _ in found]
+    owner_of = assign_owners(costs, owners.size, [list(col) for col in zip(*per_matrix)] if found else None)
+    return [MatrixSlot(m, u, i, n, shape, s, e, o, p) for (m, u, i, n, shape, s, e, p), o in zip(found, owner_of)]
 
 
 def loads(slots: Sequence[MatrixSlot], owners: int) -> Dict[int, int]:

@@ -23,7 +23,7 @@ from .checkpoint import load_optimizer_state_dict, optimizer_state_dict
 from .comm import collective
 from .experts import EXPERT
 from .matrix_checkpoint import check_matrix_state_dict, matrix_state_dict, split_state_dict, write_matrix_state
-from .matrix_optimizer import MatrixOptimizer
+from .matrix_whole import make_matrix_optimizer
 from .module import FullyShardedModule
 from .precision_optimizer import OptimizerPrecision, attach_grad
 
@@ -48,6 +48,13 @@ class FullyShardedOptimizer:
     model parallel groups, whose ranks hold different parameters), and
     ``expert_norm_groups`` the same for the expert section (default: ``norm_groups``).
 
+    ``matrix_optimizer`` (Muon, or another per-matrix optimizer) steps the
+    parameters ``matrix_params(name, param)`` selects, each matrix on one owner
+    rank (docs/muon.md); ``matrix_split(name, param)`` may return the
+    ``(rows, cols)`` of the consecutive row-major matrices one parameter's
+    storage holds (grouped-GEMM expert weights: one matrix per expert), and
+    ``matrix_shards`` the tensor-parallel shards of a matrix (``duplicated`` mode).
+
     ``state_dtype`` (a dtype, or ``{"exp_avg": ..., "exp_avg_sq": ...}``) and
     ``main_grads_dtype`` (the gradient accumulators' dtype) other than fp32 keep Adam/AdamW
     state or gradients in bf16 and update in fp32 (``precision_optimizer.py``); the default
@@ -59,7 +66,7 @@ class FullyShardedOptimizer:
                  norm_groups: Sequence = (), expert_norm_groups: Optional[Sequence] = None,
                  matrix_optimizer: Optional[Callable] = None, matrix_kwargs: Optional[dict] = None,
                  matrix_params: Optional[Callable] = None, matrix_shards: Optional[Callable] = None,
-                 state_dtype=None, main_grads_dtype: Optional[torch.dtype] = None, **optimizer_kwargs):
+                 matrix_split: Optional[Callable] = None, state_dtype=None, main_grads_dtype: Optional[torch.dtype] = None, **optimizer_kwargs):
         self.models: List[FullyShardedModule] = [models] if isinstance(models, FullyShardedModule) else list(models)
         if not self.models or not all(isinstance(m, FullyShardedModule) for m in self.models):
             raise TypeError("FullyShardedOptimizer needs the model(s) returned by megatron.fsdp.fully_shard")
@@ -82,8 +89,8 @@ class FullyShardedOptimizer:
         self._grads: List[torch.Tensor] = []
         self._norm_grads: Dict[str, List[torch.Tensor]] = {name: [] for name in first.sections}
         # Matrix parameters (Muon): stepped by matrix_optimizer.py, outside the elementwise runs.
-        self.matrix = None if matrix_optimizer is None else MatrixOptimizer(
-            self.models, matrix_optimizer, matrix_kwargs, matrix_params, matrix_shards)
+        self.matrix = None if matrix_optimizer is None else make_matrix_optimizer(
+            self.models, matrix_optimizer, matrix_kwargs, matrix_params, matrix_shards, matrix_split)
         for k, model in enumerate(self.models):
             for unit in model.units:
                 s = unit.storage

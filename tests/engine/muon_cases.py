@@ -58,17 +58,17 @@ def resume(ctx, path: str, **config) -> Dict[str, object]:
             "momentum_keys": len(saved)}
 
 
-def save_then_continue(ctx, path: str, **config) -> Dict[str, object]:
+def save_then_continue(ctx, path: str, matrix: str = "muon", **config) -> Dict[str, object]:
     cfg = dataclasses.replace(RunConfig(), steps=BATCHES, **config)
-    fsdp, opt = muon_wrap(ctx, cfg)
+    fsdp, opt = muon_wrap(ctx, cfg, matrix=matrix)
     _train(ctx, fsdp, opt, cfg, 0, 2)
     _save(ctx, fsdp, opt, path)
     return {"after": _train(ctx, fsdp, opt, cfg, 2, BATCHES)}
 
 
-def load_and_continue(ctx, path: str, **config) -> Dict[str, object]:
+def load_and_continue(ctx, path: str, matrix: str = "muon", **config) -> Dict[str, object]:
     cfg = dataclasses.replace(RunConfig(), steps=BATCHES, seed=7, **config)
-    fsdp, opt = muon_wrap(ctx, cfg)
+    fsdp, opt = muon_wrap(ctx, cfg, matrix=matrix)
     _load(ctx, fsdp, opt, path)
     return {"after": _train(ctx, fsdp, opt, cfg, 2, BATCHES)}
 
@@ -93,6 +93,6 @@ def selector_errors(ctx) -> Dict[str, object]:
     return {
         "one_d": _error(lambda: build(lambda n, p: n.startswith("blocks.") and n.endswith("norm1.weight"))),
         "frozen": _error(lambda: build(lambda n, p: n == "frozen_scale")),
-        "not_muon": _error(lambda: build(None, matrix=torch.optim.SGD)),
+        "not_an_optimizer": _error(lambda: build(None, matrix=torch.nn.Linear)),
         "root_matrix_ok": _error(lambda: build(lambda n, p: p.dim() == 2 and p.requires_grad)),
     }

@@ -8,7 +8,7 @@ biases) is stepped by AdamW. Both sides clip by one global norm over all of them
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -18,36 +18,87 @@ from tests.engine.training import (GLOBAL_MICRO_BATCH, OPTIMIZERS, RunConfig, bu
 from tests.models import make_batches
 
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5)
+# A second per-matrix optimizer (factored second moment: needs whole rows and columns), run whole
+# on each matrix's owner (megatron/fsdp/matrix_whole.py).
+ADAFACTOR = dict(lr=0.02, weight_decay=0.1)
 
 
 def is_matrix(name: str, param) -> bool:
     return param.requires_grad and param.dim() == 2 and name.startswith("blocks.")
 
 
-def muon_reference(cfg: RunConfig, muon: Optional[dict] = None) -> Dict[str, object]:
+def grouped_blocks(name: str, param) -> Optional[Tuple[int, int]]:
+    """Grouped-GEMM-like weights, two "experts" each, split as Megatron's GroupedMLP views them:
+    ``mlp.up`` [2 F, h] as ``view(2, F, h)`` (like weight2), ``mlp.down`` [h, 2 F] as
+    ``view(2, h, F)`` (like weight1: blocks of the storage, not column slices)."""
+    rows, cols = param.shape
+    if name.endswith("mlp.up.weight"):
+        return rows // 2, cols
+    if name.endswith("mlp.down.weight"):
+        return rows, cols // 2
+    return None
+
+
+class BlockMuon:
+    """The unsharded reference for split matrices: ``torch.optim.Muon`` on each block of a parameter's
+    storage as its own leaf (sharing the storage, so Muon's in-place update lands in the parameter)."""
+
+    def __init__(self, named: List[Tuple[str, torch.nn.Parameter]], split, **muon):
+        self.originals = [p for _, p in named]
+        self.blocks = []  # (original, block shape or None, index, leaf)
+        for name, p in named:
+            block = split(name, p) if split is not None else None
+            if block is None:
+                self.blocks.append((p, None, 0, p))
+                continue
+            views = p.detach().view(-1, *block)
+            self.blocks += [(p, block, k, torch.nn.Parameter(views[k])) for k in range(views.shape[0])]
+        self.muon = torch.optim.Muon([leaf for *_, leaf in self.blocks], **muon)
+
+    def step(self):
+        for p, block, k, leaf in self.blocks:
+            if block is not None:
+                leaf.grad = p.grad.view(-1, *block)[k]
+        self.muon.step()
+
+    def zero_grad(self):
+        for p in self.originals:
+            p.grad = None
+        for *_, leaf in self.blocks:
+            leaf.grad = None
+
+
+def muon_reference(cfg: RunConfig, muon: Optional[dict] = None, split=None, matrix: str = "muon") -> Dict[str, object]:
     model = build_model(cfg)
     cls, kwargs = OPTIMIZERS["adamw"]
-    matrices = [p for n, p in model.named_parameters() if is_matrix(n, p)]
+    matrices = [(n, p) for n, p in model.named_parameters() if is_matrix(n, p)]
     decay, no_decay = [], []
     for n, p in model.named_parameters():
         if p.requires_grad and not is_matrix(n, p):
             (no_decay if mfsdp.megatron_no_weight_decay(n, p) else decay).append(p)
     adamw = cls([{"params": decay, "weight_decay": kwargs["weight_decay"]},
                  {"params": no_decay, "weight_decay": 0.0}], **kwargs)
-    return reference_training(model, cfg, [torch.optim.Muon(matrices, **(muon or MUON)), adamw])
+    if matrix == "adafactor":
+        return reference_training(model, cfg, [torch.optim.Adafactor([p for _, p in matrices], **ADAFACTOR), adamw])
+    return reference_training(model, cfg, [BlockMuon(matrices, split, **(muon or MUON)), adamw])
 
 
-def muon_wrap(ctx, cfg: RunConfig, muon: Optional[dict] = None):
+def muon_wrap(ctx, cfg: RunConfig, muon: Optional[dict] = None, split=None, matrix: str = "muon"):
     fsdp, _ = wrap(ctx, cfg)
     cls, kwargs = OPTIMIZERS["adamw"]
-    opt = mfsdp.FullyShardedOptimizer(fsdp, cls, clip_grad=cfg.clip_grad, matrix_optimizer=torch.optim.Muon,
-                                      matrix_kwargs=muon or MUON, **kwargs)
+    matrix_cls, matrix_kwargs = (torch.optim.Adafactor, ADAFACTOR) if matrix == "adafactor" \
+        else (torch.optim.Muon, muon or MUON)
+    opt = mfsdp.FullyShardedOptimizer(fsdp, cls, clip_grad=cfg.clip_grad, matrix_optimizer=matrix_cls,
+                                      matrix_kwargs=matrix_kwargs, matrix_split=split, **kwargs)
     return fsdp, opt
 
 
-def muon_run(ctx, cfg: RunConfig, muon: Optional[dict] = None) -> Dict[str, object]:
-    """Worker side: losses, norms, full parameters (rank 0), per-step matrix traffic and step counts."""
-    fsdp, opt = muon_wrap(ctx, cfg, muon)
+def muon_run(ctx, cfg: RunConfig, muon: Optional[dict] = None, grouped: bool = False,
+             matrix: str = "muon") -> Dict[str, object]:
+    """Worker side: losses, norms, full parameters (rank 0), per-step matrix traffic and step counts
+    (``grouped``: the MLP weights split per "expert", ``grouped_blocks``; ``matrix``: "muon" or
+    "adafactor")."""
+    fsdp, opt = muon_wrap(ctx, cfg, muon, grouped_blocks if grouped else None, matrix)
     losses: List[float] = []
     norms: List[float] = []
     wire: List[int] = []
@@ -67,7 +118,20 @@ def muon_run(ctx, cfg: RunConfig, muon: Optional[dict] = None) -> Dict[str, obje
         "wire": wire, "calls": calls, "steps": dict(matrix.steps),
         "matrix_bytes": {k: v for k, v in matrix.traffic_theory().items()},
         "matrix_units": len(matrix.units),
+        "planned": _planned_bf16_bytes(matrix),
     }
+
+
+def _planned_bf16_bytes(matrix) -> int:
+    """What this rank should send per step over one-stage exchanges: its pieces of the matrices others
+    own, and all but its own piece of each matrix it owns (bf16, both directions)."""
+    total = 0
+    for mu in matrix.units:
+        if len(mu.stages) != 1:
+            continue
+        for m, (a, b) in zip(mu.matrices, mu.pieces):
+            total += (m.numel - (b - a)) if m.owner == mu.me else (b - a)
+    return 2 * total
 
 
 def replace(cfg: RunConfig, **kw) -> RunConfig:

@@ -17,7 +17,9 @@ TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 # Losses within 1e-5 as asked; grad norms within 1e-4 (the 1e-5 target is missed there): the
 # levels reduce gradients in different orders (fp32, ~1e-7), bf16(U) then rounds a few
 # elements the other way, and Newton-Schulz carries that into the weights (measured: 2.2e-5
-# at DP 4 ZeRO-3, 5.5e-5 at TP 2 x DP 2 duplicated ZeRO-3, on the grad norm).
+# at DP 4 ZeRO-3, 5.5e-5 at TP 2 x DP 2 duplicated ZeRO-3, on the grad norm). Per iteration at
+# DP 4 ZeRO-3 vs no_shard (muon15, printed 7 digits): iterations 1-3 equal, then 4.8e-6, 1.1e-5,
+# ..., 1.5e-5 at 10, while losses stay within 1.2e-6: the gap grows only once updates differ.
 RTOL = {"losses": 1e-5, "valid": 1e-5, "grad_norms": 1e-4}
 
 
@@ -57,3 +59,15 @@ def test_pretrain_muon_tp2_blockwise_and_duplicated_match_no_shard(mcore_pool):
 def test_muon_startup_errors(argv, pattern):
     with pytest.raises(ArgumentError, match=pattern):
         validate_args(parse_args(["--mock-data"] + argv), 2)
+
+
+def test_pretrain_muon_exact_resume_zero3(mcore_pool, tmp_path):
+    """--optimizer muon at DP 4 ZeRO-3, 6 iterations saving at 3 (fsdp_dtensor, Muon momentum and
+    AdamW state in the DCP optimizer state) against a fresh run loading iteration 3: bitwise."""
+    from tests.training.test_checkpointing import _assert_exact_resume
+
+    argv = ["--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "6",
+            "--eval-interval", "3"] + _fsdp("optim_grads_params")  # 6 iterations: the suite's budget
+    straight = _pretrain(mcore_pool, argv + ["--save", str(tmp_path), "--save-interval", "3"])
+    resumed = _pretrain(mcore_pool, argv + ["--load", str(tmp_path), "--ckpt-step", "3"])
+    _assert_exact_resume(straight, resumed, 3)

@@ -14,6 +14,8 @@ distributed optimizer anyway. This module maps Megatron-LM's flags onto
 * ``--muon-scale-mode`` x ``--muon-extra-scale-factor``: the update scale, as
   ``adjusted_lr`` of ``MegatronMuon`` below (``spectral`` with factor 0.2 is torch's
   ``match_rms_adamw``, ``shape_scaling`` with factor 1 is torch's ``original``);
+* grouped-GEMM experts (``--moe-grouped-gemm``, legacy ``GroupedMLP``): each expert's
+  block of ``weight1``/``weight2`` is its own matrix (``grouped_gemm_split``);
 * ``--muon-tp-mode``: ``blockwise`` (each TP shard is its own matrix) or ``duplicated``
   (the owner gathers the TP shards along ``partition_dim``, orthogonalises the whole
   matrix, keeps its shard; the scale sees the whole shape).
@@ -90,6 +92,36 @@ class MegatronMuon(torch.optim.Muon):
 def megatron_matrix_params(name: str, param: torch.nn.Parameter) -> bool:
     """Megatron's Muon rule: trainable 2-D parameters except the embedding and the output layer."""
     return param.requires_grad and param.dim() == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
+
+
+def grouped_gemm_split(modules):
+    """``matrix_split`` for the engine: legacy ``GroupedMLP`` weights hold one matrix per local expert.
+
+    Its forward views ``weight1`` [hidden, experts x ffn'] as ``(experts, hidden, ffn')`` and
+    ``weight2`` [experts x ffn, hidden] as ``(experts, ffn, hidden)``: each expert's matrix is a
+    consecutive block of the storage, stepped as its own matrix. With SwiGLU an expert's fc1 block
+    keeps gate and up together (``[hidden, 2 ffn]``), as Megatron-Core's Muon treats every fc1
+    (it splits only QKV, under ``--muon-split-qkv``). ``TEGroupedMLP``/``SequentialMLP`` already
+    have one parameter per expert. ``None`` when no module is a ``GroupedMLP``.
+    """
+    from megatron.core.transformer.moe.experts import GroupedMLP
+
+    experts = {}
+    for module in modules:
+        for prefix, m in module.named_modules():
+            if isinstance(m, GroupedMLP):
+                for w in ("weight1", "weight2"):
+                    experts[f"{prefix}.{w}" if prefix else w] = m.num_local_experts
+    if not experts:
+        return None
+
+    def split(name: str, param):
+        count = experts.get(name)
+        if count is None or count == 1:
+            return None
+        rows, cols = param.shape
+        return (rows, cols // count) if name.endswith("weight1") else (rows // count, cols)
+    return split
 
 
 def muon_kwargs(config) -> dict:

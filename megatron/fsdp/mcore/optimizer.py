@@ -22,7 +22,7 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 import megatron.fsdp as mfsdp
 
 from .checkpoint_keys import optimizer_keys, rename_optimizer_key
-from .muon import MegatronMuon, megatron_matrix_params, muon_kwargs, tensor_parallel_shards
+from .muon import MegatronMuon, grouped_gemm_split, megatron_matrix_params, muon_kwargs, tensor_parallel_shards
 
 
 class FullyShardedMegatronOptimizer(MegatronOptimizer):
@@ -186,5 +186,5 @@ def muon_engine_kwargs(config: OptimizerConfig, engines, index) -> dict:
 
     expert_tp = parallel_state.get_expert_tensor_parallel_group(check_initialized=False)
     return dict(matrix_optimizer=MegatronMuon, matrix_kwargs=muon_kwargs(config),
-                matrix_params=megatron_matrix_params,
+                matrix_params=megatron_matrix_params, matrix_split=grouped_gemm_split([e.module for e in engines]),
                 matrix_shards=tensor_parallel_shards(config.muon_tp_mode, engines[0].ledger, index.tp, expert_tp))
