@@ -108,17 +108,55 @@ def _set_rng(states: List[Dict[str, Any]]) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
+def _keep_step_on_load(optimizer) -> None:
+    """Adapter for a Megatron-Core 0.16.1 bug without Transformer Engine or Apex: torch's Adam keeps ``step``
+    in each parameter's state, and ``fully_reshardable`` loading copies every state entry from the checkpoint,
+    which has no ``step`` (it is restored from the param groups just before): KeyError. Each parameter's own
+    ``step`` is passed through unchanged."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer) or "_set_main_param_and_optimizer_states" in vars(opt):
+            continue
+        original = opt._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, opt=opt, original=original):
+            group, order = opt.model_param_group_index_map[model_param]
+            state = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]]
+            if "step" in state and "step" not in tensors:
+                tensors = {**tensors, "step": state["step"]}
+            return original(model_param, tensors)
+        opt._set_main_param_and_optimizer_states = set_states
+
+
 # ------------------------------------------------------------------ state dicts
+def _create_optimizer_state(optimizer) -> None:
+    """A fresh DistributedOptimizer has no Adam state, and its ``state_dict`` needs the step count: create it
+    as Megatron-Core does for a load (one step on zero gradients), at learning rate 0, so no weight moves."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
+            lrs = [g["lr"] for g in opt.optimizer.param_groups]
+            for g in opt.optimizer.param_groups:
+                g["lr"] = 0.0
+            opt._init_optimizer_states_with_dummy_values()
+            for g, lr in zip(opt.optimizer.param_groups, lrs):
+                g["lr"] = lr
+
+
 def sharded_state_dict(model, optimizer, is_loading: bool, with_optimizer: bool = True,
                        with_rng: bool = True) -> Dict[str, Any]:
     """Megatron-LM's ``generate_state_dict``: model chunks, optimizer and RNG as sharded objects."""
-    from megatron.core.dist_checkpointing.utils import ensure_metadata_has_dp_cp_group
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
     metadata = ensure_metadata_has_dp_cp_group(dict(SHARDED_METADATA))
     state: Dict[str, Any] = {}
     for i, chunk in enumerate(model):
         state[_model_key(i, len(model))] = _unwrap(chunk).sharded_state_dict(metadata=metadata)
     if with_optimizer:
+        if is_loading:
+            _create_optimizer_state(optimizer)
         model_sd = {k: v for k, v in state.items() if k.startswith("model")}
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     if with_rng:
@@ -130,7 +168,7 @@ def sharded_state_dict(model, optimizer, is_loading: bool, with_optimizer: bool 
 def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler) -> Path:
     """``dist_checkpointing.save`` into a temporary directory, then rank 0 publishes it (tracker last)."""
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     start = time.perf_counter()
     rank, root = dist.get_rank(), Path(args.save)
@@ -152,7 +190,8 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimize
     saved_args.iteration = iteration
     state.update(args=saved_args, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration,
                  opt_param_scheduler=scheduler.state_dict(), num_floating_point_operations_so_far=0)
-    dist_checkpointing.save(state, str(tmp), sharded_strategy=get_default_save_sharded_strategy(FORMAT),
+    # One writer process per rank (Megatron-Core's default is two: CPU ranks share the cores).
+    dist_checkpointing.save(state, str(tmp), sharded_strategy=TorchDistSaveShardedStrategy(FORMAT, 1, thread_count=1),
                             content_metadata=dict(SHARDED_METADATA))  # ends with a barrier: every rank wrote
     final: List[Any] = [None]
     if rank == 0:
@@ -184,23 +223,32 @@ def _check_model(saved_args, args, directory: Path) -> None:
         raise CheckpointError(f"checkpoint {directory} was saved with a different model: " + "; ".join(diffs))
 
 
-def _drop_absent_extra_state(state: Dict[str, Any], saved_keys) -> List[Tuple[dict, str]]:
+def _drop_absent_extra_state(state: Dict[str, Any], saved_keys) -> List[Tuple[str, ...]]:
     """``_extra_state`` objects the checkpoint lacks (a converted one has none; they are None for local
-    layers): removed from the request, and returned so that ``None`` is put back for ``load_state_dict``."""
+    layers): removed from the request; their paths are returned so that ``None`` is put back for
+    ``load_state_dict``."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    dropped = []
+    dropped: List[Tuple[str, ...]] = []
 
-    def walk(d: dict):
+    def walk(d: dict, path: Tuple[str, ...]):
         for k in list(d):
             v = d[k]
             if isinstance(v, dict):
-                walk(v)
+                walk(v, path + (k,))
             elif isinstance(v, ShardedObject) and v.key.endswith("_extra_state") and v.unique_key not in saved_keys:
-                dropped.append((d, k))
+                dropped.append(path + (k,))
                 del d[k]
-    walk(state)
+    walk(state, ())
     return dropped
+
+
+def _put_back(loaded: Dict[str, Any], paths: List[Tuple[str, ...]]) -> None:
+    for path in paths:
+        d = loaded
+        for k in path[:-1]:
+            d = d.setdefault(k, {})
+        d[path[-1]] = None
 
 
 def _live_common(value):
@@ -274,8 +322,7 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
         loaded = dist_checkpointing.load(state, str(directory))
     except Exception as exc:  # CheckpointingException: missing keys, shape mismatches (the same on every rank)
         raise CheckpointError(f"checkpoint {directory} does not fit this model: {exc}") from None
-    for container, key in dropped:
-        container[key] = None
+    _put_back(loaded, dropped)
     if converted:
         _fill_missing(loaded, live)
     for i, chunk in enumerate(model):
@@ -283,6 +330,7 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
     if with_optimizer:
         if converted:
             _set_step(loaded["optimizer"], int(converted.get("optimizer_step", 0)))
+        _keep_step_on_load(optimizer)
         optimizer.load_state_dict(loaded["optimizer"])
         scheduler.load_state_dict(common["opt_param_scheduler"])
     if with_rng:

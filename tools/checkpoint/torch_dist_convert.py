@@ -181,18 +181,18 @@ def from_torch_dist(source: str, out: str, iteration: Optional[int] = None) -> P
     for k in sorted(k for k in saved if not k.startswith("optimizer.")):
         shape = saved[k][0]
         stacked = STACKED.match(k)
-        for i in (range(layers) if stacked else [None]):
-            name = f"decoder.layers.{i}.{stacked.group(1)}" if stacked else k
-            inner = shape[1:] if stacked else shape
-            if _fc1_gated(name, args):
-                inner = (2, inner[0] // 2) + inner[1:]
-            main = next((f"optimizer.state.{m}.{k}" for m in MAIN_COPIES if f"optimizer.state.{m}.{k}" in saved), k)
-            entries = [(f"model.{name}", main)]
-            if with_optimizer:
-                entries += [(f"optimizer.state.{name}.{n}", f"optimizer.state.{n}.{k}") for n in ADAM]
-            for fsdp_key, td_key in entries:
-                plan[fsdp_key] = (td_key, i)
-                shapes[fsdp_key] = (inner, torch.float32)
+        main = next((f"optimizer.state.{m}.{k}" for m in MAIN_COPIES if f"optimizer.state.{m}.{k}" in saved), k)
+        sources = [("model.{}", main)] + ([(f"optimizer.state.{{}}.{n}", f"optimizer.state.{n}.{k}") for n in ADAM]
+                                         if with_optimizer else [])
+        # Grouped by source tensor: the writer takes them in this order (within a size), one read each.
+        for pattern, td_key in sources:
+            for i in (range(layers) if stacked else [None]):
+                name = f"decoder.layers.{i}.{stacked.group(1)}" if stacked else k
+                inner = shape[1:] if stacked else shape
+                if _fc1_gated(name, args):
+                    inner = (2, inner[0] // 2) + inner[1:]
+                plan[pattern.format(name)] = (td_key, i)
+                shapes[pattern.format(name)] = (inner, torch.float32)
     objects: Dict[str, Any] = {}
     step = 0
     if with_optimizer:
@@ -219,6 +219,8 @@ def from_torch_dist(source: str, out: str, iteration: Optional[int] = None) -> P
     root, tmp = _new_tmp(out, it)
     _write(tmp, shapes, produce, objects)
     layout = {name: getattr(args, name, None) for name in checkpointing.PARALLEL_ARGS}
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    layout.update(world_size=model_parallel * args.data_parallel_size, data_parallel_size=args.data_parallel_size)
     files.write_common(tmp, {
         "format": checkpointing.FORMAT, "version": checkpointing.VERSION, "iteration": it,
         "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0)), "world_size": None,
@@ -230,6 +232,17 @@ def from_torch_dist(source: str, out: str, iteration: Optional[int] = None) -> P
 
 
 # ------------------------------------------------------------ fsdp -> torch_dist
+def _param_of(fsdp_key: str) -> str:
+    """The parameter's name in an fsdp_dtensor key (``model.<p>``, ``optimizer.state.<p>.<state>``)."""
+    if fsdp_key.startswith("model."):
+        return fsdp_key[len("model."):]
+    return fsdp_key[len("optimizer.state."):].rsplit(".", 1)[0]
+
+
+def _is_layer(fsdp_key: str) -> bool:
+    return LAYER.match(_param_of(fsdp_key)) is not None
+
+
 def to_torch_dist(source: str, out: str, iteration: Optional[int] = None) -> Path:
     """An fsdp_dtensor checkpoint as a torch_dist one under ``out`` (the baseline loads it with its optimizer)."""
     from megatron.fsdp.mcore.checkpoint_keys import tp1_shape
