@@ -26,6 +26,7 @@ optimizer and the step count from ``converted.optimizer_step``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import time
@@ -165,6 +166,47 @@ def sharded_state_dict(model, optimizer, is_loading: bool, with_optimizer: bool 
 
 
 # ------------------------------------------------------------------------ save
+def _write_in_process(transform_list, use_msc, rank, write_buckets, global_results_queue) -> None:
+    """Megatron-Core's ``write_preloaded_data_multiproc`` without its forked worker per bucket: the same
+    per-bucket writer, run here. Forking a process that holds gloo threads is fragile, and a daemon
+    process (a worker pool) may not fork at all."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    results: "queue.Queue" = queue.Queue()
+    count: "queue.Queue" = queue.Queue()
+    out: Any = {}
+    for i, bucket in enumerate(write_buckets):
+        count.put(i)
+        FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, results, count, True,
+                                                   **({"use_msc": use_msc} if use_msc else {}))
+        index, written = results.get()
+        if isinstance(written, Exception):
+            out = written
+            break
+        out[index] = written
+    global_results_queue.put(out)
+
+
+@contextlib.contextmanager
+def _in_process_writes():
+    """Adapter: Megatron-Core's torch_dist writer forks one process per bucket and keeps its results in a
+    ``multiprocessing.Manager`` queue (another process); here both stay in this process."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    if fa._results_queue is None:
+        fa._results_queue = queue.Queue()
+    original = fa.FileSystemWriterAsync.__dict__["write_preloaded_data_multiproc"]
+    fa.FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(_write_in_process)
+    try:
+        yield
+    finally:
+        fa.FileSystemWriterAsync.write_preloaded_data_multiproc = original
+
+
 def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler) -> Path:
     """``dist_checkpointing.save`` into a temporary directory, then rank 0 publishes it (tracker last)."""
     from megatron.core import dist_checkpointing
@@ -190,9 +232,9 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimize
     saved_args.iteration = iteration
     state.update(args=saved_args, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration,
                  opt_param_scheduler=scheduler.state_dict(), num_floating_point_operations_so_far=0)
-    # One writer process per rank (Megatron-Core's default is two: CPU ranks share the cores).
-    dist_checkpointing.save(state, str(tmp), sharded_strategy=TorchDistSaveShardedStrategy(FORMAT, 1, thread_count=1),
-                            content_metadata=dict(SHARDED_METADATA))  # ends with a barrier: every rank wrote
+    with _in_process_writes():  # one bucket per rank, written by this process
+        dist_checkpointing.save(state, str(tmp), sharded_strategy=TorchDistSaveShardedStrategy(FORMAT, 1, thread_count=1),
+                                content_metadata=dict(SHARDED_METADATA))  # ends with a barrier: every rank wrote
     final: List[Any] = [None]
     if rank == 0:
         files.fsync_dir(tmp)
