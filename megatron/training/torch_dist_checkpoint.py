@@ -130,6 +130,17 @@ def _keep_step_on_load(optimizer) -> None:
         opt._set_main_param_and_optimizer_states = set_states
 
 
+def _unshare_steps(optimizer) -> None:
+    """Adapter for the same path: it gives every parameter's Adam state one shared ``step`` tensor, and
+    torch's single-tensor Adam increments it in place once per parameter, so the bias correction of the
+    next update is wrong. Each parameter gets its own copy, as a fresh optimizer has."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for state in (inner.state.values() if inner is not None else ()):
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
 # ------------------------------------------------------------------ state dicts
 def _create_optimizer_state(optimizer) -> None:
     """A fresh DistributedOptimizer has no Adam state, and its ``state_dict`` needs the step count: create it
@@ -374,6 +385,7 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
             _set_step(loaded["optimizer"], int(converted.get("optimizer_step", 0)))
         _keep_step_on_load(optimizer)
         optimizer.load_state_dict(loaded["optimizer"])
+        _unshare_steps(optimizer)
         scheduler.load_state_dict(common["opt_param_scheduler"])
     if with_rng:
         _set_rng(loaded["rng_state"])

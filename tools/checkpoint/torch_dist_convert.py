@@ -40,6 +40,24 @@ import torch
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 STACKED = re.compile(r"^decoder\.layers\.(.+)$")
 ADAM = ("exp_avg", "exp_avg_sq")
+# Megatron-Core's checkpoint names for the local spec's separate norms (its sharded_state_dict_keys_map: the
+# Transformer Engine layout, where the norm is fused into the next linear) <-> the module names.
+NORMS = ((".self_attention.linear_qkv.layer_norm_", ".input_layernorm."),
+         (".mlp.linear_fc1.layer_norm_", ".pre_mlp_layernorm."))
+
+
+def module_name(td_name: str) -> str:
+    for td, module in NORMS:
+        if td in f".{td_name}":
+            return f".{td_name}".replace(td, module, 1)[1:]
+    return td_name
+
+
+def torch_dist_name(name: str) -> str:
+    for td, module in NORMS:
+        if module in f".{name}":
+            return f".{name}".replace(module, td, 1)[1:]
+    return name
 MAIN_COPIES = ("param", "fp32_param")  # DistributedOptimizer's and Float16Optimizer's fp32 main weights
 TORCH_DIST_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                        "common_backend": "torch", "common_backend_version": 1}
@@ -142,7 +160,12 @@ def _adam_group(source: Dict[str, Any], weight_decay: float) -> Dict[str, Any]:
     probe = torch.optim.AdamW([torch.zeros(1)], lr=float(source.get("lr", 1e-3)),
                               betas=tuple(source.get("betas", (0.9, 0.999))), eps=float(source.get("eps", 1e-8)),
                               weight_decay=weight_decay)
-    return {k: v for k, v in probe.param_groups[0].items() if k != "params"}
+    group = {k: v for k, v in probe.param_groups[0].items() if k != "params"}
+    # Megatron's per-group fields, which the engine's param groups carry too (the LR scheduler reads them)
+    group.update({k: source.get(k, default) for k, default in (
+        ("is_decoupled_lr", False), ("is_expert_parallel", False), ("lr_mult", 1.0),
+        ("max_lr", source.get("lr", 1e-3)), ("min_lr", 0.0), ("wd_mult", 1.0 if weight_decay else 0.0))})
+    return group
 
 
 def _torch_dist_groups_and_step(optimizer: Dict[str, Any]) -> Tuple[list, int]:
@@ -187,7 +210,7 @@ def from_torch_dist(source: str, out: str, iteration: Optional[int] = None) -> P
         # Grouped by source tensor: the writer takes them in this order (within a size), one read each.
         for pattern, td_key in sources:
             for i in (range(layers) if stacked else [None]):
-                name = f"decoder.layers.{i}.{stacked.group(1)}" if stacked else k
+                name = module_name(f"decoder.layers.{i}.{stacked.group(1)}" if stacked else k)
                 inner = shape[1:] if stacked else shape
                 if _fc1_gated(name, args):
                     inner = (2, inner[0] // 2) + inner[1:]
@@ -273,7 +296,7 @@ def to_torch_dist(source: str, out: str, iteration: Optional[int] = None) -> Pat
             continue
         layer = LAYER.match(name)
         for prefix in prefixes:
-            td_key = prefix + (f"decoder.layers.{layer.group(2)}" if layer else name)
+            td_key = prefix + torch_dist_name(f"decoder.layers.{layer.group(2)}" if layer else name)
             slots = plan.setdefault(td_key, [None] * layers if layer else [None])
             slots[int(layer.group(1)) if layer else 0] = k
     shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
