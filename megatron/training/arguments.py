@@ -143,8 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None, help="iterations between saves (and one at the end)")
     g.add_argument("--load", default=None, help="directory to resume from (its latest checkpoint)")
     g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
-    g.add_argument("--ckpt-format", choices=["fsdp_dtensor", "torch", "torch_dist", "torch_dcp"],
-                   default="fsdp_dtensor")
+    g.add_argument("--ckpt-format", choices=["fsdp_dtensor", "torch_dist", "torch", "torch_dcp"], default=None,
+                   help="fsdp_dtensor with --use-megatron-fsdp (the default there), torch_dist (Megatron-Core "
+                        "dist_checkpointing) for the Megatron-Core DDP baseline (its default); "
+                        "tools/checkpoint/convert.py converts between them")
     g.add_argument("--no-load-optim", action="store_true", help="do not load optimizer and scheduler state")
     g.add_argument("--no-load-rng", action="store_true", help="do not load the RNG states")
     g.add_argument("--finetune", action="store_true",
@@ -373,19 +375,34 @@ def _validate_checkpointing(args: argparse.Namespace) -> None:
     for flag, value in (("--finetune", args.finetune), ("--ckpt-step", args.ckpt_step is not None)):
         if value and not args.load:
             _fail(f"{flag} needs --load DIR")
-    if not (args.save or args.load):
+    _validate_ckpt_format(args)
+
+
+def _validate_ckpt_format(args: argparse.Namespace) -> None:
+    """Each data-parallel implementation has its format (fsdp_dtensor / torch_dist); the converter moves between them."""
+    native = "fsdp_dtensor" if args.use_megatron_fsdp else "torch_dist"
+    if args.ckpt_format is None:
+        args.ckpt_format = native
+    if args.ckpt_format in ("torch", "torch_dcp"):
+        _fail(f"--ckpt-format {args.ckpt_format} is not implemented: use --ckpt-format {native}")
+    if args.ckpt_format == native:
         return
-    if not args.use_megatron_fsdp:
-        _fail("--save/--load are implemented for --use-megatron-fsdp (--ckpt-format fsdp_dtensor); the "
-              "Megatron-Core DDP baseline does not checkpoint in this job")
-    if args.ckpt_format != "fsdp_dtensor":
-        _fail(f"--ckpt-format {args.ckpt_format}: --use-megatron-fsdp saves and loads --ckpt-format fsdp_dtensor "
-              "only (torch DCP, reshardable); tools/checkpoint/convert.py converts to and from a torch file")
+    if args.use_megatron_fsdp:
+        _fail("--ckpt-format torch_dist is Megatron-Core's dist_checkpointing format of its DDP / "
+              "DistributedOptimizer: --use-megatron-fsdp saves and loads --ckpt-format fsdp_dtensor; convert a "
+              "torch_dist checkpoint with: python tools/checkpoint/convert.py from-torch-dist TORCH_DIST_DIR "
+              "FSDP_DIR (and to-torch-dist back)")
+    _fail("--ckpt-format fsdp_dtensor needs --use-megatron-fsdp: the Megatron-Core DDP baseline saves and loads "
+          "--ckpt-format torch_dist; convert an fsdp_dtensor checkpoint with: python tools/checkpoint/convert.py "
+          "to-torch-dist FSDP_DIR TORCH_DIST_DIR (and from-torch-dist back)")
 
 
 def _validate_async_save(args: argparse.Namespace) -> None:
     if args.async_save and not args.save:
         _fail("--async-save needs --save DIR")
+    if args.async_save and args.ckpt_format == "torch_dist":
+        _fail("--async-save is implemented for --ckpt-format fsdp_dtensor (--use-megatron-fsdp); "
+              "the baseline's torch_dist saves are synchronous")
 
 
 def _validate_fault_tolerance(args: argparse.Namespace, world_size: int) -> None:

@@ -231,6 +231,11 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimize
     """Write ``args.save/iter_XXXXXXX`` atomically (all ranks); returns its path."""
     from . import save_steps
 
+    if getattr(args, "ckpt_format", FORMAT) == "torch_dist":  # the Megatron-Core DDP baseline
+        from . import torch_dist_checkpoint
+
+        return torch_dist_checkpoint.save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler)
+
     start = time.perf_counter()
     staged = stage_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler)
     try:
@@ -360,6 +365,10 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
     Without a checkpoint (no tracker yet: the first run of a job that saves and
     loads the same directory) it says so and starts from scratch.
     """
+    if getattr(args, "ckpt_format", FORMAT) == "torch_dist":  # the Megatron-Core DDP baseline
+        from . import torch_dist_checkpoint
+
+        return torch_dist_checkpoint.load_checkpoint(args, model, optimizer, scheduler)
     start = time.perf_counter()
     directory = find_checkpoint(args)
     if directory is None:
@@ -370,6 +379,9 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
     check_model_args(common, args, directory)
     with_optimizer = not (args.finetune or args.no_load_optim)
     with_rng = not (args.finetune or args.no_load_rng)
+    if with_rng and common.get("converted_from"):
+        print_rank_0(f" checkpoint converted from {common['converted_from']}: it has no RNG states (not restored)")
+        with_rng = False
     if with_rng and common["world_size"] != dist.get_world_size():
         print_rank_0(f" checkpoint saved on {common['world_size']} ranks, loading on {dist.get_world_size()}: "
                      "RNG states not restored")

@@ -531,8 +531,8 @@ def test_publish_tracker_and_set_aside_copies(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, pattern", [
-    (["--save", "x"], "implemented for --use-megatron-fsdp"),
-    (["--use-megatron-fsdp", "--load", "x", "--ckpt-format", "torch"], "fsdp_dtensor only"),
+    (["--save", "x", "--ckpt-format", "fsdp_dtensor"], "fsdp_dtensor needs --use-megatron-fsdp"),
+    (["--use-megatron-fsdp", "--load", "x", "--ckpt-format", "torch"], "not implemented: use --ckpt-format fsdp_dtensor"),
     (["--save-interval", "5"], "needs --save DIR"),
     (["--finetune"], "--finetune needs --load"),
     (["--ckpt-step", "3"], "--ckpt-step needs --load"),

@@ -1,9 +1,11 @@
-"""Convert a checkpoint to one torch file of full tensors, or to a HuggingFace model, and back.
+"""Convert a checkpoint to one torch file of full tensors, a HuggingFace model or Megatron's torch_dist, and back.
 
     python tools/checkpoint/convert.py to-torch CKPT OUT.pt [--model-only]
     python tools/checkpoint/convert.py from-torch IN.pt SAVE_DIR
     python tools/checkpoint/convert.py to-hf CKPT HF_DIR [--model-type gpt2|llama|qwen2|mixtral]
     python tools/checkpoint/convert.py from-hf HF_DIR SAVE_DIR
+    python tools/checkpoint/convert.py from-torch-dist TORCH_DIST_DIR SAVE_DIR   # baseline -> --use-megatron-fsdp
+    python tools/checkpoint/convert.py to-torch-dist CKPT TORCH_DIST_DIR         # --use-megatron-fsdp -> baseline
 
 ``to-torch`` reads a ``--save`` directory's latest checkpoint (or an
 ``iter_XXXXXXX`` directory) into full, unsharded tensors, in one process without
@@ -17,6 +19,10 @@ checkpoint written at any TP, PP, EP or DP layout.
 ``pretrain_gpt.py --load SAVE_DIR`` resumes from it at any DP size or level.
 ``to-hf`` / ``from-hf``: HuggingFace safetensors directories, streamed one layer
 at a time (``hf_convert.py``; docs/checkpoints.md, "HuggingFace").
+``from-torch-dist`` / ``to-torch-dist`` convert between Megatron-Core's
+``torch_dist`` (the Megatron-Core DDP baseline's ``--ckpt-format``) and
+``fsdp_dtensor``: weights, Adam state, iteration and LR schedule
+(``torch_dist_convert.py``).
 """
 
 import argparse
@@ -113,11 +119,25 @@ def main(argv=None) -> None:
     b = sub.add_parser("from-torch", help="torch file (from to-torch) -> checkpoint in SAVE_DIR")
     b.add_argument("torch_file")
     b.add_argument("save_dir")
+    for name, what in (("from-torch-dist", "torch_dist checkpoint (Megatron-Core DDP baseline) -> fsdp_dtensor"),
+                       ("to-torch-dist", "fsdp_dtensor checkpoint -> torch_dist (Megatron-Core DDP baseline)")):
+        c = sub.add_parser(name, help=what)
+        c.add_argument("checkpoint", help="a --save directory (its latest checkpoint) or one iter_* directory")
+        c.add_argument("save_dir", help="written as SAVE_DIR/iter_XXXXXXX with the tracker (pretrain_gpt.py --load)")
+        c.add_argument("--iteration", type=int, default=None)
     _add_hf_commands(sub)
     args = p.parse_args(argv)
     start = time.perf_counter()
     if args.command in ("to-hf", "from-hf"):
         _run_hf_command(args, start)
+    elif args.command in ("from-torch-dist", "to-torch-dist"):
+        from tools.checkpoint import torch_dist_convert
+
+        print(f"> converting {args.checkpoint} ({args.command}, one tensor at a time) ...", flush=True)
+        convert = torch_dist_convert.from_torch_dist if args.command == "from-torch-dist" else \
+            torch_dist_convert.to_torch_dist
+        written = convert(args.checkpoint, args.save_dir, args.iteration)
+        print(f"wrote {written}{_rate(written, start)}")
     elif args.command == "to-torch":
         print(f"> reading {args.checkpoint} (full tensors, one process) ...", flush=True)
         directory = to_torch(args.checkpoint, args.out, args.model_only, args.iteration)
