@@ -314,7 +314,8 @@ class UnitStorage:
         regions = self.regions
         lo, hi = regions.inner
         piece_lo, piece_hi = regions.piece
-        step = [lambda: self.reduce_step(tag)] if then_step else []
+        # The once-per-step stage moves data only across an outer axis of more than one rank.
+        step = [lambda: self.reduce_step(tag)] if then_step and self.outer.size > 1 else []
         if self.inner.size == 1 and self.outer.size == 1:
             self.grad_accum.add_(self.grad_full[regions.accum[0]:regions.accum[1]])
             return staged(Handle(), *step)

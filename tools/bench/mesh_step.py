@@ -33,7 +33,7 @@ CONFIGS = {  # label: (inner level, outer level)
 }
 
 
-def step_times(ctx, size: str, inner: str, outer: str, warmup: int, steps: int) -> List[float]:
+def step_times(ctx, model_size: str, inner: str, outer: str, warmup: int, steps: int) -> List[float]:
     """Pool case (4 ranks, the 2 x 2 mesh): seconds per timed step on this rank."""
     import time
 
@@ -45,10 +45,10 @@ def step_times(ctx, size: str, inner: str, outer: str, warmup: int, steps: int) 
     from tools.bench.torch_case import SEED, build_model
 
     torch.set_num_threads(1)
-    fsdp = mfsdp.fully_shard(build_model(size), strategy=inner, outer_strategy=outer, mesh=ctx.meshes[(2, 2)],
+    fsdp = mfsdp.fully_shard(build_model(model_size), strategy=inner, outer_strategy=outer, mesh=ctx.meshes[(2, 2)],
                              unit_modules=(Block,))
     optimizer = mfsdp.FullyShardedOptimizer(fsdp, torch.optim.AdamW, lr=1e-4, clip_grad=1.0)
-    shape = SIZES[size]
+    shape = SIZES[model_size]
     gen = torch.Generator().manual_seed(SEED + ctx.rank)
     tokens = torch.randint(0, shape.vocab, (shape.rows, shape.seq + 1), generator=gen)
     out = []
@@ -73,7 +73,7 @@ def _one_tree(args) -> Dict[str, List[float]]:
         result = {"engine": os.path.dirname(megatron.fsdp.__file__)}
         for label in args.configs:
             inner, outer = CONFIGS[label]
-            per_rank = pool.run("tools.bench.mesh_step:step_times", timeout=1800, size=args.size, inner=inner,
+            per_rank = pool.run("tools.bench.mesh_step:step_times", timeout=1800, model_size=args.size, inner=inner,
                                 outer=outer, warmup=args.warmup, steps=args.steps)
             result[label] = [max(ts) for ts in zip(*per_rank)]
     finally:
