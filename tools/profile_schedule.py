@@ -14,8 +14,9 @@ counted from 0) twice over:
   ``fsdp.<kind> <unit>`` (NVTX ranges of the same names on CUDA);
 * the engine's timeline (``megatron.fsdp.profiling``) gives the printed table: for each
   unit and each of its collectives, when it was issued, when it had landed, how long the
-  compute thread waited for it, and which collectives were only issued inside that wait
-  (the second stage of a two-stage collective, see docs/mesh.md "What overlaps").
+  compute thread waited for it, which later stages of a multi-stage collective the schedule
+  issued at a later unit's compute end, and which were only issued inside the final wait
+  (see docs/mesh.md "What overlaps").
 
 "Landed" is what the process can observe without polling: ``<= t`` when the collective
 had already completed when its wait began at ``t`` (compute did not wait), else the time
@@ -122,6 +123,7 @@ def per_unit_rows(events: List[tuple]) -> List[Dict[str, object]]:
     open_ops: Dict[tuple, Dict[str, object]] = {}  # (unit, kind) -> the row waiting for its wait
     phase = "forward"
     current = None  # the range a collective row belongs to
+    stage_begin, stage_done = 0.0, True  # the open "stage." range: when it began, whether its stage had landed
     for t, event, kind, unit, axis, collective, done, nbytes in events:
         if event == "backward" and kind == "begin":
             phase = "backward"
@@ -129,10 +131,21 @@ def per_unit_rows(events: List[tuple]) -> List[Dict[str, object]]:
             phase = "forward"
         elif event == "begin" and kind in ISSUE_KINDS:
             row = {"unit": unit, "op": kind, "phase": "step" if kind == "install" else phase, "issued": t,
-                   "landed": None, "wait_begin": None, "waited": None, "axes": [], "in_wait": [], "done": None}
+                   "landed": None, "wait_begin": None, "waited": None, "axes": [], "staged": [], "in_wait": [],
+                   "done": None}
             rows.append(row)
             open_ops[(unit, "all_gather" if kind == "install" else kind)] = row
             current = (row, "axes")
+        elif event == "begin" and kind.startswith("stage."):
+            # The schedule advancing a multi-stage collective at a unit's compute end: waits for
+            # the stage in flight, then issues the next one (docs/mesh.md "What overlaps").
+            row = open_ops.get((unit, "all_gather" if kind == "stage.install" else kind[len("stage."):]))
+            current = None if row is None else (row, "staged")
+            stage_begin, stage_done = t, done
+        elif event == "end" and kind.startswith("stage."):
+            if current is not None and not stage_done:
+                current[0]["waited"] = (current[0]["waited"] or 0.0) + t - stage_begin
+            current = None
         elif event == "begin" and kind.startswith("wait."):
             key = (unit, "all_gather" if kind == "wait.install" else kind[len("wait."):])
             row = open_ops.pop(key, None)
@@ -144,7 +157,7 @@ def per_unit_rows(events: List[tuple]) -> List[Dict[str, object]]:
         elif event == "end" and kind.startswith("wait."):
             if current is not None and current[1] == "in_wait":
                 row = current[0]
-                row["waited"] = t - row["wait_begin"]
+                row["waited"] = (row["waited"] or 0.0) + t - row["wait_begin"]
                 row["landed"] = row["wait_begin"] if row["done"] else t
             current = None
         elif event == "end" and kind in ISSUE_KINDS:
@@ -157,13 +170,14 @@ def per_unit_rows(events: List[tuple]) -> List[Dict[str, object]]:
 def format_timeline(rows: List[Dict[str, object]], rank: int) -> str:
     ms = lambda v: "-" if v is None else f"{1e3 * v:9.2f}"  # noqa: E731
     header = (f"{'unit':<14} {'op':<10} {'phase':<8} {'issued ms':>9} {'landed ms':>11} {'waited ms':>9}  "
-              "issued with it | issued only inside the wait")
+              "issued with it | issued at a later compute end | issued only inside the wait")
     lines = [f"per-unit schedule, rank {rank} (times from the start of the profiled steps)", header,
              "-" * len(header)]
     for row in sorted(rows, key=lambda r: (r["unit"] != "<root>", r["unit"], r["issued"])):
         landed = "-" if row["landed"] is None else (("<=" if row["done"] else "  ") + ms(row["landed"]))
         lines.append(f"{row['unit']:<14} {row['op']:<10} {row['phase']:<8} {ms(row['issued'])} {landed:>11} "
-                     f"{ms(row['waited'])}  {' '.join(row['axes']) or '-'} | {' '.join(row['in_wait']) or '-'}")
+                     f"{ms(row['waited'])}  {' '.join(row['axes']) or '-'} | {' '.join(row['staged']) or '-'} | "
+                     f"{' '.join(row['in_wait']) or '-'}")
     waited = sum(r["waited"] or 0.0 for r in rows)
     lines.append(f"compute waited {1e3 * waited:.2f} ms in total for {sum(1 for r in rows if r['waited'])} "
                  f"collectives; {sum(1 for r in rows if r['done'])} had landed before they were needed")

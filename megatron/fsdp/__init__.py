@@ -6,9 +6,8 @@ See docs/engine.md for the design. Public API::
     optimizer = FullyShardedOptimizer(model, torch.optim.AdamW, lr=1e-3, clip_grad=1.0)
 """
 
-from .checkpoint import (
-    check_checkpoint_keys, load_model_state_dict, load_optimizer_state_dict, model_state_dict, optimizer_state_dict,
-)
+from .checkpoint import load_model_state_dict, load_optimizer_state_dict, model_state_dict, optimizer_state_dict
+from .checkpoint_metadata import check_checkpoint_keys
 from .comm import CollectiveError, Ledger, LedgerEvent
 from .experts import ExpertSharding
 from .layout import FlatLayout, ParamSpec, build_layout

@@ -27,13 +27,14 @@ and no second copy exists.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+import enum
+from typing import List, Optional
 
 import torch
 
-from .comm import CommAxis, Handle
+from .comm import CommAxis, Handle, staged
 from .layout import FlatLayout
-from .regions import UnitRegions, unit_regions
+from .regions import UnitRegions, trainable_part, unit_regions
 from .strategy import MeshStrategy
 
 
@@ -48,15 +49,15 @@ def _alloc(tensor: torch.Tensor) -> None:
         storage.resize_(nbytes)
 
 
-def chain(first: Handle, *stages: Callable[[], Handle]) -> Handle:
-    """Run ``stages`` one after another once ``first`` has landed (each needs the previous result)."""
-    if not stages:
-        return first
+class Residency(enum.Enum):
+    """Where a unit's compute weights are: the one source of truth for ZeRO-3 residency.
 
-    def rest():
-        for stage in stages:
-            stage().wait()
-    return Handle(first, then=rest)
+    Levels that do not shard parameters (and a mesh of one rank) are always ``FULL``.
+    """
+
+    SHARDED = "sharded"      # ZeRO-3 between uses: only the shard; full buffer freed, parameters empty
+    GATHERING = "gathering"  # full buffer allocated, its all-gather in flight; parameters still empty
+    FULL = "full"            # full weights in place, parameters are views of them
 
 
 class UnitStorage:
@@ -73,7 +74,7 @@ class UnitStorage:
         self.grad_scale = grad_scale    # applied once per step after the reductions (experts.py)
         self.shares_main = compute_dtype == main_dtype
         self.regions: UnitRegions = unit_regions(layout, levels, inner.rank, outer.rank, outer.size)
-        R = self.regions
+        regions = self.regions
         originals = [p.detach() for p in params]
         self.trainable_params = [(i, p) for i, p in enumerate(params) if layout.slots[i].spec.trainable]
 
@@ -81,18 +82,19 @@ class UnitStorage:
         self.views = self._views_of(self.full)
         # ``full.data`` has its own version counter: gathers write through it so
         # autograd never sees the refill of a released buffer as an in-place edit.
-        self._full_io = self.full.data
+        self._full_out = self.full.data
         # Persistent compute weights: the full buffer, or (ZeRO-3, where the full
         # buffer is released between uses) a shard of it. On a mesh of one rank the
         # shard is the whole buffer: keep it resident and never gather or release.
         self.releases = levels.inner.shard_params and (inner.size > 1 or outer.size > 1)
         # ZeRO-3 under mixed precision where the main shard covers the trainable part of
         # the compute range: gathers cast main weights; only frozen elements keep a shard.
-        self.casts_main = self.releases and not self.shares_main and R.main == self._trainable_part(R.compute)
+        self.casts_main = (self.releases and not self.shares_main
+                           and regions.main == trainable_part(regions.compute, layout.trainable_end))
         self.kept = self._kept_range() if self.releases else (0, layout.padded_size)
         self.shard: Optional[torch.Tensor] = None
         if self.releases:
-            self.shard = torch.zeros(R.size(self.kept), dtype=compute_dtype, device=device)
+            self.shard = torch.zeros(regions.size(self.kept), dtype=compute_dtype, device=device)
             for piece in layout.pieces_in(*self.kept):
                 src = originals[piece.slot_index].reshape(-1)
                 self.shard[piece.shard_offset:piece.shard_offset + piece.length].copy_(
@@ -101,9 +103,9 @@ class UnitStorage:
             for view, src in zip(self.views, originals):
                 view.copy_(src)
 
-        a, b = R.main
+        a, b = regions.main
         if self.shares_main:
-            self.main = self._compute_slice(a, b)
+            self.main = self.compute_slice(a, b)
         else:
             self.main = torch.zeros(b - a, dtype=main_dtype, device=device)
             for piece in layout.pieces_in(a, b):
@@ -111,9 +113,9 @@ class UnitStorage:
                 self.main[piece.shard_offset:piece.shard_offset + piece.length].copy_(
                     src[piece.param_offset:piece.param_offset + piece.length])
 
-        accum_size = R.size(R.accum) if self.trainable_params else 0
+        accum_size = regions.size(regions.accum) if self.trainable_params else 0
         self._bind_grads(torch.zeros(accum_size, dtype=main_dtype, device=device))
-        self.resident = not self.releases
+        self.residency = Residency.SHARDED if self.releases else Residency.FULL
         if self.releases:
             _free(self.full)
             self._detach_params()
@@ -124,10 +126,10 @@ class UnitStorage:
         """Make ``accum`` the gradient accumulator, ``main_grad`` its optimizer range, and decide
         where autograd writes: straight into the accumulator when it is the full buffer in
         compute dtype, otherwise into a transient buffer per backward."""
-        R = self.regions
-        a, b = R.main
+        regions = self.regions
+        a, b = regions.main
         self.grad_accum = accum
-        self.main_grad = accum[a - R.accum[0]:b - R.accum[0]] if self.trainable_params else accum
+        self.main_grad = accum[a - regions.accum[0]:b - regions.accum[0]] if self.trainable_params else accum
         self.grads_in_place = self.levels.inner.keeps_full_grads and self.compute_dtype == accum.dtype
         self.grad_full: Optional[torch.Tensor] = None
         self.grad_views: Optional[List[torch.Tensor]] = None
@@ -151,10 +153,6 @@ class UnitStorage:
         """Some reduction runs once per step (not every micro-batch)."""
         return self.levels.inner.keeps_full_grads or not self.levels.outer.shard_grads
 
-    def _trainable_part(self, r) -> tuple:
-        """The trainable prefix of buffer range ``r`` (``(lo, lo)`` when it holds none)."""
-        return r[0], max(r[0], min(r[1], self.layout.trainable_end))
-
     def _kept_range(self) -> tuple:
         """ZeRO-3: the buffer range whose compute weights persist between uses.
 
@@ -173,8 +171,8 @@ class UnitStorage:
     def _views_of(self, flat: torch.Tensor) -> List[torch.Tensor]:
         return [flat[s.start:s.end].view(s.spec.shape) for s in self.layout.slots]
 
-    def _compute_slice(self, a: int, b: int) -> torch.Tensor:
-        """Persistent compute storage of buffer range [a, b)."""
+    def compute_slice(self, a: int, b: int) -> torch.Tensor:
+        """Persistent compute storage of buffer range [a, b) (checkpoints and full state dicts read it)."""
         if self.shard is None:
             return self.full[a:b]
         lo, hi = self.kept
@@ -184,9 +182,22 @@ class UnitStorage:
             raise RuntimeError(f"buffer range [{a}, {b}) has no persistent compute weights (kept: [{lo}, {hi}))")
         return self.shard[a - lo:b - lo]
 
+    _compute_slice = compute_slice  # the former private name, kept for branches that still call it
+
+    @property
+    def resident(self) -> bool:
+        """The full buffer is allocated: it holds the weights or an all-gather is filling it."""
+        return self.residency is not Residency.SHARDED
+
+    @property
+    def weights_ready(self) -> bool:
+        """The full weights are in place and the parameters point at them."""
+        return self.residency is Residency.FULL
+
     def _attach_params(self) -> None:
         for p, view in zip(self.params, self.views):
             p.data = view
+        self.residency = Residency.FULL
 
     def _detach_params(self) -> None:
         # A released parameter is an empty tensor, never a view of freed memory:
@@ -195,7 +206,7 @@ class UnitStorage:
         for p in self.params:
             p.data = empty
 
-    def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _in_reduce_dtype(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if tensor.dtype == self.reduce_dtype else tensor.to(self.reduce_dtype)
 
     def _scale(self, tensor: torch.Tensor, axis: CommAxis) -> torch.Tensor:
@@ -208,19 +219,20 @@ class UnitStorage:
         if self.resident:
             return Handle()
         _alloc(self.full)
-        self.resident = True
+        self.residency = Residency.GATHERING  # FULL once the last stage has landed (_attach_params)
         lo, hi = self.regions.inner
-        io = self._full_io
+        gather_buf = self._full_out
         own = self.shard
         if self.casts_main:
-            own = self._cast_into(io)
+            own = self._cast_into(gather_buf)
         if self.levels.outer.shard_params:
-            first = self.outer.all_gather(io[lo:hi], own, tag)
-            return chain(first, lambda: Handle(self.inner.all_gather(io, io[lo:hi], tag), then=self._attach_params))
-        return Handle(self.inner.all_gather(io, own, tag), then=self._attach_params)
+            first = self.outer.all_gather(gather_buf[lo:hi], own, tag)
+            return staged(first, lambda: Handle(self.inner.all_gather(gather_buf, gather_buf[lo:hi], tag),
+                                                then=self._attach_params))
+        return Handle(self.inner.all_gather(gather_buf, own, tag), then=self._attach_params)
 
-    def _cast_into(self, io: torch.Tensor) -> torch.Tensor:
-        """Fill this rank's compute range of ``io``: main weights cast, then padding, then frozen weights.
+    def _cast_into(self, gather_buf: torch.Tensor) -> torch.Tensor:
+        """Fill this rank's compute range of ``gather_buf``: main weights cast, then padding, then frozen weights.
 
         Returns that slice: the input of the in-place all-gather.
         """
@@ -228,22 +240,22 @@ class UnitStorage:
         a, b = self.regions.main
         k0, k1 = self.kept
         if b > a:
-            io[a:b].copy_(self.main)
+            gather_buf[a:b].copy_(self.main)
         if k0 > b:
-            io[b:k0].zero_()
+            gather_buf[b:k0].zero_()
         if k1 > k0:
-            io[k0:k1].copy_(self.shard)
+            gather_buf[k0:k1].copy_(self.shard)
         if hi > max(b, k1):
-            io[max(b, k1):hi].zero_()
-        return io[lo:hi]
+            gather_buf[max(b, k1):hi].zero_()
+        return gather_buf[lo:hi]
 
     def reshard(self) -> None:
         """Release the full compute weights (ZeRO-3 only; other levels keep them)."""
-        if not self.releases or not self.resident:
+        if self.residency is not Residency.FULL or not self.releases:
             return
         self._detach_params()
         _free(self.full)
-        self.resident = False
+        self.residency = Residency.SHARDED
 
     def install_main_weights(self, tag: str) -> Handle:
         """Copy updated main weights into compute weights and rebuild what is persistent.
@@ -254,19 +266,19 @@ class UnitStorage:
             return Handle()
         a, b = self.regions.main
         if not self.shares_main:
-            self._compute_slice(a, b).copy_(self.main)
+            self.compute_slice(a, b).copy_(self.main)
         stages = []
         lo, hi = self.regions.inner
-        plo, phi = self.regions.piece
+        piece_lo, piece_hi = self.regions.piece
         if self.levels.outer.shard_optim and not self.levels.outer.shard_params:
-            target = self._compute_slice(lo, hi).data
-            stages.append(lambda: self.outer.all_gather(target, target[plo - lo:phi - lo], tag))
+            target = self.compute_slice(lo, hi).data
+            stages.append(lambda: self.outer.all_gather(target, target[piece_lo - lo:piece_hi - lo], tag))
         if self.levels.inner.shard_optim and not self.levels.inner.shard_params:
-            io = self._full_io
-            stages.append(lambda: self.inner.all_gather(io, io[lo:hi], tag))
+            gather_buf = self._full_out
+            stages.append(lambda: self.inner.all_gather(gather_buf, gather_buf[lo:hi], tag))
         if not stages:
             return Handle()
-        return chain(stages[0](), *stages[1:])
+        return staged(stages[0](), *stages[1:])
 
     # ------------------------------------------------------------- gradients
     def begin_grads(self) -> None:
@@ -299,51 +311,52 @@ class UnitStorage:
         Inner reduce-scatter always; outer reduce-scatter too when the outer level
         shards grads. ``then_step`` chains the once-per-step stage behind it.
         """
-        R = self.regions
-        lo, hi = R.inner
-        plo, phi = R.piece
-        step = [lambda: self.reduce_step(tag)] if then_step else []
+        regions = self.regions
+        lo, hi = regions.inner
+        piece_lo, piece_hi = regions.piece
+        # The once-per-step stage moves data only across an outer axis of more than one rank.
+        step = [lambda: self.reduce_step(tag)] if then_step and self.outer.size > 1 else []
         if self.inner.size == 1 and self.outer.size == 1:
-            self.grad_accum.add_(self.grad_full[R.accum[0]:R.accum[1]])
-            return chain(Handle(), *step)
-        wire = self._wire(self.grad_full)
+            self.grad_accum.add_(self.grad_full[regions.accum[0]:regions.accum[1]])
+            return staged(Handle(), *step)
+        wire = self._in_reduce_dtype(self.grad_full)
         inner_out = wire[lo:hi] if self.inner.size == 1 else torch.empty(hi - lo, dtype=wire.dtype, device=wire.device)
         first = self.inner.reduce_scatter(inner_out, wire, tag) if self.inner.size > 1 else Handle()
         if not self.levels.outer.shard_grads:
             def add_inner():
                 self.grad_accum.add_(self._scale(inner_out, self.inner))
-            return chain(Handle(first, then=add_inner, keep=(wire,)), *step)
-        piece_out = torch.empty(phi - plo, dtype=wire.dtype, device=wire.device)
+            return staged(Handle(first, then=add_inner, keep=(wire,)), *step)
+        piece_out = torch.empty(piece_hi - piece_lo, dtype=wire.dtype, device=wire.device)
 
         def outer_stage() -> Handle:
             def add_piece():
                 self.grad_accum.add_(self._scale(self._scale(piece_out, self.inner), self.outer))
             return Handle(self.outer.reduce_scatter(piece_out, inner_out, tag), then=add_piece, keep=(inner_out,))
-        return chain(Handle(first, keep=(wire,)), outer_stage, *step)
+        return staged(Handle(first, keep=(wire,)), outer_stage, *step)
 
     def reduce_step(self, tag: str) -> Handle:
         """The once-per-step stages: whatever the levels did not reduce every micro-batch."""
         if not self.trainable_params:
             return Handle()
         stages = []
-        R = self.regions
+        regions = self.regions
         accum = self.grad_accum
-        base = R.accum[0]
+        base = regions.accum[0]
         if self.levels.inner.keeps_full_grads:
             stages.append(lambda: self._reduce_region(accum, self.inner, (0, accum.numel()),
-                                                      R.inner if self.levels.inner.shard_optim else None, tag))
+                                                      regions.inner if self.levels.inner.shard_optim else None, tag))
         if not self.levels.outer.shard_grads:
-            region = (R.inner[0] - base, R.inner[1] - base)
-            piece = (R.piece[0] - base, R.piece[1] - base) if self.levels.outer.shard_optim else None
+            region = (regions.inner[0] - base, regions.inner[1] - base)
+            piece = (regions.piece[0] - base, regions.piece[1] - base) if self.levels.outer.shard_optim else None
             stages.append(lambda: self._reduce_region(accum, self.outer, region, piece, tag))
-        return chain(stages[0](), *stages[1:])
+        return staged(stages[0](), *stages[1:])
 
     def _reduce_region(self, accum: torch.Tensor, axis: CommAxis, region, piece, tag: str) -> Handle:
         """Average ``accum[region]`` over ``axis``: all-reduce it, or reduce-scatter it into ``accum[piece]``."""
         if axis.size == 1:
             return Handle()
         src = accum[region[0]:region[1]]
-        wire = self._wire(src)
+        wire = self._in_reduce_dtype(src)
         if piece is None:
             def done_all():
                 if wire is not src:

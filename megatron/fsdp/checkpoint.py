@@ -28,11 +28,11 @@ import inspect
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from .buffers import UnitStorage
+# Metadata validation lives in checkpoint_metadata.py; these names stay importable from here.
+from .checkpoint_metadata import _shape_of, check_against, check_checkpoint_keys, mismatch_error  # noqa: F401
 from .dcp_pieces import GlobalPlacement, local_piece, sharded_piece
-from .precision_optimizer import converts_on_load
 from .staging import staged_copy, staged_piece, staged_zeros
 from .unit import UnitState
 
@@ -60,7 +60,7 @@ def owned_range(s: UnitStorage) -> Tuple[int, int]:
     It is the finest range the levels shard optimizer state over; replicas
     along the other axes own the same range, and compute storage covers it.
     """
-    return s.regions.piece if s.levels.outer.shard_optim else s.regions.inner
+    return s.regions.owned
 
 
 def owned_pieces(unit) -> Iterator[OwnedPiece]:
@@ -99,7 +99,7 @@ def piece_values(s: UnitStorage, p: OwnedPiece) -> torch.Tensor:
     if p.trainable:
         m0 = s.regions.main[0]
         return s.main[p.a - m0:p.b - m0]
-    return s._compute_slice(p.a, p.b)
+    return s.compute_slice(p.a, p.b)
 
 
 def persistent_buffers(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
@@ -112,33 +112,6 @@ def persistent_buffers(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
-def mismatch_error(what: str, missing: Sequence[str], unexpected: Sequence[str],
-                   wrong: Sequence[str]) -> Optional[ValueError]:
-    """One error naming every missing, unexpected and mismatched key (or None)."""
-    parts = []
-    for label, keys in (("missing", missing), ("unexpected", unexpected), ("mismatched", wrong)):
-        if keys:
-            shown = ", ".join(keys[:8]) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "")
-            parts.append(f"{label} keys: {shown}")
-    return ValueError(f"{what}: " + "; ".join(parts)) if parts else None
-
-
-def _shape_of(value: Any) -> Optional[Tuple[int, ...]]:
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
-
-
-def check_against(what: str, state_dict: Mapping[str, Any], expected: Mapping[str, Optional[Tuple[int, ...]]],
-                  strict: bool = True) -> None:
-    """Raise one ValueError if ``state_dict`` lacks keys, has extra keys or wrong shapes (``None``: not a tensor)."""
-    missing = [k for k in expected if k not in state_dict] if strict else []
-    unexpected = [k for k in state_dict if k not in expected] if strict else []
-    wrong = [f"{k} (state dict {_shape_of(state_dict[k])}, model {shape})" for k, shape in expected.items()
-             if k in state_dict and _shape_of(state_dict[k]) != shape]
-    error = mismatch_error(what, missing, unexpected, wrong)
-    if error is not None:
-        raise error
-
-
 # ------------------------------------------------------------------------ model
 def model_state_dict(model) -> Dict[str, Any]:
     """``{parameter name: DTensor of its global shape in main dtype}`` plus persistent buffers (plain tensors).
@@ -146,7 +119,7 @@ def model_state_dict(model) -> Dict[str, Any]:
     Trainable values come from the fp32 main weights, frozen ones from the
     compute weights. Collective-free; the values are copies.
     """
-    model._runtime.wait_weights()
+    model.wait_weights()
     out: Dict[str, Any] = {}
     with torch.no_grad():
         for unit in model.units:
@@ -216,10 +189,10 @@ def install_pieces(model, pieces: Mapping[str, torch.Tensor]) -> None:
     the same order): ``install_main_weights`` casts main weights into compute
     storage and all-gathers what the level keeps beyond this rank's range.
     """
-    model._runtime.wait_weights()
+    model.wait_weights()
     for unit in model.units:
         s = unit.storage
-        if s.shard is not None and s.resident:
+        if s.releases and s.resident:
             if unit.state is not UnitState.IDLE:
                 raise RuntimeError(f"FSDP unit {unit.name} is in use ({unit.state.value}); load between steps")
             s.reshard()  # the next use gathers the loaded shard
@@ -406,7 +379,7 @@ def optimizer_state_dict(optimizer, main_weights: bool = True) -> Dict[str, Any]
     model state dict holds the same values).
     """
     for model in optimizer.models:
-        model._runtime.wait_weights()
+        model.wait_weights()
     layout = optimizer_layout(optimizer)
     inner = optimizer.optimizer
     out: Dict[str, Any] = {}
@@ -490,38 +463,3 @@ def load_optimizer_state_dict(optimizer, state_dict: Mapping[str, Any]) -> None:
                 inner.state[run.tensor][name][offset:offset + piece.numel()].copy_(piece)
     for model, pieces in zip(optimizer.models, mains):
         install_pieces(model, pieces)
-
-
-# ------------------------------------------------------------------- validation
-def check_checkpoint_keys(state_dict: Mapping[str, Any], checkpoint_dir, allow_unexpected: bool = False) -> None:
-    """Compare ``state_dict`` with a DCP checkpoint's metadata before ``dcp.load``; raise one ValueError.
-
-    ``dcp.load`` fails on the first key it lacks and silently skips keys of the
-    checkpoint the state dict does not ask for; this names every missing key
-    (in the state dict, not the checkpoint), every unexpected key (in the
-    checkpoint, not the state dict; ``allow_unexpected`` skips those, for
-    loading part of a checkpoint) and every shape, dtype or kind mismatch.
-    Keys are compared after DCP's own flattening of nested dicts.
-    """
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    saved = FileSystemReader(str(checkpoint_dir)).read_metadata().state_dict_metadata
-    flat, _ = flatten_state_dict(dict(state_dict))
-    missing = [k for k in flat if k not in saved]
-    unexpected = [] if allow_unexpected else [k for k in saved if k not in flat]
-    wrong = []
-    for key, value in flat.items():
-        md = saved.get(key)
-        if md is None:
-            continue
-        if isinstance(value, torch.Tensor) != isinstance(md, TensorStorageMetadata):
-            kind = "bytes" if isinstance(md, BytesStorageMetadata) else "a tensor"
-            wrong.append(f"{key} (checkpoint holds {kind})")
-        elif isinstance(value, torch.Tensor) and (tuple(md.size) != tuple(value.shape) or (
-                md.properties.dtype != value.dtype and not converts_on_load(key, md.properties.dtype, value.dtype))):
-            wrong.append(f"{key} (checkpoint {tuple(md.size)} {md.properties.dtype}, "
-                         f"state dict {tuple(value.shape)} {value.dtype})")
-    error = mismatch_error(f"checkpoint {checkpoint_dir} does not match the state dict", missing, unexpected, wrong)
-    if error is not None:
-        raise error

@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 import functools
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -168,6 +168,65 @@ class Handle:
             then()
 
 
+class StagedHandle:
+    """A multi-stage collective: each stage needs the previous one's result (HSDP/HFSDP and
+    two-axis ZeRO-3: outer all-gather then inner all-gather; inner reduce-scatter then outer
+    reduction).
+
+    Nothing here runs by itself, on any thread: the schedule calls :meth:`advance` at fixed
+    points of its hook sequence (``runtime.py``, "Multi-stage collectives"), and :meth:`wait`
+    issues whatever is left. Both run on the caller's thread, so the order of collectives on
+    every process group is the order of those calls, the same on every rank. A stage's
+    completion work (its ``then``: a gradient addition into the accumulator, a scale, attaching
+    parameters) runs when that stage is waited: inside :meth:`advance` just before the next
+    stage is issued, or inside :meth:`wait`.
+    """
+
+    __slots__ = ("_current", "_rest")
+
+    def __init__(self, first: Handle, stages: Sequence[Callable[[], Handle]] = ()):
+        self._current = first
+        self._rest: Deque[Callable[[], Handle]] = collections.deque(stages)
+
+    @property
+    def stages_left(self) -> int:
+        """Stages not yet issued."""
+        return len(self._rest)
+
+    @property
+    def current(self) -> Handle:
+        """The stage issued last (the one :meth:`advance` waits for)."""
+        return self._current
+
+    def is_completed(self) -> bool:
+        return not self._rest and self._current.is_completed()
+
+    def advance(self) -> bool:
+        """Wait for the current stage (running its completion work) and issue the next one.
+
+        False, and nothing done, when every stage has been issued.
+        """
+        if not self._rest:
+            return False
+        self._current.wait()
+        nxt = self._rest.popleft()()
+        if isinstance(nxt, StagedHandle):  # a stage that is itself staged: its stages come next
+            self._rest.extendleft(reversed(nxt._rest))
+            nxt = nxt._current
+        self._current = nxt
+        return True
+
+    def wait(self) -> None:
+        while self.advance():
+            pass
+        self._current.wait()
+
+
+def staged(first: Handle, *stages: Callable[[], Handle]):
+    """``first`` when there is nothing after it, else a :class:`StagedHandle` of ``first`` then ``stages``."""
+    return StagedHandle(first, stages) if stages else first
+
+
 class CommAxis:
     """One data-parallel axis: a process group (``None``: an axis of one rank), its name, the ledger.
 
@@ -239,6 +298,19 @@ class CommAxis:
             return Handle()
         self._record("all_reduce", tensor, tag, 2)
         return Handle(dist.all_reduce(tensor, group=self.group, async_op=True), what=("all_reduce", self.name, tag))
+
+    def all_gather_object(self, obj, tag: str = "") -> list:
+        """Every rank's ``obj`` (picklable), in rank order; blocking. For rare, small control data
+        (an error message naming what differs); bytes recorded: none are known before pickling."""
+        if self.size == 1:
+            return [obj]
+        self.ledger.record("all_gather_object", self.name, 0, tag)
+        out = [None] * self.size
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except Exception as exc:  # noqa: BLE001 - timeouts and peer losses are RuntimeErrors
+            raise CollectiveError("all_gather_object", self.name, tag, exc) from exc
+        return out
 
     def all_to_all(self, output: torch.Tensor, send: torch.Tensor, output_splits, input_splits,
                    tag: str = "") -> Handle:

@@ -84,10 +84,6 @@ class FlatLayout:
         return sum(slot.spec.numel for slot in self.slots)
 
     @property
-    def trainable_numel(self) -> int:
-        return sum(slot.spec.numel for slot in self.slots if slot.spec.trainable)
-
-    @property
     def padding(self) -> int:
         return self.padded_size - self.numel
 
@@ -108,12 +104,6 @@ class FlatLayout:
             if a < b:
                 out.append(ShardPiece(i, a - slot.start, a - lo, b - a))
         return tuple(out)
-
-    def owned_trainable(self, rank: int) -> Tuple[int, int]:
-        """Buffer range ``[a, b)`` of the trainable region owned by ``rank`` (may be empty)."""
-        lo, hi = self.shard_range(rank)
-        a, b = lo, min(hi, self.trainable_end)
-        return (a, b) if a < b else (lo, lo)
 
     def runs(self, lo: int, hi: int, no_weight_decay: Sequence[bool]) -> Tuple[Tuple[int, int, bool], ...]:
         """Split the trainable part of ``[lo, hi)`` into runs ``(a, b, no_weight_decay)``.

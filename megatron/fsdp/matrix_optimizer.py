@@ -171,7 +171,7 @@ class MatrixOptimizer:
         self.names = set()  # (model index, parameter name) of every matrix
         by_section: Dict[str, list] = collections.OrderedDict()
         for k, model in enumerate(models):
-            root = model._runtime.root
+            root = model.root_unit
             for unit in model.units:
                 s = unit.storage
                 chosen = []

@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import weakref
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Type
+from typing import Callable, Dict, Iterable, List, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
@@ -16,12 +16,13 @@ from .buffers import UnitStorage
 from .checkpoint import load_model_state_dict, model_state_dict
 from .comm import CommAxis, Ledger, collective
 from .experts import DENSE, EXPERT, ExpertSharding, Section
+from .full_state import broadcast_params, full_state_dict, load_full_state_dict
 from .layout import ParamSpec, build_layout
 from .mesh import DataParallelMesh
 from .meta_init import MetaMaterialiser, check_meta_module, is_on_meta, target_device
 from .mixed_precision import MixedPrecision
 from .replicas import broadcast_from_rank0
-from .runtime import Overlap, Runtime
+from .runtime import Overlap, Schedule
 from .teardown import track
 from .strategy import MeshStrategy, ShardingStrategy, parse_mesh_strategy
 from .unit import FSDPUnit
@@ -31,8 +32,9 @@ ALIGN_BYTES = 16
 
 
 def megatron_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
-    """Megatron's default: no weight decay on biases and on 1-D parameters (norms)."""
-    return name.endswith(".bias") or name == "bias" or param.dim() <= 1
+    """Megatron-Core's default rule (``megatron/core/optimizer``): no weight decay on biases and on
+    1-D parameters (norms). The one copy of it: the Megatron adapter uses this function too."""
+    return name.endswith(".bias") or name == "bias" or param.dim() == 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +58,8 @@ def _nbytes(t: Optional[torch.Tensor]) -> int:
 class FullyShardedModule(torch.nn.Module):
     """The wrapped model: call it like the original; its parameters live in flat unit buffers."""
 
-    def __init__(self, module: torch.nn.Module, runtime: Runtime, units: List[FSDPUnit], inner: CommAxis,
-                 outer: CommAxis, levels: MeshStrategy, mixed_precision: MixedPrecision, no_weight_decay: Callable,
+    def __init__(self, module: torch.nn.Module, runtime: Schedule, units: List[FSDPUnit], inner: CommAxis,
+                 outer: CommAxis, levels: MeshStrategy, mixed_precision: MixedPrecision,
                  sections: Dict[str, Section]):
         super().__init__()
         # "dense" always; "expert" when fully_shard got ``experts``: axes, levels, gradient rule of each.
@@ -70,7 +72,6 @@ class FullyShardedModule(torch.nn.Module):
         self.levels = levels
         self.strategy: ShardingStrategy = levels.inner
         self.mixed_precision = mixed_precision
-        self.no_weight_decay = no_weight_decay
         self._slot_of = {name: (unit, slot) for unit in units
                          for name, slot in zip(unit.param_names, unit.storage.layout.slots)}
         self._name_of = {id(p): name for unit in units for name, p in zip(unit.param_names, unit.storage.params)}
@@ -118,6 +119,33 @@ class FullyShardedModule(torch.nn.Module):
     def process_group(self):
         return self.inner_axis.group
 
+    @property
+    def gather_stats(self) -> Dict[str, Dict[str, int]]:
+        """Per phase, how many gathers were prefetched and how many waited on demand (since the wrap)."""
+        return self._runtime.gather_stats
+
+    @property
+    def backwards_since_step(self) -> int:
+        """Backward passes run since the last optimizer step (0: no gradient to step on)."""
+        return self._runtime.backwards_since_step
+
+    @property
+    def root_unit(self) -> Optional[FSDPUnit]:
+        """The unit of the parameters outside every unit module (None when there are none)."""
+        return self._runtime.root
+
+    def wait_weights(self) -> None:
+        """Wait for every gather in flight (the install after a step, prefetches)."""
+        self._runtime.wait_weights()
+
+    def install_updated_weights(self) -> None:
+        """After the optimizer updated the main weights: rebuild compute weights (gathers in flight)."""
+        self._runtime.after_step()
+
+    def zero_grad_buffers(self) -> None:
+        """Zero the flat gradient accumulators."""
+        self._runtime.zero_grads()
+
     def start_grad_sync(self) -> None:
         """Issue every once-per-step reduction not yet issued (no waiting)."""
         self._runtime.start_grad_sync()
@@ -137,22 +165,9 @@ class FullyShardedModule(torch.nn.Module):
 
     @collective("broadcast_params")
     def broadcast_params(self) -> None:
-        """Make replicas equal to rank 0 of every axis whose level keeps them replicated.
-
-        A collective. Shards owned by one rank are already the single truth;
-        only copies along axes that do not shard optimizer state can diverge.
-        """
-        self._runtime.wait_weights()
-        for unit in self._units:
-            s = unit.storage
-            flat = self._gathered_main(s)
-            changed = False
-            for axis, level in ((s.inner, s.levels.inner), (s.outer, s.levels.outer)):
-                if axis.size > 1 and not level.shard_optim:
-                    axis.broadcast(flat, tag="broadcast_params").wait()
-                    changed = True
-            if changed:
-                self._load_flat(s, flat)
+        """Make replicas equal to rank 0 of every axis whose level keeps them replicated (a collective;
+        ``full_state.py``)."""
+        broadcast_params(self)
 
     def main_grad_piece(self, name: str) -> torch.Tensor:
         """This rank's piece of parameter ``name`` in the optimizer's gradient (flat; may be empty).
@@ -170,7 +185,7 @@ class FullyShardedModule(torch.nn.Module):
         compute = main = grads = 0
         for unit in self._units:
             s = unit.storage
-            compute += _nbytes(s.shard) if s.shard is not None else _nbytes(s.full)
+            compute += _nbytes(s.shard) if s.releases else _nbytes(s.full)
             main += 0 if s.shares_main else _nbytes(s.main)
             grads += _nbytes(s.grad_accum)
         state = optimizer.state_bytes() if optimizer is not None else 0
@@ -192,80 +207,17 @@ class FullyShardedModule(torch.nn.Module):
 
     @collective("full_state_dict")
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
-        """Full, unsharded tensors by parameter name (main precision for trainable ones).
+        """Full, unsharded tensors by parameter name (main precision for trainable ones; ``full_state.py``).
 
         A collective on sharded levels: every rank must call it. Buffers of the
         module are included as they are.
         """
-        self._runtime.wait_weights()
-        out: Dict[str, torch.Tensor] = {}
-        for unit in self._units:
-            s = unit.storage
-            flat = self._gathered_main(s)
-            for name, slot in zip(unit.param_names, s.layout.slots):
-                out[name] = flat[slot.start:slot.end].view(slot.spec.shape).clone()
-        for name, buf in self.module.named_buffers():
-            out[name] = buf.detach().clone()
-        return out
-
-    @staticmethod
-    def _gathered_main(s: UnitStorage) -> torch.Tensor:
-        """The full buffer in main dtype: main weights where trainable, compute weights where frozen.
-
-        Summed over each axis whose level shards optimizer state; there every
-        trainable element has exactly one owner, and frozen elements are
-        contributed by one rank unless the level also shards parameters.
-        """
-        R = s.regions
-        flat = torch.zeros(s.layout.padded_size, dtype=s.main_dtype, device=s.full.device)
-        axes = [(ax, lvl) for ax, lvl in ((s.inner, s.levels.inner), (s.outer, s.levels.outer))
-                if lvl.shard_optim and ax.size > 1]
-        if all(lvl.shard_params or ax.rank == 0 for ax, lvl in axes):
-            f0, f1 = max(s.kept[0], s.layout.trainable_end), s.kept[1]
-            if f0 < f1:
-                flat[f0:f1].copy_(s._compute_slice(f0, f1))
-        a, b = R.main
-        flat[a:b].copy_(s.main)
-        for ax, _ in axes:
-            ax.all_reduce(flat, tag="state_dict").wait()
-        return flat
-
-    @staticmethod
-    @torch.no_grad()
-    def _load_flat(s: UnitStorage, flat: torch.Tensor) -> None:
-        """Write a full main-dtype buffer into this rank's main and compute storage."""
-        a, b = s.regions.main
-        if not s.shares_main:
-            s.main.copy_(flat[a:b])
-        if s.shard is not None:
-            s.shard.copy_(flat[s.kept[0]:s.kept[1]])
-        if s.resident:
-            s.full.copy_(flat)
+        return full_state_dict(self)
 
     @collective("load_full_state_dict")
     def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True):
         """Load full tensors (as produced by ``full_state_dict``); every rank takes its own piece."""
-        names = [n for unit in self._units for n in unit.param_names]
-        missing = [n for n in names if n not in state_dict]
-        buffers = dict(self.module.named_buffers())
-        unexpected = [k for k in state_dict if k not in names and k not in buffers]
-        if strict and (missing or unexpected):
-            raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        self._runtime.wait_weights()
-        with torch.no_grad():
-            for unit in self._units:
-                s = unit.storage
-                flat = self._gathered_main(s)
-                for name, slot in zip(unit.param_names, s.layout.slots):
-                    if name in state_dict:
-                        value = state_dict[name]
-                        if tuple(value.shape) != slot.spec.shape:
-                            raise ValueError(f"{name}: shape {tuple(value.shape)} in the state dict, {slot.spec.shape} in the model")
-                        flat[slot.start:slot.end].copy_(value.reshape(-1))
-                self._load_flat(s, flat)
-            for name, buf in buffers.items():
-                if name in state_dict:
-                    buf.copy_(state_dict[name])
+        load_full_state_dict(self, state_dict, strict)
 
 
 def _unit_selectors(unit_modules) -> Tuple[Tuple[Type[torch.nn.Module], ...], Tuple[torch.nn.Module, ...]]:
@@ -291,14 +243,14 @@ def _assign_params(module: torch.nn.Module, unit_names: List[str]):
     A tied parameter (e.g. embedding and output head) lands in the lowest common
     unit of its holders, so it is resident whenever any holder runs.
     """
-    def chain(module_name: str) -> List[str]:
+    def enclosing_units(module_name: str) -> List[str]:
         return [u for u in unit_names if u == "" or module_name == u or module_name.startswith(u + ".")]
 
     canonical: Dict[int, str] = {}
     owner: Dict[int, List[str]] = {}
     params: Dict[int, torch.nn.Parameter] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
-        c = chain(name.rpartition(".")[0])
+        c = enclosing_units(name.rpartition(".")[0])
         if id(p) not in canonical:
             canonical[id(p)], owner[id(p)], params[id(p)] = name, c, p
         else:
@@ -425,21 +377,20 @@ def fully_shard(
             if storage is None:
                 continue
             label = uname if section is dense else f"{uname or '<root>'}[experts]"
-            units.append(FSDPUnit(len(units), label, [modules[uname]], storage,
+            units.append(FSDPUnit(len(units), label, modules[uname], storage,
                                   [s.spec.name for s in storage.layout.slots]))
     root = units[0] if units and units[0].name == "<root>" else None
-    runtime = Runtime(units, root, overlap)
+    runtime = Schedule(units, root, overlap)
     track(runtime)  # shutdown() waits for what it leaves in flight
     for unit in units:
         if unit is not root:
-            for m in unit.modules:
-                m.register_forward_pre_hook(lambda _m, _a, u=unit: runtime.pre_forward(u))
-                m.register_forward_hook(lambda _m, _a, out, u=unit: runtime.post_forward(u, out))
+            unit.module.register_forward_pre_hook(lambda _m, _a, u=unit: runtime.pre_forward(u))
+            unit.module.register_forward_hook(lambda _m, _a, out, u=unit: runtime.post_forward(u, out))
         for i, p in unit.storage.trainable_params:
             p.register_post_accumulate_grad_hook(functools.partial(_on_grad, weakref.ref(runtime), unit.index, i))
     _guard_submodules(units, modules)
     sections = {DENSE: dense} if expert is None else {DENSE: dense, EXPERT: expert}
-    return FullyShardedModule(module, runtime, units, inner, outer, levels, mp, no_weight_decay, sections)
+    return FullyShardedModule(module, runtime, units, inner, outer, levels, mp, sections)
 
 
 def _device_of_eager(named, device, init_weights) -> torch.device:
@@ -470,7 +421,7 @@ def _guard_submodules(units: List[FSDPUnit], modules: Dict[str, torch.nn.Module]
         holders = dict.fromkeys(name.rpartition(".")[0] for name in unit.param_names)
         for mname in holders:
             sub = modules.get(mname)
-            if sub is not None and not any(sub is m for m in unit.modules):
+            if sub is not None and sub is not unit.module:
                 sub.register_forward_pre_hook(functools.partial(_check_gathered, weakref.ref(unit.storage),
                                                                 unit.name, mname))
 

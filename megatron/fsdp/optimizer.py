@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import load_optimizer_state_dict, optimizer_state_dict
-from .comm import collective
+from .comm import CommAxis, collective
 from .experts import EXPERT
 from .matrix_checkpoint import check_matrix_state_dict, matrix_state_dict, split_state_dict, write_matrix_state
 from .matrix_whole import make_matrix_optimizer
@@ -84,6 +84,11 @@ class FullyShardedOptimizer:
         self.clip_grad = float(clip_grad)
         self.norm_groups = _real_groups(norm_groups)
         self.expert_norm_groups = self.norm_groups if expert_norm_groups is None else _real_groups(expert_norm_groups)
+        # The model-parallel groups the squared norm is also summed over, as ledger axes.
+        self._norm_axes = {section: [CommAxis(f"{section}_norm_group{k}", group, first.ledger)
+                                     for k, group in enumerate(self.expert_norm_groups if section == EXPERT
+                                                               else self.norm_groups)]
+                           for section in first.sections}
         weight_decay = optimizer_kwargs.get("weight_decay", 0.0)
         groups = {False: [], True: [], MATRIX: []}
         self._grads: List[torch.Tensor] = []
@@ -132,6 +137,11 @@ class FullyShardedOptimizer:
         return bool(rule(spec.name, torch.nn.Parameter(torch.empty(spec.shape, device="meta"), spec.trainable)))
 
     @property
+    def norm_grads(self) -> Dict[str, List[torch.Tensor]]:
+        """Per section, the gradient pieces that count in the global norm on this rank."""
+        return self._norm_grads
+
+    @property
     def param_groups(self):
         """The elementwise optimizer's groups, then the matrix optimizer's one (an LR scheduler edits both)."""
         return self.optimizer.param_groups + (self.matrix.param_groups if self.matrix is not None else [])
@@ -174,8 +184,8 @@ class FullyShardedOptimizer:
             s.inner.all_reduce(value, tag="grad_norm").wait()
         if s.levels.outer.shard_optim:
             s.outer.all_reduce(value, tag="grad_norm").wait()
-        for group in (self.expert_norm_groups if section == EXPERT else self.norm_groups):
-            dist.all_reduce(value, group=group)
+        for axis in self._norm_axes[section]:
+            axis.all_reduce(value, tag="grad_norm").wait()
         return value
 
     def grad_norm(self) -> float:
@@ -192,11 +202,11 @@ class FullyShardedOptimizer:
     def finish_grad_sync(self) -> None:
         """Complete every gradient reduction of this step; raise if no backward ran."""
         for model in self.models:
-            if model._runtime.backwards_since_step == 0:
+            if model.backwards_since_step == 0:
                 raise RuntimeError("optimizer.step() called without a backward pass since the last step; "
                                    "run loss.backward() on the wrapped model first")
         for model in self.models:
-            model._runtime.finish_grad_sync()
+            model.finish_grad_sync()
 
     def clip_grads(self, norm: float) -> None:
         if self.clip_grad > 0.0 and math.isfinite(norm):
@@ -212,7 +222,7 @@ class FullyShardedOptimizer:
         else:  # the elementwise step runs while the first unit's matrix pieces travel
             self.matrix.step(overlap_with=self.optimizer.step)
         for model in self.models:
-            model._runtime.after_step()
+            model.install_updated_weights()
 
     @torch.no_grad()
     @collective("optimizer.step")
@@ -230,4 +240,4 @@ class FullyShardedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat gradient accumulators (they are reused, never set to None)."""
         for model in self.models:
-            model._runtime.zero_grads()
+            model.zero_grad_buffers()

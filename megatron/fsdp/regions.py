@@ -29,11 +29,18 @@ class UnitRegions:
     piece: Range    # this rank's outer piece of ``inner``
     compute: Range  # persistent compute weights
     accum: Range    # gradient accumulator between micro-batches
-    main: Range     # main weights / optimizer state (trainable elements only; may be empty)
+    owned: Range    # the finest range optimizer state is sharded over: this rank's checkpoint values
+    main: Range     # main weights / optimizer state: the trainable part of ``owned`` (may be empty)
 
     @staticmethod
     def size(r: Range) -> int:
         return r[1] - r[0]
+
+
+def trainable_part(r: Range, trainable_end: int) -> Range:
+    """The part of buffer range ``r`` inside the trainable prefix ``[0, trainable_end)``; ``(lo, lo)``
+    when there is none. The one statement of the owned-range rule's clipping."""
+    return r[0], max(r[0], min(r[1], trainable_end))
 
 
 def unit_regions(layout: FlatLayout, levels: MeshStrategy, inner_rank: int, outer_rank: int, outer_size: int) -> UnitRegions:
@@ -50,11 +57,11 @@ def unit_regions(layout: FlatLayout, levels: MeshStrategy, inner_rank: int, oute
         return inner if inner_flag else (0, layout.padded_size)
 
     owned = finest(levels.outer.shard_optim, levels.inner.shard_optim)
-    a, b = owned[0], min(owned[1], layout.trainable_end)
     return UnitRegions(
         inner=inner,
         piece=piece,
         compute=finest(levels.outer.shard_params, levels.inner.shard_params),
         accum=finest(levels.outer.shard_grads, levels.inner.shard_grads),
-        main=(a, b) if a < b else (a, a),
+        owned=owned,
+        main=trainable_part(owned, layout.trainable_end),
     )

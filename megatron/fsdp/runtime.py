@@ -16,6 +16,20 @@ reverse of the order in which the forward's units ended. The root, which runs fi
 the first units of each direction, so in steady state no unit waits for a
 gather it could have had earlier. Every gather, reduction, install and wait runs
 inside a named range (``profiling.py``).
+
+Multi-stage collectives (a :class:`~.comm.StagedHandle`: the outer then the inner all-gather
+of two-axis ZeRO-3 and of the HFSDP install; the inner reduce-scatter then the outer
+reduction of HSDP, HFSDP and two-axis ZeRO-3) advance at fixed points of the hook
+sequence, never from another thread and never on a timing decision (``is_completed``
+differs between ranks): each time a unit's compute ends (its post-forward, its
+post-backward), every multi-stage collective issued before that point, in issue order,
+waits for its current stage and issues its next one. The hook sequence is the same on
+every rank, so the order of collectives on every process group is too. A stage waited
+there has had one unit's compute to land: the second stage of unit k+1's gather is
+issued at the end of unit k's forward, the outer reduction of unit k at the end of unit
+k-1's backward. A stage's completion work (the gradient addition into the accumulator,
+the averaging, attaching the gathered parameters) runs right there, before the next
+stage is issued, or in the final wait (``Handle.wait``) if that comes first.
 """
 
 from __future__ import annotations
@@ -28,7 +42,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from . import profiling
-from .comm import Handle
+from .comm import Handle, StagedHandle
 from .unit import FSDPUnit, UnitState
 
 
@@ -58,7 +72,10 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class Runtime:
+class Schedule:
+    """The hooks' side of the schedule: what each forward/backward hook gathers, releases, reduces and
+    advances, and the step hooks (``start_grad_sync``, ``finish_grad_sync``, ``after_step``)."""
+
     def __init__(self, units: List[FSDPUnit], root: Optional[FSDPUnit], overlap: Overlap = Overlap()):
         self.units = units          # registration order; root first when it has parameters
         self.root = root            # None when every parameter sits in some unit
@@ -77,6 +94,8 @@ class Runtime:
         # unit was needed) or "on_demand" (the unit had to wait for its own gather).
         self.gather_stats = {p: {"prefetched": 0, "on_demand": 0} for p in ("forward", "backward")}
         self._reductions: Deque[Tuple[str, Handle]] = collections.deque()
+        # Multi-stage collectives with stages not yet issued, in issue order: (kind, unit, handle).
+        self._staged: List[Tuple[str, str, StagedHandle]] = []
         self._callback_queued = False
 
     # ---------------------------------------------------------------- forward
@@ -87,7 +106,7 @@ class Runtime:
         self._fwd_ends = []
         self._bwd_plan = None
         if self.root is not None and self.root.state in (UnitState.IDLE, UnitState.UNSHARDING):
-            self.root.activate(UnitState.FORWARD)
+            self.root.begin_use(UnitState.FORWARD)
         self._prefetch(self._fwd_plan.first(self.overlap.forward_prefetch))
 
     def root_post_forward(self, output):
@@ -104,7 +123,7 @@ class Runtime:
             self._enter_backward(unit)
             return
         self._count_gather(unit, "forward")
-        unit.activate(UnitState.FORWARD)
+        unit.begin_use(UnitState.FORWARD)
         self._order.append(unit)
         self._prefetch(self._fwd_plan.after(unit, self.overlap.forward_prefetch))
         profiling.mark("forward", "begin", unit.name)
@@ -112,6 +131,7 @@ class Runtime:
     def post_forward(self, unit: FSDPUnit, output):
         if unit.state is not UnitState.FORWARD:
             return output  # recompute during backward: keep the weights for backward
+        self._advance_staged()
         profiling.mark("forward", "end", unit.name)
         self._fwd_ends.append(unit)
         unit.release()
@@ -128,7 +148,26 @@ class Runtime:
     def _prefetch(self, units: List[FSDPUnit]) -> None:
         for unit in units:
             if unit.state is UnitState.IDLE and not unit.storage.resident:
-                unit.start_unshard()
+                self._track_staged("all_gather", unit, unit.start_unshard())
+
+    # ------------------------------------------------------ multi-stage collectives
+    def _track_staged(self, kind: str, unit: FSDPUnit, handle: Handle) -> None:
+        if isinstance(handle, StagedHandle) and handle.stages_left:
+            self._staged.append((kind, unit.name, handle))
+
+    def _advance_staged(self) -> None:
+        """A unit's compute ended: every multi-stage collective issued before now moves one stage on.
+
+        In issue order, on this thread: the same collectives in the same order on every rank.
+        """
+        staged, self._staged = self._staged, []
+        for kind, name, handle in staged:
+            if not handle.stages_left:
+                continue  # waited (all stages issued) since
+            with profiling.span("stage." + kind, name, waiting_on=handle.current):
+                handle.advance()
+            if handle.stages_left:
+                self._staged.append((kind, name, handle))
 
     # --------------------------------------------------------------- backward
     def _register_pre_backward(self, unit: FSDPUnit, output) -> None:
@@ -165,7 +204,7 @@ class Runtime:
         if unit.state is UnitState.FORWARD:
             unit.transition(UnitState.BACKWARD)
         else:
-            unit.activate(UnitState.BACKWARD)
+            unit.begin_use(UnitState.BACKWARD)
         unit.begin_backward()
         profiling.mark("backward", "begin", unit.name)
 
@@ -179,6 +218,7 @@ class Runtime:
             self._post_backward(unit)
 
     def _post_backward(self, unit: FSDPUnit) -> None:
+        self._advance_staged()
         storage = unit.storage
         if unit.num_trainable:
             if storage.levels.inner.keeps_full_grads:
@@ -202,6 +242,7 @@ class Runtime:
         unit.reduced_this_step = True
 
     def _enqueue(self, unit: FSDPUnit, handle: Handle) -> None:
+        self._track_staged("reduce", unit, handle)
         self._reductions.append((unit.name, handle))
         while len(self._reductions) > self.overlap.reductions_in_flight:
             self._wait_oldest_reduction()
@@ -270,6 +311,7 @@ class Runtime:
             with profiling.span("install", unit.name):
                 handle = unit.storage.install_main_weights(tag=unit.name)
             unit.set_pending(handle)
+            self._track_staged("install", unit, handle)
 
     def zero_grads(self) -> None:
         self._scaled_this_step = False
@@ -302,3 +344,6 @@ class _Plan:
     def after(self, unit: FSDPUnit, depth: int) -> List[FSDPUnit]:
         k = self._position.get(unit.index)
         return [] if k is None or depth == 0 else self.units[k + 1:k + 1 + depth]
+
+
+Runtime = Schedule  # the former name, kept importable for branches that still use it

@@ -2,15 +2,23 @@
 
 ::
 
-    IDLE --unshard--> UNSHARDING --wait--> FORWARD --release--> IDLE
-      |                    |                  |
-      +-------------------------------------> BACKWARD --post-backward--> IDLE
+    IDLE --start_unshard--> UNSHARDING --begin_use--> FORWARD --release--> IDLE
+      |                         |                       |
+      +------begin_use--------------------------------> BACKWARD --release--> IDLE
 
-``IDLE``: between uses; under ZeRO-3 only the shard exists, other levels keep
-the full weights resident. ``UNSHARDING``: an all-gather is in flight (a
-prefetch, or an on-demand gather about to be waited). ``FORWARD``/``BACKWARD``:
-weights resident and in use. Any transition not in the table is a bug in the
-runtime and raises at once instead of corrupting a collective schedule.
+``IDLE``: between uses. ``UNSHARDING``: a prefetch issued its all-gather (some stages of a
+multi-stage gather may still be unissued, see ``runtime.py``). ``FORWARD``/``BACKWARD``:
+the weights are in place and in use. ``begin_use`` from ``IDLE`` gathers on demand; from
+either state it waits for whatever gather is pending (a prefetch, or the install after an
+optimizer step) before entering the new state. ``release`` waits too, then frees the full
+weights under ZeRO-3 (also ``UNSHARDING -> IDLE``: a prefetched unit that was not used;
+``FORWARD -> BACKWARD``: a backward that begins before the forward released it). Any transition not in the table is a bug in the runtime and raises
+at once instead of corrupting a collective schedule.
+
+Where the weights are is the storage's ``residency`` (``buffers.Residency``: ``SHARDED``,
+``GATHERING``, ``FULL``), the one source of truth: ``IDLE`` is ``SHARDED`` under ZeRO-3
+(``FULL`` on other levels), ``UNSHARDING`` is ``GATHERING``, ``FORWARD`` and ``BACKWARD``
+are ``FULL``.
 """
 
 from __future__ import annotations
@@ -43,10 +51,10 @@ _TRANSITIONS = {
 class FSDPUnit:
     """A group of parameters gathered, released and reduced together."""
 
-    def __init__(self, index: int, name: str, modules: List[torch.nn.Module], storage: UnitStorage, param_names: List[str]):
+    def __init__(self, index: int, name: str, module: torch.nn.Module, storage: UnitStorage, param_names: List[str]):
         self.index = index
         self.name = name or "<root>"
-        self.modules = modules
+        self.module = module  # the unit module whose forward hooks gather, release and reduce it
         self.storage = storage
         self.param_names = param_names
         self.state = UnitState.IDLE
@@ -68,13 +76,16 @@ class FSDPUnit:
         self.state = new
 
     # -------------------------------------------------------------- gather
-    def start_unshard(self) -> None:
-        """Issue the all-gather without waiting (prefetch)."""
+    def start_unshard(self) -> Handle:
+        """Issue the all-gather without waiting (prefetch); returns its handle (the schedule may
+        advance a multi-stage gather before the unit's use waits for it)."""
         self.transition(UnitState.UNSHARDING)
         self._gather()
+        return self._pending if self._pending is not None else Handle()
 
-    def activate(self, state: UnitState) -> None:
-        """Make the weights usable and enter FORWARD or BACKWARD."""
+    def begin_use(self, state: UnitState) -> None:
+        """Make the weights usable (gather them unless in flight or resident, then wait) and enter
+        FORWARD or BACKWARD."""
         if self.state is UnitState.IDLE:
             self._gather()
         self.wait_weights()

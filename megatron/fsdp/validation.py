@@ -6,9 +6,8 @@ import hashlib
 from typing import List, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
-from .comm import _ALL_GATHER, CollectiveError, CommAxis
+from .comm import CommAxis
 
 Signature = Tuple[str, Tuple[int, ...], str, bool]
 
@@ -44,14 +43,10 @@ def check_same_module_on_all_ranks(axis: CommAxis, signature: List[Signature], d
         return
     mine = _digest(signature).to(device)
     digests = torch.empty(axis.size, dtype=torch.int64, device=device)
-    try:
-        _ALL_GATHER(digests, mine, group=axis.group)
-    except Exception as exc:  # noqa: BLE001 - a rank that never called fully_shard: timeout
-        raise CollectiveError("all_gather", axis.name, "module digest", exc) from exc
+    axis.all_gather(digests, mine, tag="module digest").wait()  # a rank that never called fully_shard: timeout
     if bool((digests == digests[0]).all()):
         return
-    everyone: List[List[Signature]] = [None] * axis.size  # type: ignore[list-item]
-    dist.all_gather_object(everyone, signature, group=axis.group)
+    everyone: List[List[Signature]] = axis.all_gather_object(signature, tag="module signature")
     bad = next(r for r in range(axis.size) if everyone[r] != everyone[0])
     raise ValueError(
         f"the module differs across data-parallel ranks (rank 0 vs rank {bad} of the group): "

@@ -37,8 +37,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron.fsdp.checkpoint import mismatch_error
-from megatron.fsdp.precision_optimizer import converts_on_load
+from megatron.fsdp.checkpoint_metadata import (describe_checkpoint, describe_state_dict, key_mismatches,
+                                               mismatch_error, show)
 
 from . import checkpoint_files as files
 from . import checkpoint_manifest as manifest
@@ -266,54 +266,26 @@ def verify_checkpoint(directory: Path) -> None:
 
 
 # ------------------------------------------------------------------------ load
-def _describe(state: Mapping[str, Any]) -> Dict[str, Tuple]:
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    flat, _ = flatten_state_dict(dict(state))
-    return {k: (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else ("bytes",)
-            for k, v in flat.items()}
-
-
-def _saved_description(metadata) -> Dict[str, Tuple]:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    return {k: (tuple(md.size), str(md.properties.dtype)) if isinstance(md, TensorStorageMetadata) else ("bytes",)
-            for k, md in metadata.state_dict_metadata.items()}
-
-
-def _show(desc: Tuple) -> str:
-    return "bytes" if desc == ("bytes",) else f"{desc[0]} {desc[1].replace('torch.', '')}"
-
-
 def validate_keys(state: Mapping[str, Any], directory: Path, prefixes: Tuple[str, ...]) -> None:
     """Compare the union of every rank's state dict with the checkpoint (a collective; the same verdict everywhere).
 
     Checkpoint keys under ``prefixes`` must all be asked for, every asked key must
-    exist with the same shape, dtype and kind. Raises ``CheckpointError`` naming them.
+    exist with the same shape, dtype and kind (the engine's rule: ``megatron.fsdp.checkpoint_metadata``).
+    Raises ``CheckpointError`` naming them.
     """
     gathered: List[Optional[Dict[str, Tuple]]] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, _describe(state))
+    dist.all_gather_object(gathered, describe_state_dict(state))
     wanted: Dict[str, Tuple] = {}
     wrong = []
     for desc in gathered:
         for key, d in desc.items():
             if wanted.setdefault(key, d) != d:
-                wrong.append(f"{key} (ranks disagree: {_show(wanted[key])} vs {_show(d)})")
-    saved = _saved_description(dcp.FileSystemReader(str(directory)).read_metadata())
-    missing = sorted(k for k in wanted if k not in saved)
-    unexpected = sorted(k for k in saved if k.startswith(prefixes) and k not in wanted)
-    wrong += sorted(f"{k} (checkpoint {_show(saved[k])}, model {_show(d)})"
-                    for k, d in wanted.items() if k in saved and not _loads_as(k, saved[k], d))
-    error = mismatch_error(f"checkpoint {directory} does not fit this model", missing, unexpected, wrong)
+                wrong.append(f"{key} (ranks disagree: {show(wanted[key])} vs {show(d)})")
+    missing, unexpected, mismatched = key_mismatches(wanted, describe_checkpoint(directory), prefixes, label="model")
+    error = mismatch_error(f"checkpoint {directory} does not fit this model", sorted(missing), sorted(unexpected),
+                           wrong + sorted(mismatched))
     if error is not None:
         raise CheckpointError(str(error))
-
-
-def _loads_as(key: str, saved: Tuple, wanted: Tuple) -> bool:
-    """The same description, or an optimizer moment of the same shape in another dtype (fp32 <-> bf16 state)."""
-    if saved == wanted:
-        return True
-    return len(saved) == len(wanted) == 2 and saved[0] == wanted[0] and converts_on_load(key, saved[1], wanted[1])
 
 
 def tp_global(common: Mapping[str, Any]) -> bool:

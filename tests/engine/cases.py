@@ -34,7 +34,7 @@ def gather_schedule(ctx, micro_batches: int, recompute: bool, steps: int = 2):
     for i, step in enumerate(batches):
         if i == len(batches) - 1:
             fsdp.ledger.reset()
-            for phase in fsdp._runtime.gather_stats.values():
+            for phase in fsdp.gather_stats.values():
                 phase.update(prefetched=0, on_demand=0)
             train_step(ctx, fsdp, opt, step, cfg, after_micro_batch=snapshot)
         else:
@@ -44,7 +44,7 @@ def gather_schedule(ctx, micro_batches: int, recompute: bool, steps: int = 2):
     return {
         "per_micro_batch": per_micro_batch,
         "units": [u.name for u in fsdp.units],
-        "gather_stats": fsdp._runtime.gather_stats,
+        "gather_stats": fsdp.gather_stats,
         "resident_after_step": resident,
         "transient_grads_after_step": transient_grads,
     }

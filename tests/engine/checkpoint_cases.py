@@ -54,7 +54,7 @@ def _compute_matches_main(fsdp) -> bool:
         s = unit.storage
         a, b = s.regions.main
         if a < b and not s.casts_main:  # casts_main keeps no compute copy: every gather casts main
-            ok &= torch.equal(s._compute_slice(a, b), s.main.to(s.compute_dtype))
+            ok &= torch.equal(s.compute_slice(a, b), s.main.to(s.compute_dtype))
     return bool(ok)
 
 

@@ -55,7 +55,7 @@ def _storage_tensors(fsdp) -> Dict[str, torch.Tensor]:
 
 def _differences(eager, meta) -> List[str]:
     for fsdp in (eager, meta):
-        fsdp._runtime.wait_weights()  # the gathers that install the last step's weights
+        fsdp.wait_weights()  # the gathers that install the last step's weights
     a, b = _storage_tensors(eager), _storage_tensors(meta)
     if list(a) != list(b):
         return [f"different state: {list(a)} vs {list(b)}"]

@@ -93,10 +93,10 @@ def prefetch_stats(ctx, configs: List[Tuple[int, dict]]) -> List[Dict[str, objec
         batches = make_batches(cfg.steps, 1, GLOBAL_MICRO_BATCH)
         for i, step in enumerate(batches):
             if i == len(batches) - 1:
-                for phase in fsdp._runtime.gather_stats.values():
+                for phase in fsdp.gather_stats.values():
                     phase.update(prefetched=0, on_demand=0)
             train_step(ctx, fsdp, opt, step, cfg)
-        out.append({"gather_stats": fsdp._runtime.gather_stats, "units": [u.name for u in fsdp.units],
+        out.append({"gather_stats": fsdp.gather_stats, "units": [u.name for u in fsdp.units],
                     "peak": peak[0], "overlap": fsdp.overlap})
     return out
 

@@ -5,6 +5,8 @@ import itertools
 import pytest
 
 from megatron.fsdp import ParamSpec, build_layout
+from megatron.fsdp.regions import unit_regions
+from megatron.fsdp.strategy import parse_mesh_strategy
 
 
 def _specs():
@@ -53,7 +55,8 @@ def test_uneven_split_and_a_rank_that_owns_nothing():
     layout = build_layout([ParamSpec("w", (5,)), ParamSpec("v", (1,))], 4)
     assert layout.shard_size == 2
     assert [len(layout.pieces(r)) for r in range(4)] == [1, 1, 2, 0]  # "w" is split 2/2/1; rank 3 holds padding
-    assert layout.owned_trainable(3) == (6, 6)  # empty range: no main weights, grads or state
+    zero3 = parse_mesh_strategy("optim_grads_params", None, False)
+    assert unit_regions(layout, zero3, 3, 0, 1).main == (6, 6)  # empty range: no main weights, grads or state
 
 
 def test_bad_arguments():

@@ -4,9 +4,10 @@
   the order in which the forward's units ended; ``forward_prefetch`` / ``backward_prefetch``
   set how many units ahead, and memory grows with them;
 * reductions in flight: never more than ``reductions_in_flight`` reductions issued and not waited;
-* on a 2 x 2 mesh, which stage of a two-stage collective runs ahead of compute today: the first
-  stage of a gather (outer all-gather) and of a reduction (inner reduce-scatter) do; the second
-  stage is issued in the wait (``buffers.chain``), see docs/mesh.md "What overlaps";
+* on a 2 x 2 mesh, every stage of a two-stage collective runs ahead of the wait for it: the
+  second stage of unit k+1's gather is issued before unit k's forward ends, the outer reduction
+  of unit k before unit k-1's backward ends (``comm.StagedHandle``, advanced at each unit's
+  compute end, see docs/mesh.md "What overlaps"), in the same order on every rank;
 * every collective a unit issues runs inside a profiler range named by kind and unit.
 """
 
@@ -65,11 +66,21 @@ def _in_flight_at_backward_ends(rows):
     return seen
 
 
-def test_two_stage_collectives_on_a_2x2_mesh(pool):
-    configs = [(ZERO3, ZERO3, 2), (ZERO3, ZERO3, 0), (ZERO3, "no_shard", 2)]
-    full, eager, hsdp = pool.run(CASES + "schedule_timelines", size=4, configs=configs)[0]
+def _issues(rows):
+    return [(r[2], r[3], r[4]) for r in rows if r[0] == "issue"]
 
-    for run, in_flight in ((full, 2), (eager, 0), (hsdp, 2)):
+
+def test_two_stage_collectives_on_a_2x2_mesh(pool):
+    configs = [(ZERO3, ZERO3, 2), (ZERO3, ZERO3, 0), (ZERO3, "no_shard", 2), (ZERO3, "optim", 2)]
+    ranks = pool.run(CASES + "schedule_timelines", size=4, configs=configs)
+    full, eager, hsdp, hfsdp = ranks[0]
+    for k, run in enumerate(ranks[0]):
+        # The same collectives in the same order on every rank (so on every group): stages are
+        # advanced at hook points, never on timing.
+        for other in ranks[1:]:
+            assert _issues(other[k]["rows"]) == _issues(run["rows"]), (configs[k], "issue order differs")
+
+    for run, in_flight in ((full, 2), (eager, 0), (hsdp, 2), (hfsdp, 2)):
         rows = run["rows"]
         # Every collective of a unit is issued inside a named range (the grad norm is the optimizer's).
         assert all(r[1] for r in rows if r[0] == "issue" and r[2] != "grad_norm"), [r for r in rows if not r[1]]
@@ -79,20 +90,21 @@ def test_two_stage_collectives_on_a_2x2_mesh(pool):
     forward, backward = _order(rows, "forward"), _order(rows, "backward")
     assert forward == ["layers.0", "layers.1", "layers.2", "layers.3"] and backward == forward[::-1]
     for u, v in zip(forward, forward[1:]):
-        # First stage (outer all-gather) of the next unit: issued before this unit's forward ends.
+        # First stage (outer all-gather) of unit k+1: issued by unit k's pre-forward (prefetch).
         first, where = _issue(rows, v, "dp_outer", "all_gather")
         assert where == "all_gather" and first < _pos(rows, "forward", "end", u)
-        # Second stage (inner all-gather): today issued in the next unit's wait, after this forward ends.
+        # Second stage (inner all-gather): issued at the end of unit k's compute, before its forward ends.
         second, where = _issue(rows, v, "dp_shard", "all_gather")
-        assert where == "wait.all_gather" and second > _pos(rows, "forward", "end", u)
+        assert where == "stage.all_gather" and first < second < _pos(rows, "forward", "end", u), (u, v)
     for k, j in zip(backward, backward[1:]):
         # First stage (inner reduce-scatter) of unit k: issued before unit k-1's backward begins.
         first, where = _issue(rows, k, "dp_shard", "reduce_scatter")
         assert where == "reduce" and first < _pos(rows, "backward", "begin", j)
-        # Second stage (outer reduce-scatter): today issued when unit k's reduction is waited,
-        # after unit k-1's backward has ended (two reductions in flight).
+        # Second stage (outer reduce-scatter): issued before unit k-1's backward ends, while its wait
+        # (two reductions in flight) comes only at the end of unit k-2's.
         second, where = _issue(rows, k, "dp_outer", "reduce_scatter")
-        assert where == "wait.reduce" and second > _pos(rows, "backward", "end", j)
+        assert where == "stage.reduce" and _pos(rows, "backward", "begin", j) < second < _pos(
+            rows, "backward", "end", j), (k, j)
 
     # No reduction in flight: the outer stage of unit k runs before unit k-1's backward begins,
     # at the price of waiting for the inner stage right there.
@@ -101,13 +113,17 @@ def test_two_stage_collectives_on_a_2x2_mesh(pool):
         second, where = _issue(rows, k, "dp_outer", "reduce_scatter")
         assert where == "wait.reduce" and second < _pos(rows, "backward", "begin", j)
 
-    # HSDP: one-stage gathers run fully ahead; the outer all-reduce of a unit runs in its wait.
-    rows = hsdp["rows"]
-    for u, v in zip(forward, forward[1:]):
-        gather, where = _issue(rows, v, "dp_shard", "all_gather")
-        assert where == "all_gather" and gather < _pos(rows, "forward", "end", u)
-    for k in backward:
-        assert _issue(rows, k, "dp_outer", "all_reduce")[1] == "wait.reduce"
+    # HSDP and HFSDP: one-stage gathers run fully ahead; the outer all-reduce (HSDP) or
+    # reduce-scatter (HFSDP) of unit k is issued before unit k-1's backward ends.
+    for run, outer in ((hsdp, "all_reduce"), (hfsdp, "reduce_scatter")):
+        rows = run["rows"]
+        for u, v in zip(forward, forward[1:]):
+            gather, where = _issue(rows, v, "dp_shard", "all_gather")
+            assert where == "all_gather" and gather < _pos(rows, "forward", "end", u)
+        for k, j in zip(backward, backward[1:]):
+            second, where = _issue(rows, k, "dp_outer", outer)
+            assert where == "stage.reduce" and _pos(rows, "backward", "begin", j) < second < _pos(
+                rows, "backward", "end", j), (outer, k, j)
 
 
 def test_profiler_ranges_name_every_kind_and_unit(pool):

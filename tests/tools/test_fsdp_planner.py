@@ -156,7 +156,7 @@ def engine_ledger(ctx, micro_batches: int, hidden: int = 64, units: int = 3):
                 model(torch.randn(4, hidden)).float().pow(2).mean().backward()
         opt.step()
         # Land the post-step gathers: a chained stage (inner after outer) is issued only then.
-        model._runtime.wait_weights()
+        model.wait_weights()
         counted = {f"memory/{k}": v for k, v in dataclasses.asdict(model.memory_report(opt)).items()}
         for e in model.ledger.events:
             if e.tag != "grad_norm":

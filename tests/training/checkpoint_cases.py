@@ -74,7 +74,7 @@ def _compute_matches_main(chunk) -> bool:
         s = unit.storage
         a, b = s.regions.main
         if a < b:
-            ok &= torch.equal(s._compute_slice(a, b), s.main.to(s.compute_dtype))
+            ok &= torch.equal(s.compute_slice(a, b), s.main.to(s.compute_dtype))
     return bool(ok)
 
 

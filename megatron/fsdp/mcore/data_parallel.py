@@ -97,6 +97,12 @@ def _check_mesh_levels(inner: str, outer: str, instances: int, what: str) -> Non
                          + ("" if what else " (and pass it to parallel_state.initialize_model_parallel)"))
 
 
+def reject_fp16(config) -> None:
+    """The one fp16 rule, for the model's ``TransformerConfig`` and the ``OptimizerConfig`` alike."""
+    if getattr(config, "fp16", False):
+        raise ValueError("fp16 needs loss scaling, which megatron.fsdp does not implement; use bf16")
+
+
 def check_configs(config: TransformerConfig, ddp_config: DistributedDataParallelConfig) -> None:
     """Reject what cannot work and say how to fix it, before any collective."""
     if not ddp_config.use_megatron_fsdp:
@@ -106,8 +112,7 @@ def check_configs(config: TransformerConfig, ddp_config: DistributedDataParallel
                        ddp_config.num_distributed_optimizer_instances, "")
     experts = expert_levels(ddp_config)
     _check_mesh_levels(experts.inner, experts.outer, experts.instances, "expert_")
-    if getattr(config, "fp16", False):
-        raise ValueError("fp16 needs loss scaling, which megatron.fsdp does not implement; use bf16")
+    reject_fp16(config)
     if getattr(config, "gradient_accumulation_fusion", False):
         raise ValueError("gradient_accumulation_fusion=True writes weight grads into param.main_grad, which "
                          "megatron.fsdp replaces with flat sharded buffers; set "
@@ -241,7 +246,7 @@ class FullyShardedDataParallel(_BaseDataParallel):
         self._fsdp.scale_gradients(scaling_factor)
 
     def zero_grad_buffer(self) -> None:
-        self._fsdp._runtime.zero_grads()
+        self._fsdp.zero_grad_buffers()
 
     def broadcast_params(self) -> None:
         self._fsdp.broadcast_params()

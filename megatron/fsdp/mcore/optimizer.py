@@ -22,6 +22,7 @@ from megatron.core.optimizer.optimizer_config import OptimizerConfig
 import megatron.fsdp as mfsdp
 
 from .checkpoint_keys import optimizer_keys, rename_optimizer_key
+from .data_parallel import reject_fp16
 from .muon import MegatronMuon, grouped_gemm_split, megatron_matrix_params, muon_kwargs, tensor_parallel_shards
 
 
@@ -66,7 +67,7 @@ class FullyShardedMegatronOptimizer(MegatronOptimizer):
 
     def count_zeros(self) -> float:
         total = 0.0
-        for section, grads in self.engine._norm_grads.items():
+        for section, grads in self.engine.norm_grads.items():
             zeros = torch.zeros(1)
             for g in grads:
                 zeros += (g == 0).sum().float().cpu()
@@ -112,10 +113,6 @@ class FullyShardedMegatronOptimizer(MegatronOptimizer):
             "save with --ckpt-format fsdp_dtensor (torch DCP)")
 
 
-def _megatron_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
-    return name.endswith(".bias") or len(param.shape) == 1
-
-
 def _counts_in_norm(tp_rank: int):
     """Megatron's rule: skip pipeline-shared copies; count TP duplicates on TP rank 0 only."""
     def rule(name: str, param: torch.nn.Parameter) -> bool:
@@ -146,8 +143,7 @@ def get_fsdp_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.Modu
     if not precision.is_default(torch.float32) and config.optimizer != "adam":
         raise ValueError(f"the precision-aware optimizer (bf16 moments or main grads) needs optimizer 'adam', "
                          f"not {config.optimizer!r}")
-    if getattr(config, "fp16", False):
-        raise ValueError("fp16 needs loss scaling, which megatron.fsdp does not implement; use bf16")
+    reject_fp16(config)
     engines = [chunk.fsdp for chunk in model_chunks]
     index = model_chunks[0].index
     kwargs = dict(lr=config.lr, weight_decay=config.weight_decay)
@@ -166,7 +162,7 @@ def get_fsdp_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.Modu
                          "use 'adam', 'sgd' or 'muon'")
     engine = mfsdp.FullyShardedOptimizer(
         engines, cls, clip_grad=config.clip_grad,
-        no_weight_decay=no_weight_decay_cond or _megatron_no_weight_decay,
+        no_weight_decay=no_weight_decay_cond or mfsdp.megatron_no_weight_decay,
         counts_in_norm=_counts_in_norm(index.tp_rank),
         norm_groups=[index.mp], expert_norm_groups=[index.expt_mp],
         state_dtype={"exp_avg": precision.exp_avg_dtype, "exp_avg_sq": precision.exp_avg_sq_dtype},
