@@ -85,7 +85,7 @@ class _MatrixUnit:
         for a, b in self.pieces:
             self.bufs.append(self.momentum[offset:offset + b - a])
             self.params.append(s.main[a - m0:b - m0])
-            self.grads.append(s.main_grad[a - m0:b - m0])
+            self.grads.append(s.grad_slice(a - m0, b - m0))
             offset += b - a
 
     def coordinate(self, m: MatrixSlot, axis: str) -> int:

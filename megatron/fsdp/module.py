@@ -129,7 +129,8 @@ class FullyShardedModule(torch.nn.Module):
     def scale_gradients(self, factor: float) -> None:
         """Multiply the accumulated gradients by ``factor`` (e.g. 1 / number of tokens)."""
         for unit in self._units:
-            unit.storage.grad_accum.mul_(factor)
+            if unit.storage.grads_allocated:  # a released accumulator holds zeros
+                unit.storage.grad_accum.mul_(factor)
 
     def param_name(self, param: torch.nn.Parameter) -> str:
         """The name under which ``param`` is sharded (its first name in the module)."""
@@ -164,7 +165,7 @@ class FullyShardedModule(torch.nn.Module):
         s = unit.storage
         a, b = s.regions.main
         lo, hi = max(a, slot.start), min(b, slot.end)
-        return s.main_grad[lo - a:hi - a] if lo < hi else s.main_grad[0:0]
+        return s.grad_slice(lo - a, hi - a) if lo < hi else s.grad_slice(0, 0)
 
     def memory_report(self, optimizer=None) -> PersistentMemory:
         compute = main = grads = 0

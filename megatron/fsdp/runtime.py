@@ -253,6 +253,8 @@ class Runtime:
         """
         self._reduce_unreduced()
         self._drain()
+        for unit in self.units:  # a unit that got no gradient this step has a zero one
+            unit.storage.ensure_grads()
         if not self._scaled_this_step:
             self._scaled_this_step = True
             for unit in self.units:
@@ -271,10 +273,10 @@ class Runtime:
                 handle = unit.storage.install_main_weights(tag=unit.name)
             unit.set_pending(handle)
 
-    def zero_grads(self) -> None:
+    def zero_grads(self, set_to_none: bool = False) -> None:
         self._scaled_this_step = False
         for unit in self.units:
-            unit.storage.zero_grads()
+            unit.storage.zero_grads(set_to_none)
 
     def wait_weights(self) -> None:
         for unit in self.units:

@@ -7,7 +7,10 @@ Trains the torch workload (``tools/bench/torch_case.py``: the same model, optimi
 mixed-precision policy as ``run.py``) under FSDP2 ``fully_shard`` and this engine at
 ``optim_grads_params``, with fp32 optimizer state and again with bf16 state
 (``FullyShardedOptimizer(..., state_dtype=torch.bfloat16)``; FSDP2 has no such option), and
-prints peak and persistent memory per rank side by side, as ratios to FSDP2.
+prints peak and persistent memory per rank side by side, as ratios to FSDP2, with the
+persistent bytes split the same way for both systems (``measure.persistent_breakdown``):
+the weights the optimizer updates, their gradients, the optimizer state, and everything
+else alive between steps (``other``: buffers, staging, caches).
 
 Each configuration runs twice: as launched, and with ``MALLOC_ARENA_MAX=1`` in every rank's
 environment, applied to both systems alike. That second reading is a diagnosis, not the
@@ -43,6 +46,7 @@ SYSTEMS = ("fsdp2", "ours:optim_grads_params", "ours:optim_grads_params:bf16-sta
 LABELS = {"fsdp2": "FSDP2", "ours:optim_grads_params": "ours ZeRO-3, fp32 state",
           "ours:optim_grads_params:bf16-state": "ours ZeRO-3, bf16 state"}
 ARENAS = ("default", "1")  # MALLOC_ARENA_MAX: as launched, and one arena (diagnosis)
+BREAKDOWN = ("weights", "grads", "state", "other")  # measure.persistent_breakdown, largest rank of each
 TARGET = 0.92  # ours (fp32 state) / FSDP2 peak, at every world size
 MIB = 2 ** 20
 
@@ -104,6 +108,8 @@ def run_all(args, log=print) -> List[Dict]:
                                   "params": per_rank[0]["params"],
                                   "peak_bytes": max(r["peak_bytes"] for r in per_rank),
                                   "persistent_bytes": max(r["persistent_bytes"] for r in per_rank),
+                                  "breakdown": {kind: max(r["persistent_breakdown"][kind] for r in per_rank)
+                                                for kind in BREAKDOWN},
                                   "step_s": _median([max(ts) for ts in zip(*(r["times"] for r in per_rank))])}
                         records.append(record)
                         log(f"[N={ranks} MALLOC_ARENA_MAX={arena}] {LABELS[system]}: peak "
@@ -123,6 +129,7 @@ def rows(records: List[Dict]) -> List[Dict]:
         row = {"ranks": ranks, "arena": arena, "system": system, "params": mine[0]["params"],
                "peak_mib": _median([r["peak_bytes"] for r in mine]) / MIB,
                "persistent_mib": _median([r["persistent_bytes"] for r in mine]) / MIB,
+               "breakdown_mib": {k: _median([r["breakdown"][k] for r in mine]) / MIB for k in BREAKDOWN},
                "step_s": _median([r["step_s"] for r in mine])}
         out.append(row)
     for row in out:
@@ -136,13 +143,13 @@ def rows(records: List[Dict]) -> List[Dict]:
 
 def format_table(table: List[Dict]) -> str:
     head = (f"{'N':>2} {'MALLOC_ARENA_MAX':>16} {'system':<26} | {'peak MiB':>9} {'x FSDP2':>8} | "
-            f"{'persist MiB':>11} {'x FSDP2':>8} | {'step s':>7}")
+            f"{'persist MiB':>11} {'x FSDP2':>8} | " + " ".join(f"{k:>7}" for k in BREAKDOWN) + f" | {'step s':>7}")
     lines = [head, "-" * len(head)]
     for r in table:
         ratio = lambda x: "-" if x is None or r["system"] == "fsdp2" else f"{x:.3f}x"  # noqa: E731
         lines.append(f"{r['ranks']:>2} {r['arena']:>16} {LABELS[r['system']]:<26} | {r['peak_mib']:>9.1f} "
-                     f"{ratio(r['peak_x_fsdp2']):>8} | {r['persistent_mib']:>11.1f} {ratio(r['persistent_x_fsdp2']):>8} "
-                     f"| {r['step_s']:>7.2f}")
+                     f"{ratio(r['peak_x_fsdp2']):>8} | {r['persistent_mib']:>11.1f} {ratio(r['persistent_x_fsdp2']):>8} | "
+                     + " ".join(f"{r['breakdown_mib'][k]:>7.1f}" for k in BREAKDOWN) + f" | {r['step_s']:>7.2f}")
     return "\n".join(lines)
 
 
