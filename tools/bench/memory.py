@@ -19,6 +19,12 @@ starts a thread per call (this engine's ring, until it runs on long-lived worker
 memory in arenas that ``malloc_trim`` cannot return, so the resident set grows with the
 number of arenas rather than with what the training step needs.
 
+On a CPU that emulates bf16 matrix products (no AVX512-BF16 or AMX) a 70M bf16 step takes
+most of an hour, so by default (``--upcast-bf16 auto``) the ranks run bf16 linears and
+attention through fp32 kernels that save the same bf16 tensors for the backward
+(``bf16_support.upcast_bf16_kernels``): weights, activations and gradients stay bf16,
+both systems alike, and only transient fp32 copies inside one call are added.
+
 Peak = the resident-set high-water mark over the timed steps minus the resident set before
 the model was built (``measure.py``), the largest rank. bf16 matmuls are emulated on CPUs
 without native bf16, so steps are slow: the defaults are one warm-up and two timed steps.
@@ -62,6 +68,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2, help="timed steps over which the peak is taken")
     p.add_argument("--rounds", type=int, default=1, help="runs of each system (the table shows the median)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
+    p.add_argument("--upcast-bf16", choices=("auto", "yes", "no"), default="auto",
+                   help="bf16 linears and attention through fp32 kernels with bf16 saved tensors "
+                        "(bf16_support.upcast_bf16_kernels); auto: where bf16 is emulated")
     p.add_argument("--out", default=None, help="JSON of every run")
     return p.parse_args(argv)
 
@@ -94,7 +103,7 @@ def run_all(args, log=print) -> List[Dict]:
         for arena in args.arenas:
             with _arena_env(arena):
                 pool = WorkerPool(ranks, start_timeout=900.0)
-            settings = dict(bf16=True, threads=max(1, (os.cpu_count() or 1) // ranks))
+            settings = dict(bf16=True, threads=max(1, (os.cpu_count() or 1) // ranks), upcast_bf16=args.upcast)
             try:
                 # One discarded tiny step per system: imports and one-time allocations.
                 for system in args.systems:
@@ -166,6 +175,11 @@ def verdict(table: List[Dict]) -> str:
 
 def main(argv: Optional[List[str]] = None) -> Dict:
     args = parse_args(argv)
+    from tools.bench.bf16_support import native_bf16
+    native, reason = native_bf16()
+    args.upcast = args.upcast_bf16 == "yes" or (args.upcast_bf16 == "auto" and not native)
+    print(f"bf16 kernels: {'fp32 kernels, bf16 tensors (--upcast-bf16)' if args.upcast else 'native'} ({reason})",
+          flush=True)
     records = run_all(args, log=lambda line: print(line, file=sys.stderr, flush=True))
     table = rows(records)
     print(f"{SIZES[args.size]}, {records[0]['params'] if records else '?'} parameters, bf16 compute, "

@@ -102,9 +102,17 @@ def build_system(system: str, model: torch.nn.Module, tokens: torch.Tensor, bf16
     raise ValueError(f"unknown torch-workload system {system!r}")
 
 
-def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, threads: int) -> dict:
-    """Build ``system`` on ``size_name``, train ``warmup + steps`` steps, return this rank's figures."""
+def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, threads: int,
+        upcast_bf16: bool = False) -> dict:
+    """Build ``system`` on ``size_name``, train ``warmup + steps`` steps, return this rank's figures.
+
+    ``upcast_bf16``: bf16 linears and attention through fp32 kernels (``bf16_support``), for
+    CPUs that emulate bf16 matrix products; it stays installed in the worker process.
+    """
     M.prepare_worker(threads)
+    if upcast_bf16:
+        from tools.bench.bf16_support import upcast_bf16_kernels
+        upcast_bf16_kernels()
     M.COUNTER.install()
     shape = SIZES[size_name]
     gen = torch.Generator().manual_seed(SEED + dist.get_rank())
