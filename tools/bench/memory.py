@@ -51,7 +51,12 @@ CASE = "tools.bench.torch_case:run"
 SYSTEMS = ("fsdp2", "ours:optim_grads_params", "ours:optim_grads_params:bf16-state")
 LABELS = {"fsdp2": "FSDP2", "ours:optim_grads_params": "ours ZeRO-3, fp32 state",
           "ours:optim_grads_params:bf16-state": "ours ZeRO-3, bf16 state"}
-ARENAS = ("default", "1")  # MALLOC_ARENA_MAX: as launched, and one arena (diagnosis)
+# glibc settings of the ranks: as launched; one arena (MALLOC_ARENA_MAX=1); a fixed 64 KiB mmap
+# threshold (MALLOC_MMAP_THRESHOLD_, which also stops glibc raising it after large frees), so
+# every large block is mapped on allocation and unmapped on free and the resident set follows
+# the live tensors rather than heap fragmentation (diagnoses)
+ARENAS = ("default", "1", "mmap")
+_MALLOC_ENV = {"1": ("MALLOC_ARENA_MAX", "1"), "mmap": ("MALLOC_MMAP_THRESHOLD_", "65536")}
 BREAKDOWN = ("weights", "grads", "state", "other")  # measure.persistent_breakdown, largest rank of each
 TARGET = 0.92  # ours (fp32 state) / FSDP2 peak, at every world size
 MIB = 2 ** 20
@@ -62,8 +67,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
     p.add_argument("--size", choices=list(SIZES), default="70M")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
-    p.add_argument("--arenas", nargs="+", choices=ARENAS, default=list(ARENAS),
-                   help="MALLOC_ARENA_MAX settings: 'default' (as launched) and/or '1'")
+    p.add_argument("--arenas", nargs="+", choices=ARENAS, default=["default", "1"],
+                   help="glibc settings: 'default' (as launched), '1' (MALLOC_ARENA_MAX=1), "
+                        "'mmap' (MALLOC_MMAP_THRESHOLD_=65536)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps (the optimizer state appears in the first)")
     p.add_argument("--steps", type=int, default=2, help="timed steps over which the peak is taken")
     p.add_argument("--rounds", type=int, default=1, help="runs of each system (the table shows the median)")
@@ -77,17 +83,20 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 @contextlib.contextmanager
 def _arena_env(setting: str):
-    """``MALLOC_ARENA_MAX`` for the ranks a pool spawns now (glibc reads it at process start)."""
-    previous = os.environ.get("MALLOC_ARENA_MAX")
-    if setting != "default":
-        os.environ["MALLOC_ARENA_MAX"] = setting
+    """The glibc setting for the ranks a pool spawns now (glibc reads it at process start)."""
+    if setting == "default":
+        yield
+        return
+    name, value = _MALLOC_ENV[setting]
+    previous = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if previous is None:
-            os.environ.pop("MALLOC_ARENA_MAX", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["MALLOC_ARENA_MAX"] = previous
+            os.environ[name] = previous
 
 
 def _median(values: List[float]) -> float:
