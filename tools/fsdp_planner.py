@@ -117,7 +117,13 @@ class Budget:
 
 @dataclasses.dataclass(frozen=True)
 class Memory:
-    """Persistent bytes per rank by kind (what ``model.memory_report`` measures)."""
+    """Bytes per rank by kind at the optimizer step (what ``model.memory_report`` measures then).
+
+    ``total`` is what must fit: at the step every kind is alive. Gradients are held only from
+    a unit's first reduction to ``optimizer.zero_grad()``, which releases them (set_to_none),
+    so between steps a rank holds ``between_steps`` (the forward's activations come on top
+    of that, the step's gradients do not).
+    """
 
     params: float
     main: float
@@ -127,6 +133,10 @@ class Memory:
     @property
     def total(self) -> float:
         return self.params + self.main + self.grads + self.optim
+
+    @property
+    def between_steps(self) -> float:
+        return self.params + self.main + self.optim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,7 +386,7 @@ def _gb(x: float) -> str:
     return f"{x / GB:.2f}"
 
 
-COLUMNS = ("config", "mesh", "params", "main", "grads", "optim", "total",
+COLUMNS = ("config", "mesh", "params", "main", "grads", "optim", "total", "idle",
            "in AG", "in RS", "in AR", "out AG", "out RS", "out AR", "comm ms", "fits")
 
 
@@ -386,6 +396,7 @@ def format_table(rows: Sequence[PlanRow]) -> str:
     for r in rows:
         mem = r.memory
         cells.append((r.name, r.mesh, _gb(mem.params), _gb(mem.main), _gb(mem.grads), _gb(mem.optim), _gb(mem.total),
+                      _gb(mem.between_steps),
                       *(_gb(getattr(r.inner_axis.sent, k)) for k in KINDS),
                       *(_gb(getattr(r.outer_axis.sent, k)) for k in KINDS),
                       f"{r.comm_seconds * 1e3:.1f}", "yes" if r.fits else "no"))
@@ -401,6 +412,7 @@ def to_json(model: ModelSpec, topology: Topology, budget: Budget, rows: Sequence
     def row(r: PlanRow) -> dict:
         out = dataclasses.asdict(r)
         out["memory"]["total"] = r.memory.total
+        out["memory"]["between_steps"] = r.memory.between_steps
         return out
 
     return json.dumps({
@@ -523,7 +535,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"grad {b.grad:g} + optim {b.optim:g}; grads reduced in {b.wire:g}); "
               f"{topology.gpus_per_domain} ranks per domain x {topology.domains} domains at "
               f"{topology.intra_bw:g} / {topology.inter_bw:g} GB/s; {budget.micro_batches} micro-batch(es) per step")
-        print("memory: GB per rank; traffic: GB sent per rank per step (in = inner or flat axis, out = outer axis)")
+        print("memory: GB per rank at the optimizer step (idle: between steps, gradients released by zero_grad); "
+              "traffic: GB sent per rank per step (in = inner or flat axis, out = outer axis)")
         if b.main > 0:
             print("ZeRO-3 rows keep no compute weights (each gather casts the main shard) except HFSDP-like pairs")
         print()

@@ -27,6 +27,7 @@ and no second copy exists.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from typing import List, Optional
 
@@ -47,6 +48,31 @@ def _alloc(tensor: torch.Tensor) -> None:
     nbytes = tensor.numel() * tensor.element_size()
     if storage.nbytes() != nbytes:
         storage.resize_(nbytes)
+
+
+def _freed(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``numel`` elements whose storage is released (``_alloc`` brings it back)."""
+    tensor = torch.empty(numel, dtype=dtype, device=device)  # pages never touched: not resident
+    _free(tensor)
+    return tensor
+
+
+@contextlib.contextmanager
+def _addressable(tensor: torch.Tensor):
+    """Let views of a released ``tensor`` be taken (torch checks a view against its storage's size).
+
+    The storage is re-allocated uninitialised for the duration and released again; views
+    taken inside stay valid for every later allocation of the same storage (they point into
+    the storage, not at its memory) and must not be read while it is released.
+    """
+    released = tensor.untyped_storage().nbytes() == 0 and tensor.numel() > 0
+    if released:
+        _alloc(tensor)
+    try:
+        yield tensor
+    finally:
+        if released:
+            _free(tensor)
 
 
 class Residency(enum.Enum):
@@ -114,7 +140,8 @@ class UnitStorage:
                     src[piece.param_offset:piece.param_offset + piece.length])
 
         accum_size = regions.size(regions.accum) if self.trainable_params else 0
-        self._bind_grads(torch.zeros(accum_size, dtype=main_dtype, device=device))
+        # Allocated at the first reduction into it, freed by ``zero_grads(set_to_none=True)``.
+        self._bind_grads(_freed(accum_size, main_dtype, device))
         self.residency = Residency.SHARDED if self.releases else Residency.FULL
         if self.releases:
             _free(self.full)
@@ -129,13 +156,14 @@ class UnitStorage:
         regions = self.regions
         a, b = regions.main
         self.grad_accum = accum
-        self.main_grad = accum[a - regions.accum[0]:b - regions.accum[0]] if self.trainable_params else accum
         self.grads_in_place = self.levels.inner.keeps_full_grads and self.compute_dtype == accum.dtype
         self.grad_full: Optional[torch.Tensor] = None
         self.grad_views: Optional[List[torch.Tensor]] = None
-        if self.grads_in_place and self.trainable_params:
-            self.grad_full = accum
-            self.grad_views = self._views_of(accum)
+        with _addressable(accum):
+            self.main_grad = accum[a - regions.accum[0]:b - regions.accum[0]] if self.trainable_params else accum
+            if self.grads_in_place and self.trainable_params:
+                self.grad_full = accum
+                self.grad_views = self._views_of(accum)
 
     def set_main_grads_dtype(self, dtype: torch.dtype) -> None:
         """Keep the gradient accumulator in ``dtype`` (e.g. bf16 main grads); its values are kept (cast)."""
@@ -145,7 +173,34 @@ class UnitStorage:
             raise RuntimeError("the gradient dtype cannot change during a backward pass")
         for _, p in self.trainable_params:
             p.grad = None
-        self._bind_grads(self.grad_accum.to(dtype))
+        accum = self.grad_accum
+        self._bind_grads(accum.to(dtype) if self.grads_allocated
+                         else _freed(accum.numel(), dtype, accum.device))
+
+    # ------------------------------------------------------ gradient lifetime
+    # The accumulator exists from the first gradient reduced (or written) into it until
+    # ``zero_grads(set_to_none=True)`` after the optimizer step, as FSDP2's sharded
+    # gradients and torch optimizers' ``zero_grad()`` do: between steps a rank keeps
+    # main weights and optimizer state only. A released accumulator reads as zeros: it is
+    # allocated zeroed, so accumulation over micro-batches and the reduction arithmetic
+    # are those of an accumulator zeroed in place.
+    @property
+    def grads_allocated(self) -> bool:
+        return self.grad_accum.numel() == 0 or self.grad_accum.untyped_storage().nbytes() > 0
+
+    def ensure_grads(self) -> torch.Tensor:
+        """The accumulator, allocated and zeroed if it was released; returns it."""
+        accum = self.grad_accum
+        if not self.grads_allocated:
+            _alloc(accum)
+            accum.zero_()
+        return accum
+
+    def grad_slice(self, lo: int, hi: int) -> torch.Tensor:
+        """A view of ``main_grad[lo:hi]``, valid whenever the accumulator is allocated
+        (it may be taken while it is released)."""
+        with _addressable(self.grad_accum):
+            return self.main_grad[lo:hi]
 
     # ----------------------------------------------------------------- helpers
     @property
@@ -285,6 +340,8 @@ class UnitStorage:
         """Point every trainable ``param.grad`` at this micro-batch's flat gradient."""
         if not self.trainable_params:
             return
+        if self.grads_in_place:
+            self.ensure_grads()
         if self.grad_full is None:
             self.grad_full = torch.zeros(self.layout.padded_size, dtype=self.compute_dtype, device=self.full.device)
             self.grad_views = self._views_of(self.grad_full)
@@ -303,7 +360,7 @@ class UnitStorage:
     def accumulate_local(self) -> None:
         """Full-grad inner levels with a transient buffer: add this micro-batch into the accumulator."""
         if not self.grads_in_place and self.grad_full is not None:
-            self.grad_accum.add_(self.grad_full)
+            self.ensure_grads().add_(self.grad_full)
 
     def reduce_microbatch(self, tag: str, then_step: bool) -> Handle:
         """Grad-sharded inner levels: reduce this micro-batch's full gradient into the accumulator.
@@ -317,20 +374,20 @@ class UnitStorage:
         # The once-per-step stage moves data only across an outer axis of more than one rank.
         step = [lambda: self.reduce_step(tag)] if then_step and self.outer.size > 1 else []
         if self.inner.size == 1 and self.outer.size == 1:
-            self.grad_accum.add_(self.grad_full[regions.accum[0]:regions.accum[1]])
+            self.ensure_grads().add_(self.grad_full[regions.accum[0]:regions.accum[1]])
             return staged(Handle(), *step)
         wire = self._in_reduce_dtype(self.grad_full)
         inner_out = wire[lo:hi] if self.inner.size == 1 else torch.empty(hi - lo, dtype=wire.dtype, device=wire.device)
         first = self.inner.reduce_scatter(inner_out, wire, tag) if self.inner.size > 1 else Handle()
         if not self.levels.outer.shard_grads:
             def add_inner():
-                self.grad_accum.add_(self._scale(inner_out, self.inner))
+                self.ensure_grads().add_(self._scale(inner_out, self.inner))
             return staged(Handle(first, then=add_inner, keep=(wire,)), *step)
         piece_out = torch.empty(piece_hi - piece_lo, dtype=wire.dtype, device=wire.device)
 
         def outer_stage() -> Handle:
             def add_piece():
-                self.grad_accum.add_(self._scale(self._scale(piece_out, self.inner), self.outer))
+                self.ensure_grads().add_(self._scale(self._scale(piece_out, self.inner), self.outer))
             return Handle(self.outer.reduce_scatter(piece_out, inner_out, tag), then=add_piece, keep=(inner_out,))
         return staged(Handle(first, keep=(wire,)), outer_stage, *step)
 
@@ -340,7 +397,7 @@ class UnitStorage:
             return Handle()
         stages = []
         regions = self.regions
-        accum = self.grad_accum
+        accum = self.ensure_grads()
         base = regions.accum[0]
         if self.levels.inner.keeps_full_grads:
             stages.append(lambda: self._reduce_region(accum, self.inner, (0, accum.numel()),
@@ -369,5 +426,15 @@ class UnitStorage:
             accum[piece[0]:piece[1]].copy_(self._scale(out, axis))
         return Handle(axis.reduce_scatter(out, wire, tag), then=done_scatter, keep=(wire,))
 
-    def zero_grads(self) -> None:
-        self.grad_accum.zero_()
+    def zero_grads(self, set_to_none: bool = False) -> None:
+        """Zero the accumulated gradients: in place, or (``set_to_none``) by releasing the
+        accumulator, whose next use allocates it zeroed. A released accumulator stays released."""
+        if not self.grads_allocated:
+            return
+        if not set_to_none:
+            self.grad_accum.zero_()
+            return
+        if self.grads_in_place:
+            for _, p in self.trainable_params:
+                p.grad = None
+        _free(self.grad_accum)

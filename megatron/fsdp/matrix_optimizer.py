@@ -116,7 +116,7 @@ class _MatrixUnit:
         for j, (a, b) in enumerate(self.pieces):
             self.bufs.append(self.momentum[offset:offset + b - a] if momentum else None)
             self.params.append(s.main[a - m0:b - m0])
-            self.grads.append(s.main_grad[a - m0:b - m0])
+            self.grads.append(s.grad_slice(a - m0, b - m0))
             m = matrices[j]
             if not self.by_param or self.by_param[-1].slot != m.slot:
                 slot = s.layout.slots[m.slot]

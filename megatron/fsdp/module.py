@@ -142,9 +142,10 @@ class FullyShardedModule(torch.nn.Module):
         """After the optimizer updated the main weights: rebuild compute weights (gathers in flight)."""
         self._runtime.after_step()
 
-    def zero_grad_buffers(self) -> None:
-        """Zero the flat gradient accumulators."""
-        self._runtime.zero_grads()
+    def zero_grad_buffers(self, set_to_none: bool = False) -> None:
+        """Zero the flat gradient accumulators in place, or (``set_to_none``) release them until
+        the next backward's first reduction allocates them zeroed."""
+        self._runtime.zero_grads(set_to_none)
 
     def start_grad_sync(self) -> None:
         """Issue every once-per-step reduction not yet issued (no waiting)."""
@@ -157,7 +158,8 @@ class FullyShardedModule(torch.nn.Module):
     def scale_gradients(self, factor: float) -> None:
         """Multiply the accumulated gradients by ``factor`` (e.g. 1 / number of tokens)."""
         for unit in self._units:
-            unit.storage.grad_accum.mul_(factor)
+            if unit.storage.grads_allocated:  # a released accumulator holds zeros
+                unit.storage.grad_accum.mul_(factor)
 
     def param_name(self, param: torch.nn.Parameter) -> str:
         """The name under which ``param`` is sharded (its first name in the module)."""
@@ -179,7 +181,7 @@ class FullyShardedModule(torch.nn.Module):
         s = unit.storage
         a, b = s.regions.main
         lo, hi = max(a, slot.start), min(b, slot.end)
-        return s.main_grad[lo - a:hi - a] if lo < hi else s.main_grad[0:0]
+        return s.grad_slice(lo - a, hi - a) if lo < hi else s.grad_slice(0, 0)
 
     def memory_report(self, optimizer=None) -> PersistentMemory:
         compute = main = grads = 0

@@ -25,7 +25,7 @@ from .experts import EXPERT
 from .matrix_checkpoint import check_matrix_state_dict, matrix_state_dict, split_state_dict, write_matrix_state
 from .matrix_whole import make_matrix_optimizer
 from .module import FullyShardedModule
-from .precision_optimizer import OptimizerPrecision, attach_grad
+from .precision_optimizer import OptimizerPrecision, attach_grad, detach_grad
 
 Models = Union[FullyShardedModule, Sequence[FullyShardedModule]]
 MATRIX = "matrix"  # the decay-class flag of matrix parameters: kept out of the elementwise optimizer
@@ -92,6 +92,10 @@ class FullyShardedOptimizer:
         weight_decay = optimizer_kwargs.get("weight_decay", 0.0)
         groups = {False: [], True: [], MATRIX: []}
         self._grads: List[torch.Tensor] = []
+        # (optimizer tensor, its gradient view): attached while the accumulators exist
+        # (``_grads_ready``), detached when ``zero_grad`` releases them.
+        self._grad_of: List[tuple] = []
+        self._grads_attached = False
         self._norm_grads: Dict[str, List[torch.Tensor]] = {name: [] for name in first.sections}
         # Matrix parameters (Muon): stepped by matrix_optimizer.py, outside the elementwise runs.
         self.matrix = None if matrix_optimizer is None else make_matrix_optimizer(
@@ -105,8 +109,8 @@ class FullyShardedOptimizer:
                 lo, hi = s.regions.main
                 for a, b, nwd in s.layout.runs(lo, hi, flags):
                     weight = s.main[a - lo:b - lo]
-                    grad = s.main_grad[a - lo:b - lo]
-                    attach_grad(weight, grad)
+                    grad = s.grad_slice(a - lo, b - lo)
+                    self._grad_of.append((weight, grad))
                     groups[nwd].append(weight)
                     self._grads.append(grad)
                     if counts_in_norm is None:
@@ -188,8 +192,19 @@ class FullyShardedOptimizer:
             axis.all_reduce(value, tag="grad_norm").wait()
         return value
 
+    def _grads_ready(self) -> None:
+        """Every gradient accumulator allocated (zeros where no gradient arrived) and attached."""
+        for model in self.models:
+            for unit in model.units:
+                unit.storage.ensure_grads()
+        if not self._grads_attached:
+            for weight, grad in self._grad_of:
+                attach_grad(weight, grad)
+            self._grads_attached = True
+
     def grad_norm(self) -> float:
         """Global L2 norm of the gradients: every element of every section counted exactly once."""
+        self._grads_ready()
         total = 0.0
         for section, grads in self._norm_grads.items():
             device = self._grads[0].device if self._grads else torch.device("cpu")
@@ -207,8 +222,10 @@ class FullyShardedOptimizer:
                                    "run loss.backward() on the wrapped model first")
         for model in self.models:
             model.finish_grad_sync()
+        self._grads_ready()
 
     def clip_grads(self, norm: float) -> None:
+        self._grads_ready()
         if self.clip_grad > 0.0 and math.isfinite(norm):
             coef = self.clip_grad / (norm + 1.0e-6)
             if coef < 1.0:
@@ -217,6 +234,7 @@ class FullyShardedOptimizer:
     @torch.no_grad()
     def step_with_ready_grads(self) -> None:
         """Update the shards and install the new weights (gathers overlap the next forward)."""
+        self._grads_ready()
         if self.matrix is None:
             self.optimizer.step()
         else:  # the elementwise step runs while the first unit's matrix pieces travel
@@ -238,6 +256,13 @@ class FullyShardedOptimizer:
         return norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the flat gradient accumulators (they are reused, never set to None)."""
+        """Zero the gradients. ``set_to_none`` (the default, as torch optimizers and FSDP2):
+        release the flat gradient accumulators until the next backward's first reduction
+        allocates them zeroed, so between steps a rank keeps weights and optimizer state only;
+        ``False``: zero them in place and keep them."""
+        if set_to_none:
+            for weight, _ in self._grad_of:
+                detach_grad(weight)
+            self._grads_attached = False
         for model in self.models:
-            model.zero_grad_buffers()
+            model.zero_grad_buffers(set_to_none)

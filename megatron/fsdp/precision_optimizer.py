@@ -99,6 +99,13 @@ def attach_grad(weight: torch.Tensor, grad: torch.Tensor) -> None:
         weight.decoupled_grad = grad
 
 
+def detach_grad(weight: torch.Tensor) -> None:
+    """Undo ``attach_grad`` (the gradient's storage is about to be released)."""
+    weight.grad = None
+    if hasattr(weight, "decoupled_grad"):
+        weight.decoupled_grad = None
+
+
 def converts_on_load(key: str, saved, wanted) -> bool:
     """An optimizer moment saved in one dtype may load into another (fp32 <-> bf16 state; DCP casts on read).
 

@@ -294,6 +294,8 @@ class Schedule:
         """
         self._reduce_unreduced()
         self._drain()
+        for unit in self.units:  # a unit that got no gradient this step has a zero one
+            unit.storage.ensure_grads()
         if not self._scaled_this_step:
             self._scaled_this_step = True
             for unit in self.units:
@@ -313,10 +315,10 @@ class Schedule:
             unit.set_pending(handle)
             self._track_staged("install", unit, handle)
 
-    def zero_grads(self) -> None:
+    def zero_grads(self, set_to_none: bool = False) -> None:
         self._scaled_this_step = False
         for unit in self.units:
-            unit.storage.zero_grads()
+            unit.storage.zero_grads(set_to_none)
 
     def wait_weights(self) -> None:
         for unit in self.units:

@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 import megatron.fsdp as mfsdp
-from tests.engine.training import GLOBAL_MICRO_BATCH, RunConfig, build_model, train_step, wrap
+from tests.engine.training import GLOBAL_MICRO_BATCH, RunConfig, build_model, local_slice, train_step, wrap
 from tests.models import MLP, Block, make_batches
 
 GRAD_KINDS = ("reduce_scatter", "all_reduce")
@@ -115,12 +115,18 @@ def grad_traffic(ctx, strategy: str, micro_batches: int, mesh=None, outer_strate
 
 
 def memory(ctx, strategy: str, bf16: bool, mesh=None, outer_strategy=None):
-    """Persistent bytes per rank against the closed-form amount for the levels."""
+    """Bytes per rank against the closed-form amounts for the levels: in the step (after the
+    optimizer step, gradients still held) and between steps (after ``zero_grad()``, which
+    releases the gradient accumulators)."""
     cfg = RunConfig(strategy=strategy, bf16=bf16, steps=1, hidden=128, micro_batches=1,
                     mesh=mesh, outer_strategy=outer_strategy)
     fsdp, opt = wrap(ctx, cfg)
-    step = make_batches(1, 1, GLOBAL_MICRO_BATCH)[0]
-    train_step(ctx, fsdp, opt, step, cfg)  # optimizer state exists after the first step
+    built = fsdp.memory_report(opt)
+    tokens, targets = make_batches(1, 1, GLOBAL_MICRO_BATCH)[0][0]
+    fsdp(local_slice(ctx, tokens), local_slice(ctx, targets)).backward()
+    opt.step()  # optimizer state exists after the first step
+    in_step = fsdp.memory_report(opt)
+    opt.zero_grad()
     report = fsdp.memory_report(opt)
     model = build_model(cfg)
     total = sum(p.numel() for p in model.parameters())
@@ -144,11 +150,14 @@ def memory(ctx, strategy: str, bf16: bool, mesh=None, outer_strategy=None):
     theory = mfsdp.PersistentMemory(
         compute_weights=compute,
         main_weights=(4 * trainable / split(inner.shard_optim, outer.shard_optim)) if bf16 else 0,
-        main_grads=4 * (total if inner.keeps_full_grads else trainable) / split(inner.shard_grads, outer.shard_grads),
+        main_grads=0,  # released by zero_grad (set_to_none)
         optimizer_state=8 * trainable / split(inner.shard_optim, outer.shard_optim),
     )
+    grads = 4 * (total if inner.keeps_full_grads else trainable) / split(inner.shard_grads, outer.shard_grads)
     return {"report": dataclasses.asdict(report), "theory": dataclasses.asdict(theory),
-            "frozen_compute_bytes": compute_bytes * (total - trainable)}
+            "report_in_step": dataclasses.asdict(in_step),
+            "theory_in_step": dataclasses.asdict(dataclasses.replace(theory, main_grads=grads)),
+            "grads_at_build": built.main_grads, "frozen_compute_bytes": compute_bytes * (total - trainable)}
 
 
 def mismatched_models(ctx):

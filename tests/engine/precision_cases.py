@@ -8,13 +8,24 @@ from typing import Dict
 import torch
 
 from tests.engine.checkpoint_cases import BATCHES, _config, _load, _save, _train
-from tests.engine.training import wrap
+from tests.engine.training import GLOBAL_MICRO_BATCH, local_slice, wrap
+from tests.models import make_batches
 
 
 def _moments(opt):
     """Every optimizer tensor's moments, in param-group order (the same order for equal layouts)."""
     return [{k: v.clone() for k, v in opt.state[t].items() if k != "step"}
             for group in opt.optimizer.param_groups for t in group["params"]]
+
+
+def _report_in_step(ctx, fsdp, opt):
+    """Bytes per rank while gradients are held: after one more backward (no step), then released."""
+    tokens, targets = make_batches(1, 1, GLOBAL_MICRO_BATCH)[0][0]
+    fsdp(local_slice(ctx, tokens), local_slice(ctx, targets)).backward()
+    opt.finish_grad_sync()
+    report = fsdp.memory_report(opt)
+    opt.zero_grad()
+    return report
 
 
 def bf16_state(ctx, path: str, **config) -> Dict[str, object]:
@@ -27,11 +38,11 @@ def bf16_state(ctx, path: str, **config) -> Dict[str, object]:
     _save(ctx, fsdp, opt, path)
     saved = _moments(opt)
     fp32_losses += _train(ctx, fsdp, opt, cfg, 2, BATCHES)
-    fp32_report = fsdp.memory_report(opt)
+    fp32_report = _report_in_step(ctx, fsdp, opt)
 
     fsdp, opt = wrap(ctx, low)
     bf16_losses = _train(ctx, fsdp, opt, low, 0, BATCHES)
-    bf16_report = fsdp.memory_report(opt)
+    bf16_report = _report_in_step(ctx, fsdp, opt)
     state_dtypes = sorted({str(v.dtype) for st in _moments(opt) for v in st.values()})
     grad_dtypes = sorted({str(u.storage.grad_accum.dtype) for u in fsdp.units})
 

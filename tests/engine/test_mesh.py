@@ -6,6 +6,7 @@ import pytest
 
 import megatron.fsdp as mfsdp
 from tests.engine.test_parity import FP32_RTOL, assert_parity, reference, run
+from tests.engine.test_memory import assert_memory_matches_theory
 from tests.engine.training import RunConfig
 from tests.harness.matrix import covering
 
@@ -74,13 +75,7 @@ def test_outer_traffic_once_per_step_and_equal_to_theory(pool, pair, shape):
 def test_persistent_bytes_match_formulas(pool, pair, bf16):
     inner, outer = pair
     results = pool.run(CASES + "memory", size=6, strategy=inner, bf16=bf16, mesh=(3, 2), outer_strategy=outer)
-    for rank, result in enumerate(results):
-        for kind, expected in result["theory"].items():
-            got = result["report"][kind]
-            if expected == 0:
-                assert got == 0, (rank, kind)
-            else:
-                assert abs(got / expected - 1) < 0.01, f"rank {rank} {kind}: {got} vs theory {expected:.0f}"
+    assert_memory_matches_theory(results)
 
 
 @pytest.mark.parametrize("outer", ["no_shard", "optim"])

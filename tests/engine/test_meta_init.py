@@ -39,7 +39,7 @@ def test_meta_build_equals_eager_bitwise(pool, world_size):
 
 
 def test_meta_build_peak_memory_is_bounded(pool):
-    """ZeRO-3 at 4 ranks: the meta build's peak is at most this rank's shards (weights and gradients)
+    """ZeRO-3 at 4 ranks: the meta build's peak is at most this rank's weight shards (gradients come later)
     + root + two units (+ 4 MiB of allocator slack); the eager build holds the whole model."""
     for r in pool.run(CASES + "build_peak", size=4, timeout=180):
         bound = r["persistent_bytes"] + r["root_bytes"] + 2 * r["largest_unit_bytes"] + (4 << 20)

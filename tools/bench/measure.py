@@ -232,6 +232,44 @@ def live_tensor_bytes() -> int:
     return sum(seen.values())
 
 
+def _local_storage(t: Optional[torch.Tensor]):
+    """(data pointer, bytes) of a tensor's storage (a DTensor's local shard); None if it has none."""
+    if t is None:
+        return None
+    local = getattr(t, "_local_tensor", t)  # DTensor: the shard this rank holds
+    try:
+        storage = local.untyped_storage()
+    except (RuntimeError, TypeError):
+        return None
+    return (storage.data_ptr(), storage.nbytes()) if storage.data_ptr() else None
+
+
+def persistent_breakdown(optimizer: "torch.optim.Optimizer", persistent: int) -> Dict[str, int]:
+    """Split the persistent bytes into what the optimizer updates (weights), their gradients,
+    the optimizer's state, and the rest (buffers, staging, caches), the same way for every system.
+
+    Distinct storages only: a view into a flat buffer counts its whole storage once.
+    """
+    seen: Dict[int, str] = {}
+    sizes: Dict[int, int] = {}
+    tensors = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            tensors.append(("weights", p))
+            tensors.append(("grads", p.grad))
+            tensors.append(("grads", getattr(p, "decoupled_grad", None)))
+            for value in optimizer.state.get(p, {}).values():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    tensors.append(("state", value))
+    for kind, t in tensors:
+        found = _local_storage(t)
+        if found is not None and found[0] not in seen:
+            seen[found[0]], sizes[found[0]] = kind, found[1]
+    out = {kind: sum(sizes[ptr] for ptr, k in seen.items() if k == kind) for kind in ("weights", "grads", "state")}
+    out["other"] = persistent - sum(out.values())
+    return out
+
+
 # ---------------------------------------------------------------- one measured run
 
 @dataclasses.dataclass
@@ -247,6 +285,7 @@ class Built:
     step: Callable[[], None]
     ledgers: Sequence = ()
     own_report: Optional[Callable[[], int]] = None
+    optimizer: Optional[object] = None  # the torch optimizer, for ``persistent_breakdown``
 
 
 def _ledger_figures(ledgers: Sequence, steps: int) -> dict:
@@ -275,6 +314,7 @@ def measure(built: Built, warmup: int, steps: int, baseline_tensors: int, baseli
         built.step()
     persistent = live_tensor_bytes() - baseline_tensors
     own = built.own_report() if built.own_report is not None else None
+    breakdown = persistent_breakdown(built.optimizer, persistent) if built.optimizer is not None else None
     for ledger in built.ledgers:
         ledger.reset()
     trim_heap()
@@ -293,6 +333,7 @@ def measure(built: Built, warmup: int, steps: int, baseline_tensors: int, baseli
         "times": times,
         "persistent_bytes": persistent,
         "own_persistent_bytes": own,
+        "persistent_breakdown": breakdown,
         "peak_bytes": None if peak is None or baseline_rss is None else peak - baseline_rss,
         "counted_calls": {k: {a: n / steps for a, n in v.items()} for k, v in calls.items()},
         "counted_bytes": {k: {a: n / steps for a, n in v.items()} for k, v in counted.items()},

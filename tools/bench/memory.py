@@ -7,7 +7,10 @@ Trains the torch workload (``tools/bench/torch_case.py``: the same model, optimi
 mixed-precision policy as ``run.py``) under FSDP2 ``fully_shard`` and this engine at
 ``optim_grads_params``, with fp32 optimizer state and again with bf16 state
 (``FullyShardedOptimizer(..., state_dtype=torch.bfloat16)``; FSDP2 has no such option), and
-prints peak and persistent memory per rank side by side, as ratios to FSDP2.
+prints peak and persistent memory per rank side by side, as ratios to FSDP2, with the
+persistent bytes split the same way for both systems (``measure.persistent_breakdown``):
+the weights the optimizer updates, their gradients, the optimizer state, and everything
+else alive between steps (``other``: buffers, staging, caches).
 
 Each configuration runs twice: as launched, and with ``MALLOC_ARENA_MAX=1`` in every rank's
 environment, applied to both systems alike. That second reading is a diagnosis, not the
@@ -15,6 +18,12 @@ result: glibc gives each new thread its own malloc arena, and a gloo reduce-scat
 starts a thread per call (this engine's ring, until it runs on long-lived workers) leaves
 memory in arenas that ``malloc_trim`` cannot return, so the resident set grows with the
 number of arenas rather than with what the training step needs.
+
+On a CPU that emulates bf16 matrix products (no AVX512-BF16 or AMX) a 70M bf16 step takes
+most of an hour, so by default (``--upcast-bf16 auto``) the ranks run bf16 linears and
+attention through fp32 kernels that save the same bf16 tensors for the backward
+(``bf16_support.upcast_bf16_kernels``): weights, activations and gradients stay bf16,
+both systems alike, and only transient fp32 copies inside one call are added.
 
 Peak = the resident-set high-water mark over the timed steps minus the resident set before
 the model was built (``measure.py``), the largest rank. bf16 matmuls are emulated on CPUs
@@ -42,7 +51,13 @@ CASE = "tools.bench.torch_case:run"
 SYSTEMS = ("fsdp2", "ours:optim_grads_params", "ours:optim_grads_params:bf16-state")
 LABELS = {"fsdp2": "FSDP2", "ours:optim_grads_params": "ours ZeRO-3, fp32 state",
           "ours:optim_grads_params:bf16-state": "ours ZeRO-3, bf16 state"}
-ARENAS = ("default", "1")  # MALLOC_ARENA_MAX: as launched, and one arena (diagnosis)
+# glibc settings of the ranks: as launched; one arena (MALLOC_ARENA_MAX=1); a fixed 64 KiB mmap
+# threshold (MALLOC_MMAP_THRESHOLD_, which also stops glibc raising it after large frees), so
+# every large block is mapped on allocation and unmapped on free and the resident set follows
+# the live tensors rather than heap fragmentation (diagnoses)
+ARENAS = ("default", "1", "mmap")
+_MALLOC_ENV = {"1": ("MALLOC_ARENA_MAX", "1"), "mmap": ("MALLOC_MMAP_THRESHOLD_", "65536")}
+BREAKDOWN = ("weights", "grads", "state", "other")  # measure.persistent_breakdown, largest rank of each
 TARGET = 0.92  # ours (fp32 state) / FSDP2 peak, at every world size
 MIB = 2 ** 20
 
@@ -52,29 +67,36 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
     p.add_argument("--size", choices=list(SIZES), default="70M")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
-    p.add_argument("--arenas", nargs="+", choices=ARENAS, default=list(ARENAS),
-                   help="MALLOC_ARENA_MAX settings: 'default' (as launched) and/or '1'")
+    p.add_argument("--arenas", nargs="+", choices=ARENAS, default=["default", "1"],
+                   help="glibc settings: 'default' (as launched), '1' (MALLOC_ARENA_MAX=1), "
+                        "'mmap' (MALLOC_MMAP_THRESHOLD_=65536)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps (the optimizer state appears in the first)")
     p.add_argument("--steps", type=int, default=2, help="timed steps over which the peak is taken")
     p.add_argument("--rounds", type=int, default=1, help="runs of each system (the table shows the median)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
+    p.add_argument("--upcast-bf16", choices=("auto", "yes", "no"), default="auto",
+                   help="bf16 linears and attention through fp32 kernels with bf16 saved tensors "
+                        "(bf16_support.upcast_bf16_kernels); auto: where bf16 is emulated")
     p.add_argument("--out", default=None, help="JSON of every run")
     return p.parse_args(argv)
 
 
 @contextlib.contextmanager
 def _arena_env(setting: str):
-    """``MALLOC_ARENA_MAX`` for the ranks a pool spawns now (glibc reads it at process start)."""
-    previous = os.environ.get("MALLOC_ARENA_MAX")
-    if setting != "default":
-        os.environ["MALLOC_ARENA_MAX"] = setting
+    """The glibc setting for the ranks a pool spawns now (glibc reads it at process start)."""
+    if setting == "default":
+        yield
+        return
+    name, value = _MALLOC_ENV[setting]
+    previous = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if previous is None:
-            os.environ.pop("MALLOC_ARENA_MAX", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["MALLOC_ARENA_MAX"] = previous
+            os.environ[name] = previous
 
 
 def _median(values: List[float]) -> float:
@@ -90,7 +112,7 @@ def run_all(args, log=print) -> List[Dict]:
         for arena in args.arenas:
             with _arena_env(arena):
                 pool = WorkerPool(ranks, start_timeout=900.0)
-            settings = dict(bf16=True, threads=max(1, (os.cpu_count() or 1) // ranks))
+            settings = dict(bf16=True, threads=max(1, (os.cpu_count() or 1) // ranks), upcast_bf16=args.upcast)
             try:
                 # One discarded tiny step per system: imports and one-time allocations.
                 for system in args.systems:
@@ -104,6 +126,8 @@ def run_all(args, log=print) -> List[Dict]:
                                   "params": per_rank[0]["params"],
                                   "peak_bytes": max(r["peak_bytes"] for r in per_rank),
                                   "persistent_bytes": max(r["persistent_bytes"] for r in per_rank),
+                                  "breakdown": {kind: max(r["persistent_breakdown"][kind] for r in per_rank)
+                                                for kind in BREAKDOWN},
                                   "step_s": _median([max(ts) for ts in zip(*(r["times"] for r in per_rank))])}
                         records.append(record)
                         log(f"[N={ranks} MALLOC_ARENA_MAX={arena}] {LABELS[system]}: peak "
@@ -123,6 +147,7 @@ def rows(records: List[Dict]) -> List[Dict]:
         row = {"ranks": ranks, "arena": arena, "system": system, "params": mine[0]["params"],
                "peak_mib": _median([r["peak_bytes"] for r in mine]) / MIB,
                "persistent_mib": _median([r["persistent_bytes"] for r in mine]) / MIB,
+               "breakdown_mib": {k: _median([r["breakdown"][k] for r in mine]) / MIB for k in BREAKDOWN},
                "step_s": _median([r["step_s"] for r in mine])}
         out.append(row)
     for row in out:
@@ -136,13 +161,13 @@ def rows(records: List[Dict]) -> List[Dict]:
 
 def format_table(table: List[Dict]) -> str:
     head = (f"{'N':>2} {'MALLOC_ARENA_MAX':>16} {'system':<26} | {'peak MiB':>9} {'x FSDP2':>8} | "
-            f"{'persist MiB':>11} {'x FSDP2':>8} | {'step s':>7}")
+            f"{'persist MiB':>11} {'x FSDP2':>8} | " + " ".join(f"{k:>7}" for k in BREAKDOWN) + f" | {'step s':>7}")
     lines = [head, "-" * len(head)]
     for r in table:
         ratio = lambda x: "-" if x is None or r["system"] == "fsdp2" else f"{x:.3f}x"  # noqa: E731
         lines.append(f"{r['ranks']:>2} {r['arena']:>16} {LABELS[r['system']]:<26} | {r['peak_mib']:>9.1f} "
-                     f"{ratio(r['peak_x_fsdp2']):>8} | {r['persistent_mib']:>11.1f} {ratio(r['persistent_x_fsdp2']):>8} "
-                     f"| {r['step_s']:>7.2f}")
+                     f"{ratio(r['peak_x_fsdp2']):>8} | {r['persistent_mib']:>11.1f} {ratio(r['persistent_x_fsdp2']):>8} | "
+                     + " ".join(f"{r['breakdown_mib'][k]:>7.1f}" for k in BREAKDOWN) + f" | {r['step_s']:>7.2f}")
     return "\n".join(lines)
 
 
@@ -159,6 +184,11 @@ def verdict(table: List[Dict]) -> str:
 
 def main(argv: Optional[List[str]] = None) -> Dict:
     args = parse_args(argv)
+    from tools.bench.bf16_support import native_bf16
+    native, reason = native_bf16()
+    args.upcast = args.upcast_bf16 == "yes" or (args.upcast_bf16 == "auto" and not native)
+    print(f"bf16 kernels: {'fp32 kernels, bf16 tensors (--upcast-bf16)' if args.upcast else 'native'} ({reason})",
+          flush=True)
     records = run_all(args, log=lambda line: print(line, file=sys.stderr, flush=True))
     table = rows(records)
     print(f"{SIZES[args.size]}, {records[0]['params'] if records else '?'} parameters, bf16 compute, "

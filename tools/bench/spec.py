@@ -76,12 +76,13 @@ def theory_bytes(system: str, params: int, root_params: int, world: int, compute
 def theory_persistent(system: str, params: int, world: int, compute_bytes: int) -> Optional[float]:
     """Persistent bytes per rank between steps, with Adam (two fp32 moments) and no padding.
 
-    This project: the table of docs/engine.md (fp32 gradient accumulators kept between
-    steps; fp32 main weights only when compute is not fp32; under ZeRO-3 with bf16 compute
-    no compute weights at all: each gather casts the main shard). Megatron-Core's DDP and
-    DistributedOptimizer keep the same kinds at the ``no_shard``/``optim`` levels, and
-    Megatron-FSDP v1 at ``optim_grads_params``. FSDP2 and the unwrapped model free their
-    gradients in ``zero_grad`` and keep fp32 parameters (sharded for FSDP2) and Adam state.
+    This project: the table of docs/engine.md between steps (the gradient accumulators are
+    released by ``zero_grad()``; fp32 main weights only when compute is not fp32; under
+    ZeRO-3 with bf16 compute no compute weights at all: each gather casts the main shard).
+    Megatron-Core's DDP and DistributedOptimizer keep their fp32 grad buffers at the
+    ``no_shard``/``optim`` levels, and Megatron-FSDP v1 at ``optim_grads_params``. FSDP2 and
+    the unwrapped model free their gradients in ``zero_grad`` and keep fp32 parameters
+    (sharded for FSDP2) and Adam state.
     """
     n, psi, c = world, params, compute_bytes
     m = 4 if c != 4 else 0
@@ -94,5 +95,7 @@ def theory_persistent(system: str, params: int, world: int, compute_bytes: int) 
     if level == "optim_grads_params" and m and n > 1 and system.startswith("ours:"):
         compute = 0.0  # each gather casts the fp32 main shard: no compute copy between uses
     grads = 4 * psi / n if level in ("optim_grads", "optim_grads_params") else 4 * psi
+    if system.startswith("ours:"):
+        grads = 0.0  # released by zero_grad (set_to_none), allocated again by the next backward
     sharded = level != "no_shard"
     return compute + grads + (m * psi + 8 * psi) / (n if sharded else 1)

@@ -43,13 +43,13 @@ def param_groups(named):
     return [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _plain_step(model, optimizer, tokens):
+def _plain_step(model, optimizer, tokens) -> M.Built:
     def step():
         model(tokens).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return step
+    return M.Built(step, optimizer=optimizer)
 
 
 def wrap_ours(model: torch.nn.Module, level: str, bf16: bool, state_dtype=None):
@@ -75,7 +75,7 @@ def build_system(system: str, model: torch.nn.Module, tokens: torch.Tensor, bf16
     if system == "unwrapped":
         if bf16:
             raise ValueError("the unwrapped model has no mixed-precision policy: it runs in fp32 only")
-        return M.Built(_plain_step(model, adamw(param_groups(model.named_parameters())), tokens))
+        return _plain_step(model, adamw(param_groups(model.named_parameters())), tokens)
     if system == "fsdp2":
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -86,7 +86,7 @@ def build_system(system: str, model: torch.nn.Module, tokens: torch.Tensor, bf16
         for block in model.blocks:
             fully_shard(block, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
-        return M.Built(_plain_step(model, adamw(param_groups(model.named_parameters())), tokens))
+        return _plain_step(model, adamw(param_groups(model.named_parameters())), tokens)
     if system.startswith("ours:"):
         level, _, variant = system.partition(":")[2].partition(":")
         if variant not in ("", "bf16-state"):
@@ -97,13 +97,22 @@ def build_system(system: str, model: torch.nn.Module, tokens: torch.Tensor, bf16
             wrapped(tokens).backward()
             optimizer.step()
             optimizer.zero_grad()
-        return M.Built(step, ledgers=[wrapped.ledger], own_report=lambda: wrapped.memory_report(optimizer).total)
+        return M.Built(step, ledgers=[wrapped.ledger], own_report=lambda: wrapped.memory_report(optimizer).total,
+                       optimizer=optimizer.optimizer)
     raise ValueError(f"unknown torch-workload system {system!r}")
 
 
-def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, threads: int) -> dict:
-    """Build ``system`` on ``size_name``, train ``warmup + steps`` steps, return this rank's figures."""
+def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, threads: int,
+        upcast_bf16: bool = False) -> dict:
+    """Build ``system`` on ``size_name``, train ``warmup + steps`` steps, return this rank's figures.
+
+    ``upcast_bf16``: bf16 linears and attention through fp32 kernels (``bf16_support``), for
+    CPUs that emulate bf16 matrix products; it stays installed in the worker process.
+    """
     M.prepare_worker(threads)
+    if upcast_bf16:
+        from tools.bench.bf16_support import upcast_bf16_kernels
+        upcast_bf16_kernels()
     M.COUNTER.install()
     shape = SIZES[size_name]
     gen = torch.Generator().manual_seed(SEED + dist.get_rank())

@@ -246,7 +246,13 @@ class FullyShardedDataParallel(_BaseDataParallel):
         self._fsdp.scale_gradients(scaling_factor)
 
     def zero_grad_buffer(self) -> None:
-        self._fsdp.zero_grad_buffers()
+        """Zero the gradient accumulators in place, as Megatron's grad buffers are zeroed (kept).
+
+        Accumulators already released by ``optimizer.zero_grad()`` (set_to_none, its default)
+        stay released: they read as zeros and are allocated at the next backward's first
+        reduction. Megatron-LM's loop calls both, so between steps no gradient memory is kept.
+        """
+        self._fsdp.zero_grad_buffers(set_to_none=False)
 
     def broadcast_params(self) -> None:
         self._fsdp.broadcast_params()

@@ -87,7 +87,9 @@ class FullyShardedMegatronOptimizer(MegatronOptimizer):
         return ok, grad_norm, num_zeros
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.zero_grad()
+        """``set_to_none`` (Megatron's default) releases the gradient accumulators until the next
+        backward; the chunks' ``zero_grad_buffer()`` zeroes them in place (Megatron's buffers)."""
+        self.engine.zero_grad(set_to_none)
 
     def get_loss_scale(self) -> torch.Tensor:
         return torch.tensor([1.0])
