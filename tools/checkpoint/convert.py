@@ -81,8 +81,11 @@ def model_state(state: Dict[str, Any]) -> Dict[str, Any]:
     if not tp_global(state["common"]):
         raise SystemExit("this checkpoint has layout version 1 (keys per tensor-parallel rank): load it with "
                          "pretrain_gpt.py at the TP size it was saved with and save it again, then convert that")
+    # ``from-hf`` writes flat ``model.<name>`` keys (no nested state dict to unflatten).
+    model = state["model"] if "model" in state else {k[len("model."):]: v for k, v in state.items()
+                                                      if k.startswith("model.")}
     return {k: v.reshape(tp1_shape(k, tuple(v.shape))) if hasattr(v, "reshape") else v
-            for k, v in state["model"].items()}
+            for k, v in model.items()}
 
 
 def from_torch(path: str, save_dir: str) -> Path:
