@@ -8,12 +8,16 @@
 - HF -> fsdp_dtensor -> HF is bitwise (every tensor, and config.json);
 - a model made and saved by ``transformers`` itself -> from-hf -> ``pretrain_gpt``
   ``--load --finetune``: the first iteration's loss is the HF model's on that batch;
+- Qwen2 with non-zero q/k/v biases (``--add-qkv-bias``) and Qwen2-MoE (gated shared expert,
+  dense layers, router with and without ``norm_topk_prob``) made by transformers round-trip
+  bitwise; the Qwen2-MoE's Megatron model has its logits within 1e-5 (MoE pool);
 - conversion streams: peak resident memory grows by well under the model's size
   (a ~190 MB model, both directions, measured in a fresh process).
 
 The training runs use the shared pools (tests/conftest.py), no new launches.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -231,6 +235,11 @@ def test_qwen2_qkv_biases_and_qwen2_moe_round_trip(tmp_path):
         flags = arch.megatron_flags()
         assert all(f in flags for f in expected_flags), (name, flags)
         assert ("--moe-router-pre-softmax" in flags) == (name == "qwen2_moe"), flags
+        if name == "qwen2_moe":  # what Mixtral / an ungated shared expert cannot hold, named
+            with pytest.raises(hf_convert.ConversionError, match="mixtral renormalizes.*no --moe-router-pre-softmax"):
+                hf_convert.check_exportable("mixtral", arch)
+            with pytest.raises(hf_convert.ConversionError, match="qwen2_moe needs .*--moe-shared-expert-gate"):
+                hf_convert.check_exportable("qwen2_moe", dataclasses.replace(arch, shared_expert_gate=False))
         hf_convert.to_hf(str(tmp_path / f"{name}-ckpt"), str(tmp_path / f"{name}-out"))
         out = _tensors(tmp_path / f"{name}-out")
         if name.startswith("qwen2_moe"):

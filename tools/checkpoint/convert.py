@@ -27,6 +27,7 @@ at a time (``hf_convert.py``; docs/checkpoints.md, "HuggingFace").
 
 import argparse
 import os
+import shlex
 import sys
 import time
 import warnings
@@ -186,7 +187,7 @@ def _run_hf_command(args, start: float) -> None:
             report, arch = from_hf(args.hf_dir, args.save_dir)
             print(f"wrote {report.written}{_rate(report.written, start)}")
             print("train from it with: pretrain_gpt.py --load " + args.save_dir + " --finetune "
-                  + " ".join(arch.megatron_flags()) + " --make-vocab-size-divisible-by 1 (and a tokenizer of "
+                  + shlex.join(arch.megatron_flags()) + " --make-vocab-size-divisible-by 1 (and a tokenizer of "
                   f"{arch.vocab_size} ids)")
     except (ConversionError, FileNotFoundError) as exc:
         raise SystemExit(f"error: {exc}") from None
