@@ -197,11 +197,11 @@ def _qwen2_moe(**overrides):
     shared expert; ``norm_topk_prob`` False (Megatron's --moe-router-pre-softmax)."""
     from transformers import AutoModelForCausalLM, Qwen2MoeConfig
 
-    config = Qwen2MoeConfig(vocab_size=100, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
-                            shared_expert_intermediate_size=40, num_experts=4, num_experts_per_tok=2,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                            max_position_embeddings=64, mlp_only_layers=[0], rms_norm_eps=1e-5,
-                            **{"norm_topk_prob": False, **overrides})
+    shape = dict(vocab_size=100, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
+                 shared_expert_intermediate_size=40, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, mlp_only_layers=[0],
+                 rms_norm_eps=1e-5, norm_topk_prob=False)
+    config = Qwen2MoeConfig(**{**shape, **overrides})
     torch.manual_seed(0)
     return _with_qkv_biases(AutoModelForCausalLM.from_config(config).eval())
 
