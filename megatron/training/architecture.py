@@ -72,6 +72,8 @@ def add_architecture_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-channels", type=int, default=None,
                    help="channels per attention head (default: hidden size / attention heads)")
     g.add_argument("--qk-layernorm", action="store_true", help="normalize queries and keys (--normalization type)")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="biases on the query/key/value projection only, with --disable-bias-linear (Qwen2)")
     g.add_argument("--hidden-dropout", type=float, default=0.1,
                    help="dropout after attention and MLP (default: %(default)s, Megatron-LM's)")
     g.add_argument("--attention-dropout", type=float, default=0.1,
@@ -82,6 +84,11 @@ def add_architecture_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                    help="FFN size of the shared expert(s) every token passes (DeepSeek, Qwen-MoE); "
                         "default: none")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="scale the shared expert's output by sigmoid(x . w), a learned per-token gate (Qwen2-MoE)")
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="softmax over all experts before the top-k (weights then sum to under 1); default: "
+                        "softmax over the top-k scores")
     g.add_argument("--moe-layer-freq", type=moe_layer_freq_type, default=1,
                    help="MoE layers: every N-th layer from the first (int), or a 0/1 list per layer, "
                         "e.g. '([0]*1+[1]*3)' (default: %(default)s, every layer)")
@@ -152,12 +159,16 @@ def validate_architecture(args) -> None:
 
 
 def _validate_moe_shape(args) -> None:
-    moe_flags = args.moe_shared_expert_intermediate_size is not None or args.moe_layer_freq != 1
+    moe_flags = (args.moe_shared_expert_intermediate_size is not None or args.moe_layer_freq != 1
+                 or args.moe_shared_expert_gate or args.moe_router_pre_softmax)
     if args.num_experts is None:
         if moe_flags:
-            _fail("--moe-shared-expert-intermediate-size and --moe-layer-freq need --num-experts")
+            _fail("--moe-shared-expert-intermediate-size, --moe-shared-expert-gate, --moe-router-pre-softmax "
+                  "and --moe-layer-freq need --num-experts")
         return
     shared = args.moe_shared_expert_intermediate_size
+    if args.moe_shared_expert_gate and shared is None:
+        _fail("--moe-shared-expert-gate gates the shared expert: it needs --moe-shared-expert-intermediate-size")
     if shared is not None and shared < 1:
         _fail(f"--moe-shared-expert-intermediate-size={shared} must be at least 1")
     freq = args.moe_layer_freq
@@ -180,6 +191,7 @@ def transformer_config_fields(args) -> dict:
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
         kv_channels=args.kv_channels, qk_layernorm=args.qk_layernorm,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        add_qkv_bias=args.add_qkv_bias,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         calculate_per_token_loss=args.calculate_per_token_loss,
     )
@@ -187,7 +199,8 @@ def transformer_config_fields(args) -> dict:
         fields.update(gated_linear_unit=True, activation_func=F.silu)
     if args.num_experts is not None:
         fields.update(moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-                      moe_layer_freq=args.moe_layer_freq)
+                      moe_shared_expert_gate=args.moe_shared_expert_gate,
+                      moe_router_pre_softmax=args.moe_router_pre_softmax, moe_layer_freq=args.moe_layer_freq)
     return fields
 
 

@@ -8,12 +8,16 @@
 - HF -> fsdp_dtensor -> HF is bitwise (every tensor, and config.json);
 - a model made and saved by ``transformers`` itself -> from-hf -> ``pretrain_gpt``
   ``--load --finetune``: the first iteration's loss is the HF model's on that batch;
+- Qwen2 with non-zero q/k/v biases (``--add-qkv-bias``) and Qwen2-MoE (gated shared expert,
+  dense layers, router with and without ``norm_topk_prob``) made by transformers round-trip
+  bitwise; the Qwen2-MoE's Megatron model has its logits within 1e-5 (MoE pool);
 - conversion streams: peak resident memory grows by well under the model's size
   (a ~190 MB model, both directions, measured in a fresh process).
 
 The training runs use the shared pools (tests/conftest.py), no new launches.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -186,3 +190,85 @@ def test_conversion_streams_below_the_model_size(tmp_path):
     print(f"from-hf: +{grown_in:.0f} MiB over {before_in:.0f} MiB; to-hf: +{grown_out:.0f} MiB over "
           f"{before_out:.0f} MiB; model {size_in:.0f} MiB")
     assert grown_in < 0.5 * size_in and grown_out < 0.5 * size_out, (grown_in, grown_out, size_in)
+
+
+def _qwen2_moe(**overrides):
+    """A transformers-made Qwen2-MoE: non-zero q/k/v biases, a dense first layer, 4 experts top-2, a gated
+    shared expert; ``norm_topk_prob`` False (Megatron's --moe-router-pre-softmax)."""
+    from transformers import AutoModelForCausalLM, Qwen2MoeConfig
+
+    shape = dict(vocab_size=100, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
+                 shared_expert_intermediate_size=40, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, mlp_only_layers=[0],
+                 rms_norm_eps=1e-5, norm_topk_prob=False)
+    config = Qwen2MoeConfig(**{**shape, **overrides})
+    torch.manual_seed(0)
+    return _with_qkv_biases(AutoModelForCausalLM.from_config(config).eval())
+
+
+def _with_qkv_biases(model):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if re.search(r"\.[qkv]_proj\.bias$", name):
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def test_qwen2_qkv_biases_and_qwen2_moe_round_trip(tmp_path):
+    """Qwen2 with non-zero q/k/v biases (--add-qkv-bias) and Qwen2-MoE (shared expert + its sigmoid gate,
+    router renormalized or not), made by transformers -> from-hf -> to-hf: the printed flags say so, every
+    tensor and config.json come back bitwise (the Hub's per-expert names), and the model loads again."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    dense = _with_qkv_biases(AutoModelForCausalLM.from_config(Qwen2Config(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=100, max_position_embeddings=32)).eval())
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(2))
+    cases = {"qwen2": (dense, ["--add-qkv-bias"]),
+             "qwen2_moe": (_qwen2_moe(), ["--add-qkv-bias", "--moe-router-pre-softmax", "--moe-shared-expert-gate",
+                                          "--moe-shared-expert-intermediate-size", "--moe-layer-freq"]),
+             "qwen2_moe_norm": (_qwen2_moe(norm_topk_prob=True), ["--moe-shared-expert-gate"])}
+    for name, (model, expected_flags) in cases.items():
+        model.save_pretrained(tmp_path / name)
+        _, arch = hf_convert.from_hf(str(tmp_path / name), str(tmp_path / f"{name}-ckpt"))
+        flags = arch.megatron_flags()
+        assert all(f in flags for f in expected_flags), (name, flags)
+        assert ("--moe-router-pre-softmax" in flags) == (name == "qwen2_moe"), flags
+        if name == "qwen2_moe":  # what Mixtral / an ungated shared expert cannot hold, named
+            with pytest.raises(hf_convert.ConversionError, match="mixtral renormalizes.*no --moe-router-pre-softmax"):
+                hf_convert.check_exportable("mixtral", arch)
+            with pytest.raises(hf_convert.ConversionError, match="qwen2_moe needs .*--moe-shared-expert-gate"):
+                hf_convert.check_exportable("qwen2_moe", dataclasses.replace(arch, shared_expert_gate=False))
+        hf_convert.to_hf(str(tmp_path / f"{name}-ckpt"), str(tmp_path / f"{name}-out"))
+        out = _tensors(tmp_path / f"{name}-out")
+        if name.startswith("qwen2_moe"):
+            assert "model.layers.1.mlp.experts.3.down_proj.weight" in out and "model.layers.0.mlp.gate_proj.weight" in out
+        state = model.state_dict()
+        again, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / f"{name}-out"), output_loading_info=True)
+        assert all(not info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (name, info)
+        loaded = again.state_dict()
+        assert sorted(loaded) == sorted(state) and all(torch.equal(loaded[k], state[k]) for k in state), name
+        assert float(state["model.layers.0.self_attn.k_proj.bias"].abs().max()) > 0.1
+        with torch.no_grad():
+            assert torch.equal(model(tokens).logits, again.eval()(tokens).logits), name
+
+
+def test_qwen2_moe_from_hf_matches_megatron_logits(moe_pool, tmp_path):
+    """A transformers-made Qwen2-MoE (q/k/v biases, a dense layer, gated shared expert, pre-softmax router)
+    -> from-hf: the Megatron model of the printed flags gives the HF logits within 1e-5 (fp32)."""
+    model = _qwen2_moe()
+    model.save_pretrained(tmp_path / "hf")
+    _, arch = hf_convert.from_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    model_file = tmp_path / "model.pt"
+    convert.to_torch(str(tmp_path / "ckpt"), str(model_file), model_only=True)
+    tokens = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(3))
+    argv = BASE + arch.megatron_flags() + ["--make-vocab-size-divisible-by", "1", "--hidden-dropout", "0",
+                                           "--attention-dropout", "0"]
+    got = moe_pool.run("tests.tools.hf_cases:megatron_logits", timeout=300, argv=argv, model_file=str(model_file),
+                       tokens=tokens)[0]
+    assert got["missing"] == [] and got["unexpected"] == [], got
+    with torch.no_grad():
+        hf = model(tokens).logits
+    diff = (hf - got["logits"]).abs().max().item()
+    assert diff <= 1e-5, diff

@@ -119,6 +119,9 @@ def test_architecture_defaults_follow_megatron_lm():
     (["--num-experts", "4", "--disable-bias-linear", "--moe-layer-freq", "[0,0,0,0]"], "makes no layer an MoE"),
     (["--num-experts", "4", "--disable-bias-linear", "--moe-shared-expert-intermediate-size", "0"],
      "must be at least 1"),
+    (["--num-experts", "4", "--disable-bias-linear", "--moe-shared-expert-gate"],
+     "--moe-shared-expert-gate gates the shared expert: it needs --moe-shared-expert-intermediate-size"),
+    (["--moe-router-pre-softmax"], "need --num-experts"),
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], "give one of them"),
     (["--lr-warmup-fraction", "1.5"], r"--lr-warmup-fraction=1.5 must be in \[0, 1\)"),
 ])

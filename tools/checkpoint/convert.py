@@ -27,6 +27,7 @@ at a time (``hf_convert.py``; docs/checkpoints.md, "HuggingFace").
 
 import argparse
 import os
+import shlex
 import sys
 import time
 import warnings
@@ -81,8 +82,11 @@ def model_state(state: Dict[str, Any]) -> Dict[str, Any]:
     if not tp_global(state["common"]):
         raise SystemExit("this checkpoint has layout version 1 (keys per tensor-parallel rank): load it with "
                          "pretrain_gpt.py at the TP size it was saved with and save it again, then convert that")
+    # ``from-hf`` writes flat ``model.<name>`` keys (no nested state dict to unflatten).
+    model = state["model"] if "model" in state else {k[len("model."):]: v for k, v in state.items()
+                                                      if k.startswith("model.")}
     return {k: v.reshape(tp1_shape(k, tuple(v.shape))) if hasattr(v, "reshape") else v
-            for k, v in state["model"].items()}
+            for k, v in model.items()}
 
 
 def from_torch(path: str, save_dir: str) -> Path:
@@ -183,7 +187,7 @@ def _run_hf_command(args, start: float) -> None:
             report, arch = from_hf(args.hf_dir, args.save_dir)
             print(f"wrote {report.written}{_rate(report.written, start)}")
             print("train from it with: pretrain_gpt.py --load " + args.save_dir + " --finetune "
-                  + " ".join(arch.megatron_flags()) + " --make-vocab-size-divisible-by 1 (and a tokenizer of "
+                  + shlex.join(arch.megatron_flags()) + " --make-vocab-size-divisible-by 1 (and a tokenizer of "
                   f"{arch.vocab_size} ids)")
     except (ConversionError, FileNotFoundError) as exc:
         raise SystemExit(f"error: {exc}") from None

@@ -72,7 +72,9 @@ def _default_model_type(common: Dict[str, Any], arch: Arch) -> str:
     saved = common.get("hf", {}).get("model_type")
     if saved:
         return saved
-    return "mixtral" if arch.num_experts else "llama" if arch.swiglu else "gpt2"
+    if arch.num_experts:
+        return "qwen2_moe" if arch.shared_expert_size else "mixtral"
+    return "qwen2" if arch.qkv_bias else "llama" if arch.swiglu else "gpt2"
 
 
 def to_hf(checkpoint: str, out: str, model_type: Optional[str] = None, iteration: Optional[int] = None,
@@ -96,8 +98,7 @@ def to_hf(checkpoint: str, out: str, model_type: Optional[str] = None, iteration
     check_exportable(model_type, arch)
     reader = hf_io.DcpTensors(directory)
     stored = {k[len("model."):]: v for k, v in reader.meta.items() if k.startswith("model.")}
-    qkv_bias = "model" if "decoder.layers.0.self_attention.linear_qkv.bias" in stored else "zero"
-    rules = rules_for(model_type, arch, qkv_bias=qkv_bias)
+    rules = rules_for(model_type, arch)
     needed = {k for r in rules for k in r.megatron}
     unknown, missing = sorted(set(stored) - needed), sorted(needed - set(stored))
     if unknown or missing:
@@ -147,7 +148,7 @@ def from_hf(hf_dir: str, save_dir: str) -> Tuple[ConversionReport, Arch]:
     model_type, arch = arch_from_hf(config)
     reader = hf_io.SafetensorsReader(source)
     fused = any(k.endswith(".mlp.experts.gate_up_proj") for k in reader.entries)
-    rules = rules_for(model_type, arch, qkv_bias="zero", fused_experts=fused)
+    rules = rules_for(model_type, arch, fused_experts=fused)
     needed = {k for r in rules for k in r.hf}
     present = {k for k in reader.entries if not _NOT_WEIGHTS.search(k)}
     if arch.tied:

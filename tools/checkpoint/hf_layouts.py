@@ -1,4 +1,4 @@
-"""How a Megatron-Core GPT maps onto HuggingFace GPT-2, Llama, Qwen2 and Mixtral: configs and tensors.
+"""How a Megatron-Core GPT maps onto HuggingFace GPT-2, Llama, Qwen2, Qwen2-MoE and Mixtral: configs and tensors.
 
 One ``Arch`` (the model's shape, from a checkpoint's arguments or a HuggingFace
 config) and, per architecture, a list of ``Rule``s: which Megatron tensors make
@@ -19,7 +19,12 @@ docs/checkpoints.md):
   (the logit tests check it); interleaved RoPE is refused;
 - vocabulary: Megatron's rows are padded (``--make-vocab-size-divisible-by`` x TP);
   HuggingFace gets the tokenizer's rows only;
-- tied embeddings: ``tie_word_embeddings`` and no ``lm_head.weight`` tensor.
+- tied embeddings: ``tie_word_embeddings`` and no ``lm_head.weight`` tensor;
+- Qwen2-MoE: the shared expert is Megatron's ``shared_experts`` (SwiGLU, its ``gate_weight``
+  ``[1, hidden]`` is ``shared_expert_gate``: both scale it by ``sigmoid(x . w)``); the router
+  ``mlp.gate`` softmaxes over all experts then takes the top k, renormalized only with
+  ``norm_topk_prob``: Megatron's default (top k, then softmax over them) equals the renormalized
+  form, ``--moe-router-pre-softmax`` the other.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-MODEL_TYPES = ("gpt2", "llama", "qwen2", "mixtral")
+MODEL_TYPES = ("gpt2", "llama", "qwen2", "qwen2_moe", "mixtral")
 
 
 class ConversionError(ValueError):
@@ -58,10 +63,13 @@ class Arch:
     tied: bool = True
     bias: bool = True
     qk_layernorm: bool = False
+    qkv_bias: bool = False  # --add-qkv-bias (biases on linear_qkv only)
     num_experts: Optional[int] = None
     moe_router_topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None
     shared_expert_size: Optional[int] = None
+    shared_expert_gate: bool = False
+    moe_router_pre_softmax: bool = False
     moe_layers: Tuple[int, ...] = ()  # 1 per MoE layer
     moe_grouped_gemm: bool = False
 
@@ -90,10 +98,12 @@ class Arch:
             position_embedding_type=args.get("position_embedding_type", "learned_absolute"),
             rotary_base=args.get("rotary_base", 10000), rotary_percent=args.get("rotary_percent", 1.0),
             tied=not args.get("untie_embeddings_and_output_weights"), bias=args.get("add_bias_linear", True),
-            qk_layernorm=bool(args.get("qk_layernorm")), num_experts=experts,
+            qk_layernorm=bool(args.get("qk_layernorm")), qkv_bias=bool(args.get("add_qkv_bias")), num_experts=experts,
             moe_router_topk=args.get("moe_router_topk", 2),
             moe_ffn_hidden_size=args.get("moe_ffn_hidden_size") or args["ffn_hidden_size"],
             shared_expert_size=args.get("moe_shared_expert_intermediate_size"), moe_layers=pattern,
+            shared_expert_gate=bool(args.get("moe_shared_expert_gate")),
+            moe_router_pre_softmax=bool(args.get("moe_router_pre_softmax")),
             moe_grouped_gemm=bool(args.get("moe_grouped_gemm")))
 
     def megatron_flags(self) -> List[str]:
@@ -111,9 +121,16 @@ class Arch:
             flags += ["--rotary-base", int(self.rotary_base)]
         flags += ["--swiglu"] * self.swiglu + ["--untie-embeddings-and-output-weights"] * (not self.tied)
         flags += ["--disable-bias-linear"] * (not self.bias) + ["--qk-layernorm"] * self.qk_layernorm
+        flags += ["--add-qkv-bias"] * (self.qkv_bias and not self.bias)
         if self.num_experts:
             flags += ["--num-experts", self.num_experts, "--moe-router-topk", self.moe_router_topk,
                       "--moe-ffn-hidden-size", self.moe_ffn_hidden_size]
+            flags += ["--moe-router-pre-softmax"] * self.moe_router_pre_softmax
+            if self.shared_expert_size:
+                flags += ["--moe-shared-expert-intermediate-size", self.shared_expert_size]
+                flags += ["--moe-shared-expert-gate"] * self.shared_expert_gate
+            if not all(self.moe_layers):
+                flags += ["--moe-layer-freq", "[" + ",".join(str(v) for v in self.moe_layers) + "]"]
         return [str(f) for f in flags]
 
     def as_args(self) -> Dict[str, Any]:
@@ -126,9 +143,11 @@ class Arch:
                     normalization=self.normalization, norm_epsilon=self.norm_epsilon, swiglu=self.swiglu,
                     position_embedding_type=self.position_embedding_type, rotary_base=self.rotary_base,
                     rotary_percent=self.rotary_percent, untie_embeddings_and_output_weights=not self.tied,
-                    add_bias_linear=self.bias, qk_layernorm=self.qk_layernorm, num_experts=self.num_experts,
+                    add_bias_linear=self.bias, qk_layernorm=self.qk_layernorm, add_qkv_bias=self.qkv_bias,
+                    num_experts=self.num_experts,
                     moe_router_topk=self.moe_router_topk, moe_ffn_hidden_size=self.moe_ffn_hidden_size,
                     moe_shared_expert_intermediate_size=self.shared_expert_size,
+                    moe_shared_expert_gate=self.shared_expert_gate, moe_router_pre_softmax=self.moe_router_pre_softmax,
                     moe_layer_freq=list(self.moe_layers) or 1, moe_grouped_gemm=self.moe_grouped_gemm)
 
     def model_args(self) -> Dict[str, Any]:
@@ -252,7 +271,7 @@ def _attention_rules(a: Arch, m: str, h: str, qkv_bias: str) -> List[Rule]:
         def check(*biases):
             if any(b.device.type != "meta" and bool(b.abs().max() > 0) for b in biases):
                 raise ConversionError("this HuggingFace model has non-zero q/k/v biases, which a Megatron model "
-                                      "without --add-qkv-bias (not available in this job yet) cannot hold")
+                                      "without --add-qkv-bias cannot hold")
             return ()
         rules.append(Rule((m + "linear_qkv.weight",), (h + "q_proj.bias", h + "k_proj.bias", h + "v_proj.bias"),
                           zeros, check))
@@ -284,16 +303,33 @@ def _fused_expert_rules(a: Arch, m: str, h: str) -> List[Rule]:
             Rule(fc2, (h + "mlp.experts.down_proj",), lambda *w: (torch.stack(w),), lambda w: tuple(w.unbind(0)))]
 
 
-def llama_rules(a: Arch, qkv_bias: str = "none", moe: bool = False, fused_experts: bool = False) -> List[Rule]:
+def _qwen2_moe_rules(a: Arch, m: str, h: str, fused_experts: bool) -> List[Rule]:
+    """Qwen2-MoE's sparse block: routed experts (the Hub's per-expert names, or transformers 5's fused
+    ones on import), the router ``mlp.gate``, the shared expert and its sigmoid gate."""
+    if fused_experts:
+        rules = _fused_expert_rules(a, m, h)
+    else:
+        rules = [_copy(m + "mlp.router.weight", h + "mlp.gate.weight")]
+        for e in range(a.num_experts):
+            rules += _swiglu_mlp_rules(a, f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}.")
+    rules += _swiglu_mlp_rules(a, m + "mlp.shared_experts.", h + "mlp.shared_expert.")
+    return rules + [_copy(m + "mlp.shared_experts.gate_weight", h + "mlp.shared_expert_gate.weight")]
+
+
+def llama_rules(a: Arch, qkv_bias: str = "none", moe: str = "", fused_experts: bool = False) -> List[Rule]:
+    """``moe``: "" (dense), "mixtral" or "qwen2_moe" (the MoE layers' names; dense layers as Llama's)."""
     rules = [_vocab(a, "embedding.word_embeddings.weight", "model.embed_tokens.weight")]
     for i in range(a.num_layers):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         rules += [_copy(m + "input_layernorm.weight", h + "input_layernorm.weight")]
         rules += _attention_rules(a, m + "self_attention.", h + "self_attn.", qkv_bias)
         rules += [_copy(m + "pre_mlp_layernorm.weight", h + "post_attention_layernorm.weight")]
-        if moe and fused_experts:
+        sparse = moe and (not a.moe_layers or a.moe_layers[i])
+        if sparse and moe == "qwen2_moe":
+            rules += _qwen2_moe_rules(a, m, h, fused_experts)
+        elif sparse and fused_experts:
             rules += _fused_expert_rules(a, m, h)
-        elif moe:
+        elif sparse:
             # The Hub's Mixtral layout (transformers 4 reads it as is, 5 fuses the experts on load).
             rules.append(_copy(m + "mlp.router.weight", h + "block_sparse_moe.gate.weight"))
             for e in range(a.num_experts):
@@ -307,13 +343,16 @@ def llama_rules(a: Arch, qkv_bias: str = "none", moe: bool = False, fused_expert
     return rules
 
 
-def rules_for(model_type: str, a: Arch, qkv_bias: str = "none", fused_experts: bool = False) -> List[Rule]:
-    """The tensor mapping of ``model_type``; ``fused_experts``: transformers 5's Mixtral names (import only)."""
+def rules_for(model_type: str, a: Arch, fused_experts: bool = False) -> List[Rule]:
+    """The tensor mapping of ``model_type``; ``fused_experts``: transformers 5's MoE names (import only).
+
+    q/k/v biases: the model's own (``--add-qkv-bias``, or every linear's); Qwen2 exported from a
+    model without them gets zeros (its attention always has them)."""
     if model_type == "gpt2":
         return gpt2_rules(a)
-    if model_type == "mixtral":
-        return llama_rules(a, moe=True, fused_experts=fused_experts)
-    return llama_rules(a, qkv_bias=qkv_bias if model_type == "qwen2" else "none")
+    qkv_bias = "model" if a.bias or a.qkv_bias else "zero" if model_type == "qwen2" else "none"
+    moe = model_type if model_type in ("mixtral", "qwen2_moe") else ""
+    return llama_rules(a, qkv_bias=qkv_bias, moe=moe, fused_experts=fused_experts)
 
 
 # ---------------------------------------------------------------------- configs
@@ -327,9 +366,9 @@ def check_exportable(model_type: str, a: Arch) -> None:
     problems = []
     if a.moe_grouped_gemm:
         problems.append("--moe-grouped-gemm experts are not converted (train with SequentialMLP experts)")
-    if a.shared_expert_size:
+    if a.shared_expert_size and model_type != "qwen2_moe":
         problems.append("shared experts (--moe-shared-expert-intermediate-size) have no place in "
-                        f"{model_type} (Qwen2-MoE has them with a gate: not converted here)")
+                        f"{model_type} (use --model-type qwen2_moe, with --moe-shared-expert-gate)")
     if model_type == "gpt2":
         for ok, what in ((a.normalization == "LayerNorm", "--normalization LayerNorm"), (not a.swiglu, "no --swiglu"),
                          (a.position_embedding_type == "learned_absolute", "learned_absolute positions"),
@@ -347,10 +386,19 @@ def check_exportable(model_type: str, a: Arch) -> None:
                 problems.append(f"{model_type} needs {what}")
         if model_type == "mixtral" and (not a.num_experts or not all(a.moe_layers)):
             problems.append("mixtral needs --num-experts with every layer an MoE layer (--moe-layer-freq 1)")
-        if model_type == "mixtral" and a.bias:
-            problems.append("mixtral has no biases: it needs --disable-bias-linear")
-        if model_type != "mixtral" and a.num_experts:
-            problems.append(f"{model_type} is dense: use --model-type mixtral for --num-experts")
+        if model_type == "mixtral" and (a.bias or a.qkv_bias):
+            problems.append("mixtral has no biases: it needs --disable-bias-linear and no --add-qkv-bias")
+        if model_type == "mixtral" and a.moe_router_pre_softmax:
+            problems.append("mixtral renormalizes its top-k router weights: it needs no --moe-router-pre-softmax")
+        if model_type == "qwen2_moe":
+            if not a.num_experts or not a.shared_expert_size or not a.shared_expert_gate:
+                problems.append("qwen2_moe needs --num-experts, --moe-shared-expert-intermediate-size and "
+                                "--moe-shared-expert-gate (its shared expert is always there, gated)")
+            if a.bias:
+                problems.append("qwen2_moe has biases on q/k/v only: it needs --disable-bias-linear "
+                                "(with --add-qkv-bias for them)")
+        if model_type not in ("mixtral", "qwen2_moe") and a.num_experts:
+            problems.append(f"{model_type} is dense: use --model-type mixtral or qwen2_moe for --num-experts")
         if model_type == "qwen2" and a.bias:
             problems.append("qwen2 has biases on q/k/v only: the model has them on every linear layer "
                             "(use --model-type llama, whose attention_bias/mlp_bias hold them)")
@@ -379,6 +427,13 @@ def hf_config(model_type: str, a: Arch, dtype: torch.dtype) -> Dict[str, Any]:
     if model_type == "qwen2":
         return dict(config, model_type="qwen2", architectures=["Qwen2ForCausalLM"],
                     intermediate_size=a.ffn_hidden_size, use_sliding_window=False)
+    if model_type == "qwen2_moe":
+        return dict(config, model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"],
+                    intermediate_size=a.ffn_hidden_size, moe_intermediate_size=a.moe_ffn_hidden_size,
+                    shared_expert_intermediate_size=a.shared_expert_size, num_experts=a.num_experts,
+                    num_experts_per_tok=a.moe_router_topk, norm_topk_prob=not a.moe_router_pre_softmax,
+                    decoder_sparse_step=1, mlp_only_layers=[i for i, v in enumerate(a.moe_layers) if not v],
+                    qkv_bias=a.qkv_bias, use_sliding_window=False, output_router_logits=False)
     return dict(config, model_type="mixtral", architectures=["MixtralForCausalLM"],
                 intermediate_size=a.moe_ffn_hidden_size, num_local_experts=a.num_experts,
                 num_experts_per_tok=a.moe_router_topk, router_jitter_noise=0.0, sliding_window=None,
@@ -421,6 +476,19 @@ def arch_from_hf(c: Mapping[str, Any], divisible_by: int = 1) -> Tuple[str, Arch
         _require(bool(c.get("mlp_bias", False)) == bias, "attention_bias and mlp_bias differ: Megatron's "
                  "--disable-bias-linear is one switch for both")
     experts = c.get("num_local_experts") if model_type == "mixtral" else None
+    moe = dict(moe_router_topk=c.get("num_experts_per_tok", 2),
+               moe_ffn_hidden_size=c["intermediate_size"] if experts else None,
+               moe_layers=(1,) * c["num_hidden_layers"] if experts else ())
+    if model_type == "qwen2_moe":
+        experts, step, dense = c["num_experts"], c.get("decoder_sparse_step", 1), c.get("mlp_only_layers") or []
+        _require(bool(c.get("shared_expert_intermediate_size")), "qwen2_moe without a shared expert "
+                 "(shared_expert_intermediate_size 0) is not converted")
+        moe = dict(moe_router_topk=c.get("num_experts_per_tok", 4), moe_ffn_hidden_size=c["moe_intermediate_size"],
+                   shared_expert_size=c["shared_expert_intermediate_size"], shared_expert_gate=True,
+                   moe_router_pre_softmax=not c.get("norm_topk_prob", False),
+                   moe_layers=tuple(int(i not in dense and (i + 1) % step == 0)
+                                    for i in range(c["num_hidden_layers"])))
+    qkv_bias = {"qwen2": True, "qwen2_moe": bool(c.get("qkv_bias", True))}.get(model_type, False)
     return model_type, Arch(
         num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"], ffn_hidden_size=c["intermediate_size"],
         num_attention_heads=heads, num_query_groups=c.get("num_key_value_heads") or heads,
@@ -428,6 +496,4 @@ def arch_from_hf(c: Mapping[str, Any], divisible_by: int = 1) -> Tuple[str, Arch
         max_position_embeddings=c["max_position_embeddings"], normalization="RMSNorm",
         norm_epsilon=c.get("rms_norm_eps", 1e-6), swiglu=True, position_embedding_type="rope",
         rotary_base=_rope_theta(c), tied=bool(c.get("tie_word_embeddings", False)), bias=bias,
-        num_experts=experts, moe_router_topk=c.get("num_experts_per_tok", 2),
-        moe_ffn_hidden_size=c["intermediate_size"] if experts else None,
-        moe_layers=(1,) * c["num_hidden_layers"] if experts else ())
+        qkv_bias=qkv_bias and not bias, num_experts=experts, **moe)
