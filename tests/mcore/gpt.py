@@ -111,15 +111,13 @@ def parallel(ctx, topology: Topology, seed: int = SEED):
     released, so the next case in the same worker starts clean.
     """
     from megatron.core import parallel_state as ps
-    from megatron.fsdp.mcore.cpu_mode import disable_cpu_mode
-    from tests.harness.pool import releasing_new_groups
+    from tests.harness.megatron_case import megatron_case
 
     world = dist.get_world_size()
     if ctx.size != world:
         raise ValueError(f"Megatron cases must run on the whole pool ({world} ranks), not {ctx.size}")
     topology.dp(world)
-    ps.destroy_model_parallel()  # a case that failed mid-way may have left state behind
-    with releasing_new_groups():
+    with megatron_case():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=topology.tp,
             pipeline_model_parallel_size=topology.pp,
@@ -128,15 +126,8 @@ def parallel(ctx, topology: Topology, seed: int = SEED):
             expert_model_parallel_size=topology.ep,
             num_distributed_optimizer_instances=topology.instances,
         )
-        try:
-            set_random_seed(seed)
-            yield
-        finally:
-            disable_cpu_mode()
-            ps.destroy_model_parallel()
-            # Megatron-Core's MoE aux-loss tracker is a module global that keeps the groups.
-            from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-            get_moe_layer_wise_logging_tracker().clear()
+        set_random_seed(seed)
+        yield
 
 
 # ---------------------------------------------------------------- model

@@ -2,25 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 from typing import Dict, List
 
 import torch
 
-
-@contextlib.contextmanager
-def _megatron_run():
-    """Release everything one Megatron case creates (groups, parallel state, CPU mode), as pretrain_in_pool does."""
-    from megatron.core import parallel_state as ps
-    from megatron.fsdp.mcore.cpu_mode import disable_cpu_mode
-    from tests.harness.pool import releasing_new_groups
-
-    with releasing_new_groups():
-        try:
-            yield
-        finally:
-            disable_cpu_mode()
-            ps.destroy_model_parallel()
+from tests.harness.megatron_case import megatron_case
 
 
 def _snapshot(model, optimizer) -> Dict[str, torch.Tensor]:
@@ -45,7 +31,7 @@ def load_error(ctx, argv: List[str]) -> Dict[str, object]:
     from megatron.training.training import setup
 
     args = parse_args(argv)
-    with _megatron_run():
+    with megatron_case():
         _, _, model, optimizer, scheduler = setup(args)
         before = _snapshot(model, optimizer)
         lr = optimizer.param_groups[0]["lr"]
@@ -90,7 +76,7 @@ def loaded_vs_unsharded(ctx, argv: List[str], model_file: str) -> Dict[str, obje
     from megatron.training.training import setup
 
     args = parse_args(argv)
-    with _megatron_run():
+    with megatron_case():
         device, _, model, optimizer, scheduler = setup(args)
         iteration, _ = checkpointing.load_checkpoint(args, model, optimizer, scheduler)
         compute_ok = all(_compute_matches_main(chunk) for chunk in model)
@@ -129,7 +115,7 @@ def rng_round_trip(ctx, argv: List[str], directory: str) -> Dict[str, bool]:
                 "tracker": tracked}
 
     args = parse_args(argv + ["--save", directory, "--load", directory])
-    with _megatron_run():
+    with megatron_case():
         _, _, model, optimizer, scheduler = setup(args)
         draws()  # move every generator away from its seed
         checkpointing.save_checkpoint(args, 1, args.global_batch_size, model, optimizer, scheduler)
@@ -165,7 +151,7 @@ def failing_background_write(ctx, argv: List[str], rank: int, iteration: int) ->
 
     save_steps.write_pieces = write
     try:
-        with _megatron_run():
+        with megatron_case():
             pretrain(parse_args(argv))
         return {"error": None}
     except CheckpointError as exc:
@@ -182,7 +168,7 @@ def fresh_then_loaded(ctx, argv: List[str], fresh, loaded: str) -> None:
     from megatron.training.training import setup
 
     args = parse_args(argv)
-    with _megatron_run():
+    with megatron_case():
         _, _, model, optimizer, scheduler = setup(args)
         for directory in [d for d in (fresh, loaded) if d]:
             args.save = directory

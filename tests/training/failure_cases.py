@@ -8,7 +8,7 @@ from typing import Dict, List
 
 import torch.distributed as dist
 
-from tests.training.checkpoint_cases import _megatron_run
+from tests.harness.megatron_case import megatron_case
 
 
 def _damage(directory: Path, how: str) -> None:
@@ -39,7 +39,7 @@ def damaged_loads(ctx, argv: List[str], directory: str, damages: List[str]) -> D
     pristine = root.parent / (root.name + "_pristine")
     args = parse_args(argv + ["--load", directory])
     out = {}
-    with _megatron_run():
+    with megatron_case():
         _, _, model, optimizer, scheduler = setup(args)
         if dist.get_rank() == 0:
             shutil.copytree(root, pristine)
@@ -69,7 +69,7 @@ def full_disk_saves(ctx, argv: List[str], directory: str) -> Dict[str, object]:
 
     args = parse_args(argv + ["--save", directory])
     out: Dict[str, object] = {}
-    with _megatron_run():
+    with megatron_case():
         _, _, model, optimizer, scheduler = setup(args)
         for label, patched in (("checked", False), ("enospc", True)):
             original = checkpoint_paths.space_problem

@@ -11,32 +11,28 @@ def local_spec_matches_cpu_spec(ctx, argv: List[str]) -> dict:
     norms); returns the layer types and the largest logit difference on one batch."""
     import torch
     from megatron.core import parallel_state as ps
-    from megatron.fsdp.mcore.cpu_mode import disable_cpu_mode, enable_cpu_mode
+    from megatron.fsdp.mcore.cpu_mode import enable_cpu_mode
     from megatron.training import model as model_lib
     from megatron.training.architecture import gpt_model_fields
     from megatron.training.arguments import parse_args, validate_args
-    from tests.harness.pool import releasing_new_groups
+    from tests.harness.megatron_case import megatron_case
 
-    with releasing_new_groups():
-        try:
-            args = validate_args(parse_args(argv), ctx.size)
-            ps.initialize_model_parallel()
-            config = model_lib.transformer_config(args, cpu=True)
-            seq = args.seq_length
-            tokens = torch.arange(2 * seq).reshape(2, seq) % 128
-            positions = torch.arange(seq).expand(2, seq)
-            mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), 1)
-            result = {}
-            for name, cpu in (("cpu", True), ("local", False)):
-                enable_cpu_mode(args.seed)
-                torch.manual_seed(args.seed)
-                spec = model_lib._layer_spec(args, config, cpu, None)
-                model = model_lib.gpt_chunks(config, lambda vp_stage: spec, 128, seq, **gpt_model_fields(args))[0]
-                result[name] = {"layers": [type(layer.mlp).__name__ for layer in model.decoder.layers],
-                                "attention": type(model.decoder.layers[0].self_attention.core_attention).__name__,
-                                "logits": model(tokens, positions, mask).detach()}
-            result["max_diff"] = (result["cpu"].pop("logits") - result["local"].pop("logits")).abs().max().item()
-            return result
-        finally:
-            disable_cpu_mode()
-            ps.destroy_model_parallel()
+    with megatron_case():
+        args = validate_args(parse_args(argv), ctx.size)
+        ps.initialize_model_parallel()
+        config = model_lib.transformer_config(args, cpu=True)
+        seq = args.seq_length
+        tokens = torch.arange(2 * seq).reshape(2, seq) % 128
+        positions = torch.arange(seq).expand(2, seq)
+        mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), 1)
+        result = {}
+        for name, cpu in (("cpu", True), ("local", False)):
+            enable_cpu_mode(args.seed)
+            torch.manual_seed(args.seed)
+            spec = model_lib._layer_spec(args, config, cpu, None)
+            model = model_lib.gpt_chunks(config, lambda vp_stage: spec, 128, seq, **gpt_model_fields(args))[0]
+            result[name] = {"layers": [type(layer.mlp).__name__ for layer in model.decoder.layers],
+                            "attention": type(model.decoder.layers[0].self_attention.core_attention).__name__,
+                            "logits": model(tokens, positions, mask).detach()}
+        result["max_diff"] = (result["cpu"].pop("logits") - result["local"].pop("logits")).abs().max().item()
+        return result

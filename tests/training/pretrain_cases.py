@@ -10,19 +10,13 @@ from typing import List
 def pretrain_in_pool(ctx, argv: List[str], capture_log: bool = False) -> dict:
     """``pretrain(parse_args(argv))`` on the whole pool; ``capture_log``: also return rank 0's printed log
     (``"log"``), the lines a torchrun launch would print."""
-    from megatron.core import parallel_state as ps
-    from megatron.fsdp.mcore.cpu_mode import disable_cpu_mode
     from megatron.training.arguments import parse_args
     from megatron.training.training import pretrain
-    from tests.harness.pool import releasing_new_groups
+    from tests.harness.megatron_case import megatron_case
 
     log = io.StringIO()
-    with releasing_new_groups(), (contextlib.redirect_stdout(log) if capture_log else contextlib.nullcontext()):
-        try:
-            history = pretrain(parse_args(argv))
-        finally:
-            disable_cpu_mode()
-            ps.destroy_model_parallel()
+    with megatron_case(), (contextlib.redirect_stdout(log) if capture_log else contextlib.nullcontext()):
+        history = pretrain(parse_args(argv))
     if capture_log:
         history = dict(history, log=log.getvalue())
     return history
