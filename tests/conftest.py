@@ -27,6 +27,13 @@ import pytest
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
+import torch  # noqa: E402
+
+# The pool's workers compute with one thread; references computed here, in the pytest
+# process, must use the same kernels for the bitwise comparisons (a 2-thread matmul sums
+# in another order), whatever OMP_NUM_THREADS the command was started with.
+torch.set_num_threads(1)
+
 from tests.harness import WorkerPool  # noqa: E402
 
 _pools = {}

@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--distributed-timeout-minutes", type=int, default=10,
                    help="process-group timeout: a collective some rank never joins fails after this long, "
                    "naming the collective (Megatron-LM's flag and default)")
+    g.add_argument("--disable-gloo-process-groups", action="store_true",
+                   help="do not create Megatron-Core's gloo twin of every process group (Megatron-LM's flag); "
+                   "on CPU the groups are gloo already and the twins are never created")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM, save a checkpoint at the next iteration boundary (every rank), then exit")
     return show_every_default(p)

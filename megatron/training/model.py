@@ -175,6 +175,8 @@ def wrap_and_optimize(args, config, chunks):
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer, get_standard_config_overrides
 
+    from .initialize import gloo_twin_groups
+
     if config.bf16:  # Megatron-LM's get_model: bf16 compute through Float16Module (fp32 params kept by the optimizer)
         from megatron.core.transformer.module import Float16Module
 
@@ -184,7 +186,8 @@ def wrap_and_optimize(args, config, chunks):
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances, check_for_nan_in_grad=True)
     model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
              for i, chunk in enumerate(chunks)]
-    optimizer = get_megatron_optimizer(opt_config, model, config_overrides=get_standard_config_overrides(opt_config))
+    optimizer = get_megatron_optimizer(opt_config, model, config_overrides=get_standard_config_overrides(opt_config),
+                                       use_gloo_process_groups=gloo_twin_groups(args))
 
     def wire():
         config.grad_scale_func = optimizer.scale_loss

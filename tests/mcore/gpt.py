@@ -40,6 +40,9 @@ CLIP_GRAD = 1.0
 # two micro-batches show gradient accumulation (a doubled or missed micro-batch changes the
 # first grad norm). Longer runs found nothing more and cost the suite minutes (docs/testing.md).
 STEPS, MICRO_BATCHES = 3, 2
+# Megatron-Core's gloo twin of every group only on GPUs: on CPU the groups are gloo already
+# (megatron/training/initialize.py:gloo_twin_groups says why).
+GLOO_TWINS = torch.cuda.is_available()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +128,7 @@ def parallel(ctx, topology: Topology, seed: int = SEED):
             context_parallel_size=topology.cp,
             expert_model_parallel_size=topology.ep,
             num_distributed_optimizer_instances=topology.instances,
+            create_gloo_process_groups=GLOO_TWINS,
         )
         set_random_seed(seed)
         yield
@@ -381,7 +385,7 @@ def megatron_ddp_run(ctx, topology: Topology, steps: int = STEPS, micro_batches:
                                          disable_bucketing=index > 0)
                  for index, chunk in enumerate(chunks)]
         opt_config = optimizer_config(use_distributed_optimizer)
-        optimizer = get_megatron_optimizer(opt_config, model,
+        optimizer = get_megatron_optimizer(opt_config, model, use_gloo_process_groups=GLOO_TWINS,
                                            config_overrides=get_standard_config_overrides(opt_config))
         result = train(model, optimizer, config, topology, steps, micro_batches,
                        scheduler=make_scheduler(optimizer))

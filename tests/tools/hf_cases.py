@@ -17,11 +17,11 @@ def megatron_logits(ctx, argv: List[str], model_file: str, tokens: torch.Tensor)
     from megatron.fsdp.mcore.cpu_mode import enable_cpu_mode
     from megatron.training import model as model_lib
     from megatron.training.arguments import parse_args, validate_args
-    from tests.training.checkpoint_cases import _megatron_run
+    from tests.harness.megatron_case import megatron_case
 
     state = torch.load(model_file, weights_only=False)
     vocab = state["embedding.word_embeddings.weight"].shape[0]
-    with _megatron_run():
+    with megatron_case():
         args = validate_args(parse_args(argv), ctx.size)
         ps.initialize_model_parallel()
         enable_cpu_mode(args.seed)
