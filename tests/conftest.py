@@ -4,7 +4,7 @@
 ``mcore_pool``: four ranks for Megatron-Core cases; ``initialize_model_parallel``
 creates groups over the whole world, so every Megatron case runs on all ranks of a
 pool whose size is exactly ``tp * pp * cp * dp``, and four covers every 2 x 2 topology.
-``_pool_of(n)`` gives the Megatron pool of ``n`` ranks to any module (checkpoints
+``tests.harness.pools.pool_of(n)`` gives the Megatron pool of ``n`` ranks to any module (checkpoints
 resharded to 1, 2 and 3 ranks, ``pretrain_gpt`` on 2). ``moe_pool``: four ranks of
 their own for the MoE cases of every module (Megatron-Core's MoE layers create
 process groups of their own; keeping them out of ``mcore_pool`` keeps its workers
@@ -24,27 +24,19 @@ the time budget.
 import os
 
 import pytest
+import torch  # noqa: E402
+
+from tests.harness import pools  # noqa: E402
+
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
-import torch  # noqa: E402
 
 # The pool's workers compute with one thread; references computed here, in the pytest
 # process, must use the same kernels for the bitwise comparisons (a 2-thread matmul sums
 # in another order), whatever OMP_NUM_THREADS the command was started with.
 torch.set_num_threads(1)
 
-from tests.harness import WorkerPool  # noqa: E402
-
-_pools = {}
-
-
-def _pool_of(size: int, purpose: str = "") -> WorkerPool:
-    key = (size, purpose)
-    pool = _pools.get(key)
-    if pool is None or not pool.alive:
-        pool = _pools[key] = WorkerPool(size)
-    return pool
 
 
 # The pools that only fixtures hand out close after the last collected test that asks for them:
@@ -67,12 +59,9 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def _pool_until_last_use(request, name: str):
-    pool = _pool_of(*_CLOSE_AFTER_LAST_USE[name])
-    yield pool
+    yield pools.pool_of(*_CLOSE_AFTER_LAST_USE[name])
     if id(request.node) in _last_users.get(name, ()):
-        done = _pools.pop(_CLOSE_AFTER_LAST_USE[name], None)
-        if done is not None:
-            done.close()
+        pools.close(_CLOSE_AFTER_LAST_USE[name])
 
 
 @pytest.fixture
@@ -82,16 +71,14 @@ def pool(request):
 
 @pytest.fixture
 def mcore_pool():
-    yield _pool_of(4)
+    yield pools.pool_of(4)
 
 
 @pytest.fixture
 def moe_pool(request):
-    for key in [k for k in _pools if k != _CLOSE_AFTER_LAST_USE["moe_pool"]]:
-        _pools.pop(key).close()  # the MoE block ends the session: nothing else needs them (idle, they cost CPU)
+    pools.close_all_but(_CLOSE_AFTER_LAST_USE["moe_pool"])  # the MoE block ends the session: nothing else needs them
     yield from _pool_until_last_use(request, "moe_pool")
 
 
 def pytest_sessionfinish(session, exitstatus):
-    for pool in _pools.values():
-        pool.close()
+    pools.close_all_but(None)

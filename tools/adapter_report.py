@@ -15,11 +15,14 @@ import os
 import sys
 import time
 
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
 def print_parity(rows, width: int = 42) -> None:
+    from tests.cases.adapter import fsdp_run
+    from tests.cases.gpt import megatron_ddp_run
     """``rows``: (label, topology, level, FullyShardedDataParallelConfig overrides); one line each.
 
     The baseline of a row is Megatron-Core DDP on the same topology with one optimizer
@@ -34,10 +37,10 @@ def print_parity(rows, width: int = 42) -> None:
         for label, topo, level, overrides in rows:
             flat = dataclasses.replace(topo, instances=1)
             if flat not in baselines:
-                baselines[flat] = pool.run("tests.mcore.gpt:megatron_ddp_run", timeout=600, topology=flat)[0]
+                baselines[flat] = pool.run(megatron_ddp_run, timeout=600, topology=flat)[0]
             base = baselines[flat]
             start = time.time()
-            res = pool.run("tests.mcore.adapter_cases:fsdp_run", timeout=600, topology=topo, strategy=level,
+            res = pool.run(fsdp_run, timeout=600, topology=topo, strategy=level,
                            **overrides)[0]
             rel = {k: max(abs(a - b) / abs(b) for a, b in zip(res[k], base[k])) for k in ("losses", "grad_norms")}
             print(f"{label:>{width}} | {rel['losses']:>12.2e} {rel['grad_norms']:>13.2e} | "
@@ -47,8 +50,8 @@ def print_parity(rows, width: int = 42) -> None:
 
 
 def main() -> None:
-    from tests.mcore.gpt import Topology
-    from tests.mcore.test_adapter import LEVELS, TOPOLOGIES
+    from tests.cases.common import LEVELS
+    from tests.cases.gpt import TOPOLOGIES, Topology
 
     rows = [(f"{name} {level}", topo, level, {}) for name, topo in TOPOLOGIES.items() for level in LEVELS]
     rows += [(f"dp2x2-instances {outer}", Topology(instances=2), "optim_grads_params", {"outer": outer})

@@ -15,6 +15,7 @@ import dataclasses
 import os
 import sys
 
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
@@ -25,7 +26,8 @@ def _rel(xs, ys):
 
 def main() -> None:
     import megatron.fsdp as mfsdp
-    from tests.engine.training import RunConfig, reference_run
+    from tests.cases.engine import grad_traffic, memory
+    from tests.cases.engine_training import RunConfig, reference_run, sharded_run
     from tests.harness import WorkerPool
 
     pool = WorkerPool(6)
@@ -41,9 +43,9 @@ def main() -> None:
         for inner, outer, mesh, size in setups:
             kw = dict(mesh=mesh, outer_strategy=None if outer == "-" else outer)
             cfg = dataclasses.replace(ref_cfg, strategy=inner, **kw)
-            res = pool.run("tests.engine.training:sharded_run", size=size, cfg=cfg)[0]
-            traffic = pool.run("tests.engine.cases:grad_traffic", size=size, strategy=inner, micro_batches=3, **kw)[0]
-            mem = {bf16: pool.run("tests.engine.cases:memory", size=size, strategy=inner, bf16=bf16, **kw)[-1]
+            res = pool.run(sharded_run, size=size, cfg=cfg)[0]
+            traffic = pool.run(grad_traffic, size=size, strategy=inner, micro_batches=3, **kw)[0]
+            mem = {bf16: pool.run(memory, size=size, strategy=inner, bf16=bf16, **kw)[-1]
                    for bf16 in (False, True)}
 
             def ratio(axis):

@@ -13,15 +13,17 @@ from __future__ import annotations
 import os
 import sys
 
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
 def main() -> None:
-    from tests.mcore.test_moe import EP_CASES, MIXED_CASES, _moe
+    from tests.cases.moe import EP_CASES, MIXED_CASES, moe_topology
     from tools.adapter_report import print_parity
 
-    rows = [(f"EP {ep}, {dispatcher}, {level}", _moe(dispatcher, ep), level, {}) for dispatcher, ep, level in EP_CASES]
+    rows = [(f"EP {ep}, {dispatcher}, {level}", moe_topology(dispatcher, ep), level, {})
+            for dispatcher, ep, level in EP_CASES]
     rows += [(name, topo, level, overrides) for name, (topo, level, overrides, _) in MIXED_CASES.items()]
     print_parity(rows)
 

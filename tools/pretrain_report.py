@@ -14,21 +14,23 @@ import argparse
 import os
 import sys
 
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main() -> None:
-    from tests.training.test_pretrain import LEVELS, _fsdp, _torchrun
+    from tests.cases.common import LEVELS
+    from tests.cases.job import PRETRAIN_MODEL, fsdp, torchrun
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("extra", nargs="*")
     args = parser.parse_args()
-    base, _ = _torchrun(args.nproc, list(args.extra))
+    base, _ = torchrun(args.nproc, PRETRAIN_MODEL + list(args.extra))
     print(f"{'backend':>34} | {'lm loss max rel':>15} {'grad norm max rel':>17} | {'first loss':>10} {'last loss':>10}")
     print(f"{'Megatron-Core DDP (baseline)':>34} | {'-':>15} {'-':>17} | {base[0][1]:>10.6f} {base[-1][1]:>10.6f}")
     for level in LEVELS:
-        rows, _ = _torchrun(args.nproc, list(args.extra) + _fsdp(level))
+        rows, _ = torchrun(args.nproc, PRETRAIN_MODEL + list(args.extra) + fsdp(level))
         loss = max(abs(r[1] - b[1]) / abs(b[1]) for r, b in zip(rows, base))
         norm = max(abs(r[2] - b[2]) / abs(b[2]) for r, b in zip(rows, base))
         print(f"{'megatron.fsdp ' + level:>34} | {loss:>15.2e} {norm:>17.2e} | {rows[0][1]:>10.6f} {rows[-1][1]:>10.6f}",

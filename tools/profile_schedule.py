@@ -30,6 +30,7 @@ import os
 import sys
 from typing import Dict, List, Optional
 
+
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -193,7 +194,7 @@ def main(argv: Optional[List[str]] = None) -> List[str]:
                    reductions_in_flight=args.reductions_in_flight)
     pool = WorkerPool(args.ranks, start_timeout=600.0)
     try:
-        results = pool.run("tools.profile_schedule:profile_case", timeout=1800, model_size=args.size, level=args.level,
+        results = pool.run(profile_case, timeout=1800, model_size=args.size, level=args.level,
                            outer=args.outer, mesh=mesh, bf16=args.bf16, train_iters=args.train_iters,
                            start=args.profile_step_start, end=args.profile_step_end, overlap=overlap,
                            out=os.path.abspath(args.out))

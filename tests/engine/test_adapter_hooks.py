@@ -2,14 +2,13 @@
 
 import pytest
 
-from tests.engine.test_parity import LEVELS
-
-CASES = "tests.engine.cases:"
+from tests.cases import engine as cases
+from tests.cases.common import LEVELS
 
 
 @pytest.mark.parametrize("strategy", LEVELS)
 def test_engine_hooks_for_the_adapter(pool, strategy):
-    results = pool.run(CASES + "adapter_hooks", size=3, strategy=strategy)
+    results = pool.run(cases.adapter_hooks, size=3, strategy=strategy)
     for r in results:
         assert r["sum_then_scale_equals_mean"]
         assert r["instance_units"] == ["<root>", "blocks.1"]

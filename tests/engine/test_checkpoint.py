@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from megatron.fsdp.dcp_pieces import flat_boxes
-
-CASES = "tests.engine.checkpoint_cases"
-LEVELS = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+from tests.cases import engine_checkpoint as cases
+from tests.cases.common import LEVELS, rel
+from tests.cases.parity import assert_exact_resume
 
 
 def test_flat_boxes_tile_any_range():
@@ -32,18 +32,12 @@ def test_flat_boxes_tile_any_range():
 
 
 def _run(pool, target, size, **kwargs):
-    return pool.run(f"{CASES}:{target}", size=size, timeout=300, **kwargs)
-
-
-def _assert_exact_resume(result):
-    assert result["params_equal"], "full parameters after load differ from the saved ones"
-    assert result["compute_matches_main"], "compute weights were not rebuilt from the loaded main weights"
-    assert result["resumed"] == result["straight"], (result["resumed"], result["straight"])
+    return pool.run(getattr(cases, target), size=size, timeout=300, **kwargs)
 
 
 def test_exact_resume_zero3(pool, tmp_path):
     for result in _run(pool, "resume_exact", 2, strategy="optim_grads_params", path=str(tmp_path)):
-        _assert_exact_resume(result)
+        assert_exact_resume(result)
 
 
 MESHES = {  # exact resume beyond a flat mesh: (ranks, RunConfig fields)
@@ -59,7 +53,7 @@ MESHES = {  # exact resume beyond a flat mesh: (ranks, RunConfig fields)
 @pytest.mark.parametrize("strategy", LEVELS[:3])
 def test_exact_resume_every_level(pool, tmp_path, strategy):
     for result in _run(pool, "resume_exact", 2, strategy=strategy, path=str(tmp_path)):
-        _assert_exact_resume(result)
+        assert_exact_resume(result)
 
 
 @pytest.mark.slow
@@ -67,19 +61,19 @@ def test_exact_resume_every_level(pool, tmp_path, strategy):
 def test_exact_resume_meshes_and_expert_sections(pool, tmp_path, name):
     size, config = MESHES[name]
     for result in _run(pool, "resume_exact", size, path=str(tmp_path), **config):
-        _assert_exact_resume(result)
+        assert_exact_resume(result)
 
 
 def test_exact_resume_through_stateful_objects(pool, tmp_path):
     """``dcp.save({"model": fsdp, "optim": opt})`` calls the state_dict/load_state_dict methods itself."""
     for result in _run(pool, "resume_exact", 2, strategy="optim", path=str(tmp_path), stateful=True):
-        _assert_exact_resume(result)
+        assert_exact_resume(result)
 
 
 def test_bf16_round_trip_keeps_fp32_main_weights(pool, tmp_path):
     for strategy in ("optim", "optim_grads_params"):
         for result in _run(pool, "resume_exact", 2, strategy=strategy, path=str(tmp_path / strategy), bf16=True):
-            _assert_exact_resume(result)
+            assert_exact_resume(result)
             assert result["main_dtypes"] == ["torch.float32"]
 
 
@@ -96,10 +90,6 @@ RESHARD_TARGETS = [
     dict(size=4, strategy="optim_grads", expert_strategy="optim_grads_params", expert_mesh=(2, 2),
          expert_outer_strategy="no_shard"),
 ]
-
-
-def _rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-12)
 
 
 _SOURCE = {}
@@ -123,7 +113,7 @@ def _check_reshard(pool, zero3_checkpoint, target):
     for name, saved in source["params"].items():
         assert torch.equal(result["params"][name], saved), name
     for (loss, norm), (ref_loss, ref_norm) in zip(result["after"], source["after"]):
-        assert _rel(loss, ref_loss) <= 1e-5 and _rel(norm, ref_norm) <= 1e-5, (result["after"], source["after"])
+        assert rel(loss, ref_loss) <= 1e-5 and rel(norm, ref_norm) <= 1e-5, (result["after"], source["after"])
 
 
 def test_reshard_zero3_to_two_ranks_optim(pool, zero3_checkpoint):

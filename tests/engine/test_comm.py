@@ -13,11 +13,10 @@ import time
 import pytest
 import torch
 
-from megatron.fsdp import Ledger
+from megatron.fsdp import Ledger, gloo_ring
 from megatron.fsdp.comm import GLOO_REDUCE_SCATTER_ENV, CommAxis
-from megatron.fsdp import gloo_ring
 
-CASES = "tests.engine.test_comm:"
+
 TIMEOUT = 120
 UNIT_ROUNDOFF = {"float32": 2.0 ** -24, "bfloat16": 2.0 ** -8}
 
@@ -163,7 +162,7 @@ def engine_both_paths(ctx, cfg):
     import os
 
     from megatron.fsdp import comm
-    from tests.engine.training import sharded_run
+    from tests.cases.engine_training import sharded_run
 
     started = []
     ring = comm.ring_reduce_scatter
@@ -193,7 +192,7 @@ NUMELS = [0, 1, 7, 4096, 100_003]
 
 @pytest.mark.parametrize("size", SIZES)
 def test_fp32_ring_within_rounding_of_the_exact_sum(pool, size):
-    for rank, result in enumerate(pool.run(CASES + "exactness", size=size, timeout=TIMEOUT, where="first",
+    for rank, result in enumerate(pool.run(exactness, size=size, timeout=TIMEOUT, where="first",
                                            numels=NUMELS, dtype="float32", integer=False)):
         assert result["path"] == "ring" and result["size"] == size
         for case in result["cases"]:
@@ -205,7 +204,7 @@ def test_fp32_ring_within_rounding_of_the_exact_sum(pool, size):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("size", [2, 3, 4, 6])
 def test_integer_valued_sums_are_bitwise_exact(pool, size, dtype):
-    for rank, result in enumerate(pool.run(CASES + "exactness", size=size, timeout=TIMEOUT, where="first",
+    for rank, result in enumerate(pool.run(exactness, size=size, timeout=TIMEOUT, where="first",
                                            numels=NUMELS, dtype=dtype, integer=True)):
         for case in result["cases"]:
             assert case["ring_equals_exact"] and case["ring_equals_native"], (rank, case)
@@ -213,7 +212,7 @@ def test_integer_valued_sums_are_bitwise_exact(pool, size, dtype):
 
 @pytest.mark.parametrize("size", [2, 4, 6])
 def test_bf16_ring_within_rounding(pool, size):
-    for rank, result in enumerate(pool.run(CASES + "exactness", size=size, timeout=TIMEOUT, where="first",
+    for rank, result in enumerate(pool.run(exactness, size=size, timeout=TIMEOUT, where="first",
                                            numels=NUMELS, dtype="bfloat16", integer=False)):
         for case in result["cases"]:
             assert case["ring_excess"] <= 0 and case["native_excess"] <= 0, (rank, case)
@@ -222,7 +221,7 @@ def test_bf16_ring_within_rounding(pool, size):
 @pytest.mark.parametrize("where", ["inner:2x3", "outer:2x3", "inner:3x2", "outer:3x2"])
 def test_subgroups_of_a_mesh(pool, where):
     """Disjoint groups run their rings at the same time; ring ranks are group ranks, not global ranks."""
-    for rank, result in enumerate(pool.run(CASES + "exactness", size=6, timeout=TIMEOUT, where=where,
+    for rank, result in enumerate(pool.run(exactness, size=6, timeout=TIMEOUT, where=where,
                                            numels=[0, 5, 3001], dtype="float32", integer=True)):
         for case in result["cases"]:
             assert case["ring_equals_exact"] and case["ring_equals_native"], (rank, where, case)
@@ -230,7 +229,7 @@ def test_subgroups_of_a_mesh(pool, where):
 
 @pytest.mark.parametrize("size", [2, 4, 6])
 def test_ledger_wire_bytes_ring_half_of_native(pool, size):
-    result = pool.run(CASES + "exactness", size=size, timeout=TIMEOUT, where="first", numels=NUMELS,
+    result = pool.run(exactness, size=size, timeout=TIMEOUT, where="first", numels=NUMELS,
                       dtype="float32", integer=True)[0]
     total = sum(case["nbytes"] for case in result["cases"])
     ring_wire = sum(case["nbytes"] // size * (size - 1) for case in result["cases"])
@@ -245,24 +244,24 @@ def test_ledger_wire_bytes_ring_half_of_native(pool, size):
 ])
 def test_concurrent_collectives_waited_in_per_rank_orders(pool, wheres, size):
     for seed in range(2):
-        for rank, ok in enumerate(pool.run(CASES + "in_flight", size=size, timeout=TIMEOUT, wheres=wheres,
+        for rank, ok in enumerate(pool.run(in_flight, size=size, timeout=TIMEOUT, wheres=wheres,
                                            seed=seed)):
             assert all(ok), (rank, seed, [i for i, v in enumerate(ok) if not v])
 
 
 def test_call_returns_before_peers_arrive(pool):
-    results = pool.run(CASES + "returns_before_peers_arrive", size=3, timeout=TIMEOUT, delay=2.0)
+    results = pool.run(returns_before_peers_arrive, size=3, timeout=TIMEOUT, delay=2.0)
     assert all(r["total_ok"] for r in results)
     assert max(r["issue_s"] for r in results[:-1]) < 1.0, results
 
 
 @pytest.mark.parametrize("value", ["ring", "allreduce"])
 def test_environment_selects_the_path(pool, value):
-    assert pool.run(CASES + "env_selects_path", size=2, timeout=TIMEOUT, value=value) == [value, value]
+    assert pool.run(env_selects_path, size=2, timeout=TIMEOUT, value=value) == [value, value]
 
 
 def test_mismatched_sizes_raise_on_every_rank(pool):
-    for message in pool.run(CASES + "bad_sizes", size=3, timeout=TIMEOUT):
+    for message in pool.run(bad_sizes, size=3, timeout=TIMEOUT):
         assert message is not None and "full.numel() == 3 * output.numel()" in message
 
 
@@ -311,10 +310,10 @@ def test_one_long_lived_worker_per_group_not_a_thread_per_call():
     (6, dict(strategy="optim_grads", outer_strategy="optim", mesh=(3, 2), bf16=True)),
 ], ids=["zero3-flat", "zero3-2x2", "zero2-hfsdp-3x2-bf16"])
 def test_engine_trains_the_same_on_both_paths(pool, size, overrides):
-    from tests.engine.training import RunConfig
+    from tests.cases.engine_training import RunConfig
 
     cfg = RunConfig(steps=3, **overrides)
-    result = pool.run(CASES + "engine_both_paths", size=size, timeout=TIMEOUT, cfg=cfg)[0]
+    result = pool.run(engine_both_paths, size=size, timeout=TIMEOUT, cfg=cfg)[0]
     ring, native = result["ring"], result["allreduce"]
     assert ring["rings"] > 0 and native["rings"] == 0
     rtol = 1e-2 if cfg.bf16 else 1e-5

@@ -4,8 +4,10 @@ import pytest
 import torch
 
 import megatron.fsdp as mfsdp
+from tests.cases import engine as cases
+from tests.cases.engine_failures import collective_on_one_rank, replicas_built_differently, submodule_called_alone
 
-CASES = "tests.engine.cases:"
+
 HANG_TIMEOUT = 60
 
 
@@ -21,14 +23,14 @@ def test_unknown_strategy_lists_valid_ones():
     ("grad_outside_unit", r"RuntimeError: .*received a gradient outside that unit's backward"),
 ])
 def test_errors_raise_on_every_rank_without_hanging(pool, case, pattern):
-    messages = pool.run(CASES + "error_before_collective", size=3, timeout=HANG_TIMEOUT, case=case)
+    messages = pool.run(cases.error_before_collective, size=3, timeout=HANG_TIMEOUT, case=case)
     for message in messages:
         assert message is not None, f"{case}: nothing was raised"
         assert __import__("re").search(pattern, message), message
 
 
 def test_modules_that_differ_across_ranks_are_named(pool):
-    messages = pool.run(CASES + "mismatched_models", size=3, timeout=HANG_TIMEOUT)
+    messages = pool.run(cases.mismatched_models, size=3, timeout=HANG_TIMEOUT)
     for message in messages:
         assert message is not None
         assert "differs across data-parallel ranks" in message
@@ -51,7 +53,7 @@ def test_rewrapping_is_rejected():
 @pytest.mark.parametrize("strategy", ["no_shard", "optim"])
 def test_replicas_built_with_different_seeds_become_rank0s(pool, strategy):
     """Issue 18.1: DDP's rule. A rank-dependent build used to train diverging replicas forever."""
-    results = pool.run("tests.engine.failure_cases:replicas_built_differently", size=2, timeout=HANG_TIMEOUT,
+    results = pool.run(replicas_built_differently, size=2, timeout=HANG_TIMEOUT,
                        strategy=strategy)
     for r in results:
         assert r["wrap_equals_rank0_build"] and r["broadcasts"] > 0, r
@@ -61,9 +63,9 @@ def test_replicas_built_with_different_seeds_become_rank0s(pool, strategy):
 
 def test_collective_called_on_one_rank_names_itself_instead_of_hanging():
     """Issue 18.2: ``full_state_dict`` on rank 0 alone waited gloo's 30 minutes, silently."""
-    from tests.conftest import _pool_of
+    from tests.harness.pools import pool_of
 
-    message = _pool_of(2).run("tests.engine.failure_cases:collective_on_one_rank", timeout=HANG_TIMEOUT)[0]
+    message = pool_of(2).run(collective_on_one_rank, timeout=HANG_TIMEOUT)[0]
     assert message.startswith("full_state_dict is a collective: every rank of dp_shard must call it; "
                               "all_reduce on axis dp_shard (purpose: state_dict) did not complete"), message
 
@@ -72,7 +74,7 @@ def test_state_dict_pieces_pickle_and_submodules_called_alone_say_why():
     """Issue 18.8: torch.save(model.state_dict()) works; a non-unit submodule called alone under ZeRO-3 says why."""
     import io
 
-    from tests.models import Block, TinyLM
+    from tests.cases.models import Block, TinyLM
 
     model = mfsdp.fully_shard(TinyLM(), unit_modules=(Block,))
     sd = model.state_dict()
@@ -82,6 +84,6 @@ def test_state_dict_pieces_pickle_and_submodules_called_alone_say_why():
     back = torch.load(buf, weights_only=False)
     assert all(torch.equal(back[k].full_tensor(), v.full_tensor()) for k, v in sd.items() if hasattr(v, "full_tensor"))
     # one rank: ZeRO-3 keeps everything resident, nothing to guard; the guard is exercised on 2 ranks below
-    from tests.conftest import _pool_of
-    message = _pool_of(2).run("tests.engine.failure_cases:submodule_called_alone", timeout=HANG_TIMEOUT)[0]
+    from tests.harness.pools import pool_of
+    message = pool_of(2).run(submodule_called_alone, timeout=HANG_TIMEOUT)[0]
     assert "'blocks.0.mlp.up' was called outside the forward of its FSDP unit blocks.0" in message, message

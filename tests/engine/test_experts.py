@@ -11,8 +11,10 @@ import dataclasses
 import pytest
 
 import megatron.fsdp as mfsdp
-from tests.engine.test_parity import FP32_RTOL, assert_parity, reference, run
-from tests.engine.training import RunConfig
+from tests.cases.engine import expert_layout, expert_outside_unit
+from tests.cases.engine_training import RunConfig
+from tests.cases.parity import FP32_RTOL, assert_parity, reference, run
+
 
 REFERENCE = RunConfig(strategy="no_shard", micro_batches=3)
 
@@ -33,7 +35,7 @@ def test_expert_section_parity(pool, dense, expert, mesh, outer, summed):
 
 
 def test_expert_units_and_ledger_axes(pool):
-    result = pool.run("tests.engine.cases:expert_layout", size=4)[0]
+    result = pool.run(expert_layout, size=4)[0]
     assert result["expert_units"] == ["blocks.0.mlp[experts]", "blocks.1.mlp[experts]"]
     assert result["levels"] == {"dense": "optim_grads_params x no_shard", "expert": "optim x no_shard"}
     assert result["expert_axes"] == ["expert_dp_shard"]
@@ -41,7 +43,7 @@ def test_expert_units_and_ledger_axes(pool):
 
 
 def test_expert_outside_units_is_rejected(pool):
-    errors = pool.run("tests.engine.cases:expert_outside_unit", size=2)
+    errors = pool.run(expert_outside_unit, size=2)
     assert all("not inside any unit module" in e for e in errors), errors
 
 

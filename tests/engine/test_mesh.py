@@ -5,12 +5,12 @@ import dataclasses
 import pytest
 
 import megatron.fsdp as mfsdp
-from tests.engine.test_parity import FP32_RTOL, assert_parity, reference, run
-from tests.engine.test_memory import assert_memory_matches_theory
-from tests.engine.training import RunConfig
+from tests.cases import engine as cases
+from tests.cases.engine_training import RunConfig
+from tests.cases.parity import FP32_RTOL, assert_memory_matches_theory, assert_parity, reference, run
 from tests.harness.matrix import covering
 
-CASES = "tests.engine.cases:"
+
 SHAPES = [(2, 2), (3, 2), (2, 3)]
 PAIRS = mfsdp.valid_pairs()  # every (inner, outer) pair where the outer level shards no more than the inner
 
@@ -51,7 +51,7 @@ def test_hsdp_hfsdp_parity_smoke(pool, inner, outer):
 def test_outer_traffic_once_per_step_and_equal_to_theory(pool, pair, shape):
     inner, outer = pair
     micro_batches = 3
-    result = pool.run(CASES + "grad_traffic", size=shape[0] * shape[1], strategy=inner, micro_batches=micro_batches,
+    result = pool.run(cases.grad_traffic, size=shape[0] * shape[1], strategy=inner, micro_batches=micro_batches,
                       mesh=shape, outer_strategy=outer)[0]
     units = result["units_with_grads"]
     for axis in ("dp_shard", "dp_outer"):
@@ -74,13 +74,13 @@ def test_outer_traffic_once_per_step_and_equal_to_theory(pool, pair, shape):
 @pytest.mark.parametrize("pair, bf16", covering(PAIRS, [False, True]), ids=_ids)
 def test_persistent_bytes_match_formulas(pool, pair, bf16):
     inner, outer = pair
-    results = pool.run(CASES + "memory", size=6, strategy=inner, bf16=bf16, mesh=(3, 2), outer_strategy=outer)
+    results = pool.run(cases.memory, size=6, strategy=inner, bf16=bf16, mesh=(3, 2), outer_strategy=outer)
     assert_memory_matches_theory(results)
 
 
 @pytest.mark.parametrize("outer", ["no_shard", "optim"])
 def test_forgotten_no_sync_still_reduces_across_domains(pool, outer):
-    result = pool.run(CASES + "forgotten_no_sync", size=4, strategy="optim_grads_params", mesh=(2, 2),
+    result = pool.run(cases.forgotten_no_sync, size=4, strategy="optim_grads_params", mesh=(2, 2),
                       outer_strategy=outer)[0]
     cfg = RunConfig(strategy="no_shard", micro_batches=2, steps=3)
     assert_parity(result, reference(cfg), FP32_RTOL, 1e-5)

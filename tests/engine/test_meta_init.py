@@ -8,8 +8,9 @@ and every level appears on every topology somewhere.
 import pytest
 
 from megatron.fsdp import STRATEGIES
+from tests.cases import meta_init as cases
 
-CASES = "tests.engine.meta_cases:"
+
 LEVELS = list(STRATEGIES)
 
 # world size -> configurations (inner level, outer level on the 2 x 2 mesh or None, experts)
@@ -27,7 +28,7 @@ MATRIX = {
 @pytest.mark.parametrize("world_size", sorted(MATRIX))
 def test_meta_build_equals_eager_bitwise(pool, world_size):
     train = MATRIX[world_size][-1 if world_size == 4 else world_size - 1]
-    results = pool.run(CASES + "meta_matches_eager", size=world_size, timeout=180,
+    results = pool.run(cases.meta_matches_eager, size=world_size, timeout=180,
                        configs=MATRIX[world_size], train=train)
     for rank, result in enumerate(results):
         assert result["checked"] > 0 and result["tied"], result
@@ -41,7 +42,7 @@ def test_meta_build_equals_eager_bitwise(pool, world_size):
 def test_meta_build_peak_memory_is_bounded(pool):
     """ZeRO-3 at 4 ranks: the meta build's peak is at most this rank's weight shards (gradients come later)
     + root + two units (+ 4 MiB of allocator slack); the eager build holds the whole model."""
-    for r in pool.run(CASES + "build_peak", size=4, timeout=180):
+    for r in pool.run(cases.build_peak, size=4, timeout=180):
         bound = r["persistent_bytes"] + r["root_bytes"] + 2 * r["largest_unit_bytes"] + (4 << 20)
         assert r["eager"] >= r["model_bytes"], r  # the instrument sees the full model in the eager build
         assert r["meta"] <= bound, f"meta build peak {r['meta'] / 2**20:.1f} MiB > bound {bound / 2**20:.1f} MiB: {r}"
@@ -56,7 +57,7 @@ def test_meta_build_peak_memory_is_bounded(pool):
                     r"KeyError: 'no rule for Linear'"),
 ])
 def test_meta_errors_before_any_collective(pool, case, pattern):
-    messages = pool.run(CASES + "meta_error", size=3, timeout=60, case=case)
+    messages = pool.run(cases.meta_error, size=3, timeout=60, case=case)
     for message in messages:
         assert message is not None, f"{case}: nothing was raised"
         assert __import__("re").search(pattern, message), message

@@ -13,8 +13,10 @@ import functools
 import pytest
 import torch
 
-from tests.engine.muon_training import grouped_blocks, muon_reference
-from tests.engine.training import RunConfig
+from tests.cases.engine_training import RunConfig
+from tests.cases.muon import load_and_continue, resume, save_then_continue, selector_errors
+from tests.cases.muon_training import grouped_blocks, muon_reference, muon_run
+
 
 LOSS_RTOL = 2e-4
 
@@ -25,7 +27,7 @@ def reference(cfg: RunConfig, grouped: bool = False, matrix: str = "muon"):
 
 
 def _run(pool, cfg, size, grouped: bool = False, matrix: str = "muon"):
-    results = pool.run("tests.engine.muon_training:muon_run", size=size, cfg=cfg, grouped=grouped, matrix=matrix)
+    results = pool.run(muon_run, size=size, cfg=cfg, grouped=grouped, matrix=matrix)
     for r in results[1:]:
         assert r["losses"] == results[0]["losses"]
     return results
@@ -122,14 +124,14 @@ def test_muon_parity_meshes_and_experts(pool, name):
 def test_muon_resume_exact_and_reshard(pool, tmp_path):
     """Exact resume with Muon momentum (bitwise), and DP 4 ZeRO-3 -> DP 2 ZeRO-1 within 1e-5."""
     path = str(tmp_path / "resume")
-    results = pool.run("tests.engine.muon_cases:resume", size=3, path=path, strategy="optim_grads_params")
+    results = pool.run(resume, size=3, path=path, strategy="optim_grads_params")
     for r in results:
         assert r["momentum_keys"] > 0 and r["momentum_loaded_bitwise"] and r["momentum_after_bitwise"]
     assert results[0]["resumed"] == results[0]["straight"]
     path = str(tmp_path / "reshard")
-    straight = pool.run("tests.engine.muon_cases:save_then_continue", size=4, path=path,
+    straight = pool.run(save_then_continue, size=4, path=path,
                         strategy="optim_grads_params")[0]["after"]
-    resumed = pool.run("tests.engine.muon_cases:load_and_continue", size=2, path=path, strategy="optim")[0]["after"]
+    resumed = pool.run(load_and_continue, size=2, path=path, strategy="optim")[0]["after"]
     assert max(abs(a - b) / abs(b) for a, b in zip(resumed, straight)) <= 1e-5, (resumed, straight)
 
 
@@ -149,15 +151,15 @@ def test_other_matrix_optimizer_whole_on_owner(pool, tmp_path):
     for r in results:
         assert r["calls"] == [2 * r["matrix_units"]] * 6
     path = str(tmp_path / "adafactor")
-    straight = pool.run("tests.engine.muon_cases:save_then_continue", size=3, path=path, matrix="adafactor",
+    straight = pool.run(save_then_continue, size=3, path=path, matrix="adafactor",
                         strategy="optim_grads_params")[0]["after"]
-    resumed = pool.run("tests.engine.muon_cases:load_and_continue", size=2, path=path, matrix="adafactor",
+    resumed = pool.run(load_and_continue, size=2, path=path, matrix="adafactor",
                        strategy="optim")[0]["after"]
     assert max(abs(a - b) / abs(b) for a, b in zip(resumed, straight)) <= 1e-5, (resumed, straight)
 
 
 def test_muon_selector_errors(pool):
-    errors = pool.run("tests.engine.muon_cases:selector_errors", size=2)[0]
+    errors = pool.run(selector_errors, size=2)[0]
     assert "'blocks.0.norm1.weight'" in errors["one_d"] and "2-D" in errors["one_d"]
     assert "frozen" in errors["frozen"] and "'frozen_scale'" in errors["frozen"]
     assert "torch.optim.Optimizer" in errors["not_an_optimizer"]

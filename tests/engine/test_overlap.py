@@ -15,15 +15,16 @@ import pytest
 import torch
 
 import megatron.fsdp as mfsdp
+from tests.cases import overlap as cases
 
-CASES = "tests.engine.overlap_cases:"
+
 ZERO3 = "optim_grads_params"
 
 
 def test_prefetch_depths_first_pass_and_memory(pool):
     configs = [(1, {}), (1, dict(forward_prefetch=0, backward_prefetch=0)),
                (2, dict(forward_prefetch=2, backward_prefetch=2))]
-    default, none, deep = pool.run(CASES + "prefetch_stats", size=2, configs=configs)[0]
+    default, none, deep = pool.run(cases.prefetch_stats, size=2, configs=configs)[0]
     non_root = len(default["units"]) - 1
     assert default["overlap"] == mfsdp.Overlap(forward_prefetch=1, backward_prefetch=1, reductions_in_flight=2)
     for phase in ("forward", "backward"):
@@ -72,7 +73,7 @@ def _issues(rows):
 
 def test_two_stage_collectives_on_a_2x2_mesh(pool):
     configs = [(ZERO3, ZERO3, 2), (ZERO3, ZERO3, 0), (ZERO3, "no_shard", 2), (ZERO3, "optim", 2)]
-    ranks = pool.run(CASES + "schedule_timelines", size=4, configs=configs)
+    ranks = pool.run(cases.schedule_timelines, size=4, configs=configs)
     full, eager, hsdp, hfsdp = ranks[0]
     for k, run in enumerate(ranks[0]):
         # The same collectives in the same order on every rank (so on every group): stages are
@@ -127,7 +128,7 @@ def test_two_stage_collectives_on_a_2x2_mesh(pool):
 
 
 def test_profiler_ranges_name_every_kind_and_unit(pool):
-    result = pool.run(CASES + "profiler_ranges", size=2)[0]
+    result = pool.run(cases.profiler_ranges, size=2)[0]
     units = ["<root>"] + [f"layers.{k}" for k in range(4)]
     kinds = ["all_gather", "wait.all_gather", "reduce", "wait.reduce", "install", "wait.install"]
     assert set(result["names"]) == {f"fsdp.{kind} {unit}" for kind in kinds for unit in units}

@@ -1,46 +1,14 @@
 """Parity: every level and world size trains exactly like one unsharded process."""
 
 import dataclasses
-import functools
 
 import pytest
 import torch
 
-from tests.engine.training import RunConfig, reference_run
+from tests.cases.common import LEVELS, rel
+from tests.cases.engine_training import RunConfig
+from tests.cases.parity import FP32_RTOL, assert_parity, reference, run
 from tests.harness.matrix import covering
-
-LEVELS = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
-FP32_RTOL = 1e-5
-
-
-@functools.lru_cache(maxsize=None)
-def reference(cfg: RunConfig):
-    return reference_run(cfg)
-
-
-def _rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-12)
-
-
-def assert_parity(result, ref, rtol, param_atol):
-    for name in ("losses", "grad_norms"):
-        errs = [_rel(a, b) for a, b in zip(result[name], ref[name])]
-        assert len(result[name]) == len(ref[name])
-        assert max(errs) <= rtol, f"{name}: {result[name]} vs reference {ref[name]} (max rel err {max(errs):.2e})"
-    params = result["params"]
-    assert set(ref["params"]) <= set(params)
-    for name, expected in ref["params"].items():
-        got = params[name].to(expected.dtype)
-        assert got.shape == expected.shape, name
-        err = (got - expected).abs().max().item()
-        assert err <= param_atol * max(1.0, expected.abs().max().item()), f"{name}: max abs err {err:.2e}"
-
-
-def run(pool, cfg: RunConfig, world_size: int):
-    results = pool.run("tests.engine.training:sharded_run", size=world_size, cfg=cfg)
-    for r in results[1:]:  # every rank saw the same losses and norms
-        assert r["losses"] == results[0]["losses"] and r["grad_norms"] == results[0]["grad_norms"]
-    return results[0]
 
 
 @pytest.mark.slow
@@ -78,7 +46,7 @@ def test_bf16_mixed_precision_parity(pool, strategy):
     ref = reference(dataclasses.replace(cfg, bf16=False))
     result = run(pool, cfg, 2)
     for name in ("losses", "grad_norms"):
-        errs = [_rel(a, b) for a, b in zip(result[name], ref[name])]
+        errs = [rel(a, b) for a, b in zip(result[name], ref[name])]
         assert max(errs) < 3e-2, f"{name}: {result[name]} vs {ref[name]}"
     diff = ref_norm = 0.0
     for name, expected in ref["params"].items():

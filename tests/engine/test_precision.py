@@ -4,12 +4,10 @@ import pytest
 import torch
 
 from megatron.fsdp.precision_optimizer import OptimizerPrecision, converts_on_load, precision_aware_adam
-
-CASES = "tests.engine.precision_cases"
-
-
-def _rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-12)
+from tests.cases import precision as cases
+from tests.cases.common import rel
+from tests.cases.engine_checkpoint import resume_exact
+from tests.cases.parity import assert_exact_resume
 
 
 def test_precision_aware_adam_is_torch_adam_at_fp32_and_close_at_bf16(monkeypatch):
@@ -52,13 +50,13 @@ def test_precision_aware_adam_is_torch_adam_at_fp32_and_close_at_bf16(monkeypatc
 ], ids=["zero3-flat-bf16", "zero1-2x2"])
 def test_bf16_state_trains_like_fp32_state_and_loads_fp32_checkpoints(pool, tmp_path, config):
     size = 4 if "mesh" in config else 2
-    for r in pool.run(f"{CASES}:bf16_state", size=size, timeout=300, path=str(tmp_path), **config):
+    for r in pool.run(cases.bf16_state, size=size, timeout=300, path=str(tmp_path), **config):
         assert r["state_dtypes"] == ["torch.bfloat16"] and r["grad_dtypes"] == ["torch.bfloat16"]
         for label in ("bf16", "loaded_fp32_into_bf16"):
             got = r[label]
             ref = r["fp32"][-len(got):]
             for (loss, norm), (ref_loss, ref_norm) in zip(got, ref):
-                assert _rel(loss, ref_loss) < 2e-2 and _rel(norm, ref_norm) < 5e-2, (label, got, ref)
+                assert rel(loss, ref_loss) < 2e-2 and rel(norm, ref_norm) < 5e-2, (label, got, ref)
         assert r["loaded_state_is_rounded_fp32"], "fp32 moments were not loaded (rounded) into the bf16 state"
         fp32, bf16 = r["fp32_report"], r["bf16_report"]
         assert bf16["optimizer_state"] == fp32["optimizer_state"] // 2
@@ -67,12 +65,11 @@ def test_bf16_state_trains_like_fp32_state_and_loads_fp32_checkpoints(pool, tmp_
 
 
 def test_bf16_state_resumes_exactly(pool, tmp_path):
-    from tests.engine.test_checkpoint import _assert_exact_resume
 
-    for r in pool.run("tests.engine.checkpoint_cases:resume_exact", size=4, timeout=300, path=str(tmp_path),
+    for r in pool.run(resume_exact, size=4, timeout=300, path=str(tmp_path),
                       strategy="optim_grads_params", bf16=True, mesh=(2, 2), outer_strategy="no_shard",
                       state_dtype="bf16", main_grads_dtype="bf16"):
-        _assert_exact_resume(r)
+        assert_exact_resume(r)
 
 
 def test_zero3_gathers_cast_main_weights_bitwise_like_zero2(pool):
@@ -81,7 +78,7 @@ def test_zero3_gathers_cast_main_weights_bitwise_like_zero2(pool):
     and an expert section on its own 2 x 2 mesh."""
     config = dict(strategy="LEVEL", bf16=True, mesh=(2, 2), outer_strategy="LEVEL",
                   expert_strategy="LEVEL", expert_mesh=(2, 2), expert_outer_strategy="no_shard")
-    for r in pool.run(f"{CASES}:zero3_vs_zero2", size=4, timeout=300, **config):
+    for r in pool.run(cases.zero3_vs_zero2, size=4, timeout=300, **config):
         z2, z3 = r["optim_grads"], r["optim_grads_params"]
         assert z3["casts_main"] == [True] and z2["casts_main"] == [False]
         assert z3["losses"] == z2["losses"]

@@ -2,16 +2,16 @@
 
 import pytest
 
-from tests.engine.test_parity import LEVELS, assert_parity, reference
-from tests.engine.training import RunConfig
-
-CASES = "tests.engine.cases:"
+from tests.cases import engine as cases
+from tests.cases.common import LEVELS
+from tests.cases.engine_training import RunConfig
+from tests.cases.parity import assert_parity, reference
 
 
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("micro_batches", [1, 3])
 def test_zero3_gathers_each_unit_once_per_forward_and_backward(pool, micro_batches, recompute):
-    result = pool.run(CASES + "gather_schedule", size=2, micro_batches=micro_batches, recompute=recompute)[0]
+    result = pool.run(cases.gather_schedule, size=2, micro_batches=micro_batches, recompute=recompute)[0]
     assert len(result["per_micro_batch"]) == micro_batches
     for counts in result["per_micro_batch"]:
         for unit in result["units"]:
@@ -28,7 +28,7 @@ def test_prefetch_overlaps_every_gather(pool):
 
     The first pass, other depths and the bound on gathered units: tests/engine/test_overlap.py.
     """
-    result = pool.run(CASES + "gather_schedule", size=2, micro_batches=1, recompute=False, steps=3)[0]
+    result = pool.run(cases.gather_schedule, size=2, micro_batches=1, recompute=False, steps=3)[0]
     non_root = len(result["units"]) - 1
     for phase in ("forward", "backward"):
         stats = result["gather_stats"][phase]
@@ -37,7 +37,7 @@ def test_prefetch_overlaps_every_gather(pool):
 
 def test_gathered_units_are_bounded(pool):
     """Root + a block + its nested MLP + one prefetched unit at most; never the whole model."""
-    result = pool.run(CASES + "max_resident_units", size=2)[0]
+    result = pool.run(cases.max_resident_units, size=2)[0]
     assert result["units"] == 5
     assert result["peak"] <= 4
 
@@ -46,7 +46,7 @@ def test_gathered_units_are_bounded(pool):
 @pytest.mark.parametrize("strategy", LEVELS)
 def test_gradient_traffic_equals_theory_plus_padding(pool, strategy, world_size):
     micro_batches = 3
-    result = pool.run(CASES + "grad_traffic", size=world_size, strategy=strategy, micro_batches=micro_batches)[0]
+    result = pool.run(cases.grad_traffic, size=world_size, strategy=strategy, micro_batches=micro_batches)[0]
     overhead = result["grad_bytes"]["dp_shard"] / result["theory_bytes"]["dp_shard"] - 1
     assert 0 <= overhead < 0.01, result
     assert result["grad_bytes"]["dp_outer"] == 0
@@ -59,7 +59,7 @@ def test_gradient_traffic_equals_theory_plus_padding(pool, strategy, world_size)
 
 
 def test_single_rank_issues_no_collective(pool):
-    result = pool.run(CASES + "grad_traffic", size=1, strategy="optim_grads_params", micro_batches=2)[0]
+    result = pool.run(cases.grad_traffic, size=1, strategy="optim_grads_params", micro_batches=2)[0]
     assert result["calls_after_micro_batch"] == {"dp_shard": [0, 0], "dp_outer": [0, 0]}
     assert result["grad_bytes"] == {"dp_shard": 0, "dp_outer": 0}
 
@@ -67,12 +67,12 @@ def test_single_rank_issues_no_collective(pool):
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
 def test_forgotten_no_sync_is_reduced_at_step(pool, strategy):
     cfg = RunConfig(strategy=strategy, micro_batches=2, steps=3)
-    result = pool.run(CASES + "forgotten_no_sync", size=3, strategy=strategy)[0]
+    result = pool.run(cases.forgotten_no_sync, size=3, strategy=strategy)[0]
     assert_parity(result, reference(cfg), 1e-5, 1e-5)
 
 
 @pytest.mark.parametrize("strategy", LEVELS)
 def test_no_grad_forward_between_steps(pool, strategy):
-    for result in pool.run(CASES + "eval_forward", size=2, strategy=strategy):
+    for result in pool.run(cases.eval_forward, size=2, strategy=strategy):
         assert result["eval"] == result["train"]
         assert result["resident_after_eval"] == []

@@ -4,8 +4,8 @@ Starting ``torch`` in a fresh process costs seconds; a suite that launched
 torchrun per assertion would not fit in its time budget. The pool keeps N
 processes with an initialised default group plus one subgroup per size
 ``1..N``, so a case can run on the first ``k`` ranks, and the two-axis meshes
-of ``MESH_SHAPES``. A case is a function
-``fn(ctx, **kwargs)`` named by ``"module:function"``; ``ctx`` carries the rank,
+of ``MESH_SHAPES``. A case is a module-level function ``fn(ctx, **kwargs)``
+(most live in ``tests/cases/``), passed to ``run`` itself; ``ctx`` carries the rank,
 the group and its size. Results come back pickled, one per rank.
 
 A case that does not finish within its timeout is treated as a hang: the pool
@@ -21,10 +21,11 @@ import gc
 import importlib
 import multiprocessing as mp
 import os
+import sys
 import tempfile
 import time
 import traceback
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 
 @contextlib.contextmanager
@@ -73,9 +74,10 @@ class RankContext:
 
 def _worker_main(rank: int, world: int, init_file: str, conn) -> None:
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    import warnings
+
     import torch
     import torch.distributed as dist
-    import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     from megatron.fsdp.library_warnings import silence_unactionable_warnings
@@ -112,6 +114,24 @@ def _worker_main(rank: int, world: int, init_file: str, conn) -> None:
         # collect before answering, or hundreds pile up and starve every later case.
         gc.collect()
         conn.send(reply)
+
+
+def _importable_module(case: Callable[..., Any]) -> str:
+    """The name the workers import ``case``'s module by: a script's own cases (``__main__``)
+    by the name its file has on ``sys.path`` (the workers start with the parent's path)."""
+    if case.__module__ != "__main__":
+        return case.__module__
+    main = sys.modules["__main__"]
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        return spec.name  # python -m tools.x
+    path = os.path.abspath(main.__file__)
+    names = [os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+             for root in (os.path.abspath(entry or os.curdir) for entry in sys.path)
+             if path.startswith(root + os.sep)]
+    if not names:
+        raise ValueError(f"{path}: not under any sys.path entry, so the workers cannot import its cases")
+    return max(names, key=lambda name: name.count("."))  # tools.bench.x rather than x, when both import
 
 
 class WorkerPool:
@@ -153,8 +173,16 @@ class WorkerPool:
                     pending.discard(r)
         return out
 
-    def run(self, target: str, size: Optional[int] = None, timeout: float = 120.0, **kwargs) -> List[Any]:
-        """Run ``target`` on ranks ``0..size-1``; return their results or raise ``RankError``."""
+    def run(self, case: Callable[..., Any], /, size: Optional[int] = None, timeout: float = 120.0,
+            **kwargs) -> List[Any]:
+        """Run ``case(ctx, **kwargs)`` on ranks ``0..size-1``; return their results or raise ``RankError``.
+
+        ``case`` is a module-level function (the workers import it by its module and name),
+        passed as the function itself so that a reader (or an IDE) can follow it.
+        """
+        target = f"{_importable_module(case)}:{case.__qualname__}"
+        if "<" in case.__qualname__:
+            raise ValueError(f"{target}: a pool case must be a module-level function")
         size = self.world_size if size is None else size
         if not 1 <= size <= self.world_size:
             raise ValueError(f"size {size} outside 1..{self.world_size}")

@@ -7,20 +7,18 @@ schedule hooks differ. Losses and grad norms must agree within 1e-5 relative.
 
 import pytest
 
+from tests.cases.adapter import eval_leaves_nothing_gathered, fsdp_run
+from tests.cases.baselines import megatron_ddp
+from tests.cases.common import LEVELS, rel
+from tests.cases.gpt import STEPS, TOPOLOGIES, Topology
 from tests.harness.matrix import covering
-from tests.mcore.baselines import megatron_ddp
-from tests.mcore.gpt import STEPS, TOPOLOGIES, Topology
+
 
 RTOL = 1e-5
-LEVELS = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
 
 def _baseline(pool, name):
     return megatron_ddp(pool, TOPOLOGIES[name])[0]
-
-
-def _rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-12)
 
 
 @pytest.mark.slow
@@ -31,20 +29,20 @@ def _rel(a, b):
 @pytest.mark.parametrize("name, strategy", covering(list(TOPOLOGIES), LEVELS[::-1]))
 def test_parity_with_megatron_ddp(mcore_pool, name, strategy):
     baseline = _baseline(mcore_pool, name)
-    results = mcore_pool.run("tests.mcore.adapter_cases:fsdp_run", timeout=300, topology=TOPOLOGIES[name],
+    results = mcore_pool.run(fsdp_run, timeout=300, topology=TOPOLOGIES[name],
                              strategy=strategy)
     for r in results[1:]:
         assert r["losses"] == results[0]["losses"]
     result = results[0]
     for key in ("losses", "grad_norms"):
-        errs = [_rel(a, b) for a, b in zip(result[key], baseline[key])]
+        errs = [rel(a, b) for a, b in zip(result[key], baseline[key])]
         assert len(errs) == STEPS and max(errs) <= RTOL, f"{key}: {result[key]} vs Megatron DDP {baseline[key]}"
 
 
 def test_zero3_schedule_inside_megatron_schedule(mcore_pool):
     """One gather per TransformerLayer per forward and per backward of each micro-batch."""
     micro_batches = 4
-    result = mcore_pool.run("tests.mcore.adapter_cases:fsdp_run", timeout=300, topology=Topology(),
+    result = mcore_pool.run(fsdp_run, timeout=300, topology=Topology(),
                             strategy="optim_grads_params", steps=2, micro_batches=micro_batches, trace=True)[0]
     layers = [u for u in result["units"] if ".layers." in u]
     assert len(layers) == 4
@@ -56,7 +54,7 @@ def test_zero3_schedule_inside_megatron_schedule(mcore_pool):
 
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "optim"])
 def test_forward_only_pass_leaves_nothing_gathered(mcore_pool, strategy):
-    result = mcore_pool.run("tests.mcore.adapter_cases:eval_leaves_nothing_gathered", timeout=300,
+    result = mcore_pool.run(eval_leaves_nothing_gathered, timeout=300,
                             topology=Topology(pp=2), strategy=strategy)
     for r in result:
         if strategy == "optim_grads_params":
@@ -67,17 +65,17 @@ def test_forward_only_pass_leaves_nothing_gathered(mcore_pool, strategy):
 def test_two_optimizer_instances_hsdp_hfsdp(mcore_pool, outer):
     """DP 4 as 2 domains x 2 ranks (num_distributed_optimizer_instances=2): same numbers as flat DP 4."""
     baseline = _baseline(mcore_pool, "dp4")
-    result = mcore_pool.run("tests.mcore.adapter_cases:fsdp_run", timeout=300, topology=Topology(instances=2),
+    result = mcore_pool.run(fsdp_run, timeout=300, topology=Topology(instances=2),
                             strategy="optim_grads_params", outer=outer)[0]
     for key in ("losses", "grad_norms"):
-        errs = [_rel(a, b) for a, b in zip(result[key], baseline[key])]
+        errs = [rel(a, b) for a, b in zip(result[key], baseline[key])]
         assert max(errs) <= RTOL, f"{key}: {result[key]} vs Megatron DDP {baseline[key]}"
 
 
 def test_groups_from_a_process_group_collection(mcore_pool):
     """``pg_collection=`` builds the same mesh as ``parallel_state``: same numbers."""
     baseline = _baseline(mcore_pool, "tp2sp-dp2")
-    result = mcore_pool.run("tests.mcore.adapter_cases:fsdp_run", timeout=300, topology=TOPOLOGIES["tp2sp-dp2"],
+    result = mcore_pool.run(fsdp_run, timeout=300, topology=TOPOLOGIES["tp2sp-dp2"],
                             strategy="optim_grads_params", use_pg_collection=True)[0]
     for key in ("losses", "grad_norms"):
-        assert max(_rel(a, b) for a, b in zip(result[key], baseline[key])) <= RTOL
+        assert max(rel(a, b) for a, b in zip(result[key], baseline[key])) <= RTOL

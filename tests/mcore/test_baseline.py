@@ -11,8 +11,8 @@ import math
 
 import pytest
 
-from tests.mcore.baselines import MICRO_BATCHES, STEPS, megatron_ddp
-from tests.mcore.gpt import TOPOLOGIES, Topology
+from tests.cases.baselines import MICRO_BATCHES, STEPS, megatron_ddp
+from tests.cases.gpt import TOPOLOGIES, Topology, megatron_ddp_run
 
 
 def _baseline(pool, name, use_distributed_optimizer=False):
@@ -51,7 +51,7 @@ def test_ddp_matches_distributed_optimizer(mcore_pool, name):
 def test_overlapped_communication_matches(mcore_pool):
     """The schedule hooks (no_sync, grad/param sync per chunk) with Megatron's overlap paths on."""
     plain = _baseline(mcore_pool, "pp2-vpp2-dp2")[0]
-    overlapped = mcore_pool.run("tests.mcore.gpt:megatron_ddp_run", timeout=300,
+    overlapped = mcore_pool.run(megatron_ddp_run, timeout=300,
                                 topology=TOPOLOGIES["pp2-vpp2-dp2"], steps=STEPS,
                                 micro_batches=MICRO_BATCHES, use_distributed_optimizer=True,
                                 overlap_grad_reduce=True, overlap_param_gather=True,
@@ -74,10 +74,11 @@ def check_context_parallel_attention(ctx):
     """SDPACoreAttention under CP 2 vs full-sequence SDPA: outputs and q/k/v gradients."""
     import torch
     import torch.nn.functional as F
+
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.fsdp.mcore.cpu_mode import SDPACoreAttention, _load_balanced_positions
-    from tests.mcore.gpt import parallel, tiny_gpt_config
+    from tests.cases.gpt import parallel, tiny_gpt_config
 
     topology = Topology(cp=2)
     errors = {}
@@ -110,8 +111,9 @@ def check_context_parallel_attention(ctx):
 def check_cpu_mode_switches(ctx):
     """Inside ``parallel`` CUDA requests land on the CPU; after it, nothing is left patched."""
     import torch
+
     from megatron.fsdp.mcore.cpu_mode import cpu_mode_enabled
-    from tests.mcore.gpt import parallel
+    from tests.cases.gpt import parallel
 
     seen = {}
     with parallel(ctx, Topology()):
@@ -129,13 +131,13 @@ def check_cpu_mode_switches(ctx):
 
 
 def test_context_parallel_attention_is_exact(mcore_pool):
-    for errors in mcore_pool.run("tests.mcore.test_baseline:check_context_parallel_attention",
+    for errors in mcore_pool.run(check_context_parallel_attention,
                                  timeout=120):
         assert max(errors.values()) < 1e-12, errors
 
 
 def test_cpu_mode_is_scoped_to_the_case(mcore_pool):
-    for seen in mcore_pool.run("tests.mcore.test_baseline:check_cpu_mode_switches", timeout=120):
+    for seen in mcore_pool.run(check_cpu_mode_switches, timeout=120):
         assert seen == {"inside_enabled": True, "inside_device": "cpu",
                         "inside_type": "torch.cuda.FloatTensor", "after_enabled": False,
                         "after_cuda_alloc": "raises", "after_type": "torch.FloatTensor"}, seen

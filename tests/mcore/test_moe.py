@@ -1,6 +1,6 @@
 """MoE parity: experts on their own data-parallel mesh and level vs Megatron-Core's own DDP.
 
-The tiny GPT of ``tests/mcore/gpt.py`` with 4 experts (top-2, aux-loss load
+The tiny GPT of ``tests/cases/gpt.py`` with 4 experts (top-2, aux-loss load
 balancing) in every layer, fp32, 2 micro-batches, 3 iterations on 4 ranks. Only
 the data-parallel wrapper and the optimizer differ from the baseline
 (Megatron-Core DDP + its chained dense/expert optimizer), so losses and grad
@@ -15,74 +15,39 @@ import dataclasses
 
 import pytest
 
-from tests.mcore.baselines import megatron_ddp
-from tests.mcore.gpt import STEPS, Topology
+from tests.cases.adapter import fsdp_run
+from tests.cases.baselines import megatron_ddp
+from tests.cases.common import rel
+from tests.cases.gpt import STEPS, Topology
+from tests.cases.moe import EP_CASES, MIXED_CASES, moe_topology
+
 
 RTOL = 1e-5
-
-
-def _moe(dispatcher: str, ep: int, **kw) -> Topology:
-    return Topology(moe=dispatcher, ep=ep, **kw)
 
 
 def _baseline(pool, topology: Topology):
     return megatron_ddp(pool, topology)[0]
 
 
-def _rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-12)
-
-
 def _check(pool, topology: Topology, strategy: str, **overrides) -> dict:
     # The optimizer-instance count only shapes our mesh: the baseline is the flat run
     # (Megatron-Core's DDP without its distributed optimizer mis-reduces experts over instances).
     baseline = _baseline(pool, dataclasses.replace(topology, instances=1))
-    results = pool.run("tests.mcore.adapter_cases:fsdp_run", timeout=300, topology=topology,
+    results = pool.run(fsdp_run, timeout=300, topology=topology,
                        strategy=strategy, trace=True, **overrides)
     for r in results[1:]:
         assert r["losses"] == results[0]["losses"] and r["grad_norms"] == results[0]["grad_norms"]
     result = results[0]
     for key in ("losses", "grad_norms"):
-        errs = [_rel(a, b) for a, b in zip(result[key], baseline[key])]
+        errs = [rel(a, b) for a, b in zip(result[key], baseline[key])]
         assert len(errs) == STEPS and max(errs) <= RTOL, f"{key}: {result[key]} vs Megatron DDP {baseline[key]}"
     assert result["expert_params"] and all(".experts." in n for n in result["expert_params"])
     return result
 
 
-EP_CASES = [  # (dispatcher, EP, level of both sections)
-    # alltoall at EP 1 and EP 2 runs in MIXED_CASES below (same dispatcher and EP, ZeRO-2 / ZeRO-3 dense):
-    # with these, both dispatchers meet EP 1, 2 and 4, and every level meets an expert section.
-    ("allgather", 1, "optim"),
-    ("allgather", 2, "optim_grads"),
-    ("alltoall", 4, "no_shard"),
-    ("allgather", 4, "optim_grads_params"),
-]
-
-# name -> (topology, dense level, FullyShardedDataParallelConfig overrides, expected sections)
-MIXED_CASES = {
-    "dense ZeRO-3, experts ZeRO-1 (EP 2)": (
-        _moe("alltoall", 2), "optim_grads_params", dict(expert_data_parallel_sharding_strategy="optim"),
-        {"expert": ("optim x no_shard", 2, 1)}),
-    "dense HSDP 2x2, experts flat (EP 2)": (
-        _moe("alltoall", 2, instances=2), "optim_grads_params",
-        dict(outer="no_shard", expert_num_distributed_optimizer_instances=1),
-        {"dense": ("optim_grads_params x no_shard", 2, 2), "expert": ("optim_grads_params x no_shard", 2, 1)}),
-    "dense ZeRO-2, experts HFSDP 2x2 (EP 1)": (
-        _moe("alltoall", 1), "optim_grads",
-        dict(expert_data_parallel_sharding_strategy="optim_grads_params", expert_outer_dp_sharding_strategy="optim",
-             expert_num_distributed_optimizer_instances=2),
-        {"expert": ("optim_grads_params x optim", 2, 2)}),
-    # MoE with TP needs sequence parallel; expert DP = 4 / (EP 2 x expert TP 2) = 1. The alltoall
-    # dispatcher gathers uneven token counts over TP, which gloo cannot (nor can Megatron's own DDP here).
-    "EP 2 x TP 2 (SP), ZeRO-3": (
-        _moe("allgather", 2, tp=2, sp=True), "optim_grads_params", {},
-        {"expert": ("optim_grads_params x no_shard", 1, 1)}),
-}
-
-
 @pytest.mark.parametrize("dispatcher, ep, strategy", EP_CASES)
 def test_expert_parallel_parity(moe_pool, dispatcher, ep, strategy):
-    result = _check(moe_pool, _moe(dispatcher, ep), strategy)
+    result = _check(moe_pool, moe_topology(dispatcher, ep), strategy)
     level = f"{strategy} x no_shard"
     assert result["sections"] == {"dense": (level, 4, 1), "expert": (level, 4 // ep, 1)}
 

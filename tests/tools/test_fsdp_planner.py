@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -167,7 +168,7 @@ def engine_ledger(ctx, micro_batches: int, hidden: int = 64, units: int = 3):
 
 def test_traffic_formulas_match_the_engine_ledger(mcore_pool):
     micro_batches = 2
-    measured = mcore_pool.run("tests.tools.test_fsdp_planner:engine_ledger", size=4, micro_batches=micro_batches)[0]
+    measured = mcore_pool.run(engine_ledger, size=4, micro_batches=micro_batches)[0]
     model = fp.ModelSpec(measured["params"], fp.StateBytes(param=2, main=4, grad=4, optim=8, reduce=4))
     rows = fp.plan(model, fp.Topology(2, 2), fp.Budget(1.0, micro_batches))
     assert len(rows) == len(measured) - 1
@@ -202,11 +203,11 @@ GPT_BASE = dict(num_layers=2, hidden_size=64, ffn_hidden_size=160, num_attention
 def megatron_param_counts(ctx, shapes):
     """Pool case: build each shape as Megatron-Core's ``GPTModel`` (local spec) and count its parameters."""
     import torch.nn.functional as F
+
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from tests.mcore.gpt import Topology, parallel
+    from tests.cases.gpt import Topology, parallel
 
     counts = []
     with parallel(ctx, Topology()):
@@ -233,7 +234,7 @@ def megatron_param_counts(ctx, shapes):
 
 
 def test_param_count_matches_megatron_core(mcore_pool):
-    counts = mcore_pool.run("tests.tools.test_fsdp_planner:megatron_param_counts", shapes=GPT_SHAPES)[0]
+    counts = mcore_pool.run(megatron_param_counts, shapes=GPT_SHAPES)[0]
     expected = [fp.gpt_param_count(fp.GPTShape(**GPT_BASE, **extra)) for extra in GPT_SHAPES]
     assert counts == expected
 

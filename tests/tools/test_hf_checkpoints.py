@@ -27,8 +27,11 @@ import sys
 import pytest
 import torch
 
+from tests.cases.hf import finetune_first_batch, megatron_logits
+from tests.cases.pretrain import pretrain_in_pool
 from tools.checkpoint import convert, hf_convert
 from tools.checkpoint.hf_io import SafetensorsReader
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -67,7 +70,7 @@ def _export_matches_megatron_logits(pool, tmp_path, name):
 
     kind, flags, layout, model_type = MODELS[name]
     ckpt, hf_dir, back = tmp_path / "ckpt", tmp_path / "hf", tmp_path / "back"
-    pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300,
+    pool.run(pretrain_in_pool, timeout=300,
              argv=BASE + flags + layout + ZERO3 + ["--save", str(ckpt)])
     report = hf_convert.to_hf(str(ckpt), str(hf_dir), model_type, max_shard_bytes=60_000)
     assert report.model_bytes > 0
@@ -77,7 +80,7 @@ def _export_matches_megatron_logits(pool, tmp_path, name):
     convert.to_torch(str(ckpt), str(model_file), model_only=True)
     tokens = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 257, (2, 32), generator=tokens)
-    got = pool.run("tests.tools.hf_cases:megatron_logits", timeout=300, argv=BASE + flags + ["--hidden-dropout", "0"],
+    got = pool.run(megatron_logits, timeout=300, argv=BASE + flags + ["--hidden-dropout", "0"],
                    model_file=str(model_file), tokens=tokens)[0]
     assert got["missing"] == [] and got["unexpected"] == [], got
     model, info = AutoModelForCausalLM.from_pretrained(str(hf_dir), output_loading_info=True)
@@ -118,7 +121,7 @@ def test_finetune_from_a_huggingface_model_has_its_loss(mcore_pool, tmp_path):
     argv = (BASE + arch.megatron_flags() + ZERO3 + ["--make-vocab-size-divisible-by", "1", "--hidden-dropout", "0",
                                                     "--attention-dropout", "0", "--load", str(tmp_path / "ckpt"),
                                                     "--finetune"])
-    got = mcore_pool.run("tests.tools.hf_cases:finetune_first_batch", timeout=300, argv=argv)[0]
+    got = mcore_pool.run(finetune_first_batch, timeout=300, argv=argv)[0]
     assert got["start_iteration"] == 0 and bool(got["loss_mask"].all())
     with torch.no_grad():
         logits = hf(got["tokens"]).logits
@@ -265,7 +268,7 @@ def test_qwen2_moe_from_hf_matches_megatron_logits(moe_pool, tmp_path):
     tokens = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(3))
     argv = BASE + arch.megatron_flags() + ["--make-vocab-size-divisible-by", "1", "--hidden-dropout", "0",
                                            "--attention-dropout", "0"]
-    got = moe_pool.run("tests.tools.hf_cases:megatron_logits", timeout=300, argv=argv, model_file=str(model_file),
+    got = moe_pool.run(megatron_logits, timeout=300, argv=argv, model_file=str(model_file),
                        tokens=tokens)[0]
     assert got["missing"] == [] and got["unexpected"] == [], got
     with torch.no_grad():

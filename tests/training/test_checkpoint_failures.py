@@ -10,22 +10,23 @@ import pytest
 
 from megatron.training import checkpoint_files as files
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
-from tests.conftest import _pool_of
-from tests.training.test_checkpointing import B8, MODEL, ROOT, _fsdp, _pretrain
+from tests.cases.job import B8, MODEL, ROOT, fsdp, pretrain
+from tests.cases.job_failures import damaged_loads, full_disk_saves, sigterm_mid_training
+from tests.harness.pools import pool_of
 
 
 def test_damaged_checkpoints_name_the_file_and_the_previous_good_one(tmp_path):
     """Truncated / overwritten .distcp, missing .metadata, binary tracker: one line each."""
-    argv = MODEL + B8 + _fsdp("optim_grads_params") + ["--train-iters", "3", "--eval-interval", "3"]
+    argv = MODEL + B8 + fsdp("optim_grads_params") + ["--train-iters", "3", "--eval-interval", "3"]
     save = str(tmp_path / "ckpt")
-    _pretrain(2, argv + ["--save", save, "--save-interval", "2"])
+    pretrain(2, argv + ["--save", save, "--save-interval", "2"])
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("iter_*")) == ["iter_0000002", "iter_0000003"]
     import json
     listed = json.loads((tmp_path / "ckpt" / "iter_0000003" / "manifest.json").read_text())["files"]
     assert ".metadata" in listed and "common.json" in listed and any(n.endswith(".distcp") for n in listed)
     from megatron.training import checkpoint_manifest
     assert checkpoint_manifest.verify(tmp_path / "ckpt" / "iter_0000003") == []  # checksums taken while writing
-    errors = _pool_of(2).run("tests.training.failure_cases:damaged_loads", timeout=300, argv=argv,
+    errors = pool_of(2).run(damaged_loads, timeout=300, argv=argv,
                              directory=save, damages=["truncate", "overwrite", "no_metadata", "binary_tracker"])
     assert errors[0] == errors[1]
     e = errors[0]
@@ -51,8 +52,8 @@ def test_full_disk_one_line_and_nothing_left(tmp_path):
     mount.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], check=True)
     try:
-        argv = MODEL + B8 + _fsdp("optim")
-        result = _pool_of(2).run("tests.training.failure_cases:full_disk_saves", timeout=300, argv=argv,
+        argv = MODEL + B8 + fsdp("optim")
+        result = pool_of(2).run(full_disk_saves, timeout=300, argv=argv,
                                  directory=str(mount))[0]
     finally:
         subprocess.run(["umount", str(mount)], check=True)
@@ -66,6 +67,7 @@ def test_full_disk_one_line_and_nothing_left(tmp_path):
 def test_stale_temporaries_are_removed_only_when_no_live_job_owns_them(tmp_path):
     import json
     import time
+
     from megatron.training import checkpoint_paths as paths
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -120,8 +122,8 @@ def test_fault_injection_spec_is_checked_at_start_up(monkeypatch, spec, pattern)
 def test_exit_signal_handler_saves_at_the_next_iteration_on_every_rank(tmp_path):
     """Issue 18.7: SIGTERM on one rank during iteration 2 of 10: every rank saves iteration 2 and stops."""
     save = str(tmp_path / "ckpt")
-    argv = MODEL + B8 + _fsdp("optim_grads_params") + ["--save", save, "--exit-signal-handler", "--eval-interval", "10"]
-    results = _pool_of(2).run("tests.training.failure_cases:sigterm_mid_training", timeout=300, argv=argv,
+    argv = MODEL + B8 + fsdp("optim_grads_params") + ["--save", save, "--exit-signal-handler", "--eval-interval", "10"]
+    results = pool_of(2).run(sigterm_mid_training, timeout=300, argv=argv,
                               at_iteration=2)
     assert [r["iterations"] for r in results] == [2, 2]
     assert files.read_tracker(tmp_path / "ckpt") == 2

@@ -8,7 +8,6 @@ killed start processes of their own (torchrun).
 
 import math
 import os
-import re
 import subprocess
 import sys
 import tarfile
@@ -20,41 +19,14 @@ from megatron.fsdp.mcore.checkpoint_keys import (ParallelRanks, chunk_keys, glob
                                                  split_placement, tp1_shape, tp_placements)
 from megatron.training import checkpoint_files as files
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
-from tests.conftest import _pool_of
+from tests.cases.common import LEVELS, rel
+from tests.cases.job import B8, B12, LINE, MODEL, ROOT, assert_exact_resume, fsdp, pretrain
+from tests.cases.job_checkpoint import (failing_background_write, fresh_then_loaded, load_error, loaded_vs_unsharded,
+                                        rng_round_trip)
 from tests.harness.matrix import full_matrix
+from tests.harness.pools import pool_of
 from tools.checkpoint import convert
 from tools.checkpoint import inspect as ckpt_inspect
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--train-iters", "10", "--lr", "1e-3", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
-         "--min-lr", "1e-4", "--mock-data", "--log-interval", "1", "--eval-interval", "5", "--eval-iters", "1",
-         "--seed", "7",
-         "--hidden-dropout", "0", "--attention-dropout", "0"]  # runs on other layouts must match: no dropout masks
-B8 = ["--micro-batch-size", "2", "--global-batch-size", "8"]
-B12 = ["--micro-batch-size", "1", "--global-batch-size", "12"]  # divides DP 1, 2, 3 and 4
-LEVELS = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
-LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: ([0-9.E+-]+) \| grad norm: ([0-9.]+) \|")
-
-
-def _fsdp(level):
-    return ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", level]
-
-
-def _pretrain(ranks, argv):
-    return _pool_of(ranks).run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300, argv=argv)[0]
-
-
-def _rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-12)
-
-
-def _assert_exact_resume(straight, resumed, at):
-    assert resumed["start_iteration"] == at
-    assert resumed["losses"] == straight["losses"][at:]
-    assert resumed["grad_norms"] == straight["grad_norms"][at:]
-    assert resumed["valid_at_load"] == straight["valid"][0]
-    assert resumed["valid"] == straight["valid"][1:]
 
 
 def _leftovers(directory):
@@ -69,26 +41,26 @@ def _leftovers(directory):
                                    for lv in (LEVELS[:3] if full_matrix() else ["optim"])] + [LEVELS[3]])
 def test_exact_resume_2_ranks(tmp_path, level):
     """10 iterations (saving at 5 and 10) against a fresh run that loads iteration 5: bitwise equal."""
-    argv = MODEL + B8 + _fsdp(level)
-    straight = _pretrain(2, argv + ["--save", str(tmp_path), "--save-interval", "5"])
+    argv = MODEL + B8 + fsdp(level)
+    straight = pretrain(2, argv + ["--save", str(tmp_path), "--save-interval", "5"])
     assert files.read_tracker(tmp_path) == 10 and _leftovers(tmp_path) == []
-    resumed = _pretrain(2, argv + ["--load", str(tmp_path), "--ckpt-step", "5"])
-    _assert_exact_resume(straight, resumed, 5)
+    resumed = pretrain(2, argv + ["--load", str(tmp_path), "--ckpt-step", "5"])
+    assert_exact_resume(straight, resumed, 5)
 
 
 def test_exact_resume_tp2_dp2_with_async_saves_and_exit_interval(tmp_path):
     """TP 2 x DP 2 at ZeRO-2: a run that never saved, against --async-save every 2 iterations with
     --exit-interval 5 (waits for the write in flight, stops), then --load: all bitwise."""
-    argv = MODEL + B8 + _fsdp("optim_grads") + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-    straight = _pretrain(4, argv)
-    first = _pretrain(4, argv + ["--save", str(tmp_path), "--save-interval", "2", "--exit-interval", "5",
+    argv = MODEL + B8 + fsdp("optim_grads") + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    straight = pretrain(4, argv)
+    first = pretrain(4, argv + ["--save", str(tmp_path), "--save-interval", "2", "--exit-interval", "5",
                                  "--async-save"])
     assert first["losses"] == straight["losses"][:5] and first["grad_norms"] == straight["grad_norms"][:5]
     assert files.read_tracker(tmp_path) == 5
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", "iter_0000004", "iter_0000005",
                                                           files.TRACKER]
-    resumed = _pretrain(4, argv + ["--load", str(tmp_path), "--save", str(tmp_path), "--async-save"])
-    _assert_exact_resume(straight, resumed, 5)
+    resumed = pretrain(4, argv + ["--load", str(tmp_path), "--save", str(tmp_path), "--async-save"])
+    assert_exact_resume(straight, resumed, 5)
     assert files.read_tracker(tmp_path) == 10  # the end of training saves
     keys = ckpt_inspect.describe(tmp_path / "iter_0000010")["keys"]
     assert not any(k.split(".")[1].startswith("tp") for k in keys)  # TP-global keys and shapes
@@ -97,9 +69,9 @@ def test_exact_resume_tp2_dp2_with_async_saves_and_exit_interval(tmp_path):
 
 def test_failed_background_write_stops_the_job(tmp_path):
     """Rank 1's background write of iteration 4 fails: every rank stops with one error, the tracker keeps 2."""
-    argv = MODEL + B8 + _fsdp("optim_grads_params") + ["--save", str(tmp_path), "--save-interval", "2",
+    argv = MODEL + B8 + fsdp("optim_grads_params") + ["--save", str(tmp_path), "--save-interval", "2",
                                                        "--async-save"]
-    result = _pool_of(2).run("tests.training.checkpoint_cases:failing_background_write", timeout=300,
+    result = pool_of(2).run(failing_background_write, timeout=300,
                              argv=argv, rank=1, iteration=4)
     errors = {r["error"] for r in result}
     assert len(errors) == 1 and None not in errors, errors
@@ -112,14 +84,14 @@ def test_failed_background_write_stops_the_job(tmp_path):
 
 
 def test_no_load_optim_and_finetune(tmp_path):
-    argv = MODEL + B8 + _fsdp("optim_grads_params")
-    straight = _pretrain(2, argv + ["--save", str(tmp_path), "--save-interval", "5"])
-    fresh_optim = _pretrain(2, argv + ["--load", str(tmp_path), "--ckpt-step", "5", "--no-load-optim"])
+    argv = MODEL + B8 + fsdp("optim_grads_params")
+    straight = pretrain(2, argv + ["--save", str(tmp_path), "--save-interval", "5"])
+    fresh_optim = pretrain(2, argv + ["--load", str(tmp_path), "--ckpt-step", "5", "--no-load-optim"])
     # The loss and gradient of iteration 6 depend on the weights only; its update on the optimizer.
     assert fresh_optim["start_iteration"] == 5
     assert fresh_optim["losses"][0] == straight["losses"][5] and fresh_optim["grad_norms"][0] == straight["grad_norms"][5]
     assert fresh_optim["losses"][1] != straight["losses"][6]
-    tuned = _pretrain(2, argv + ["--load", str(tmp_path), "--ckpt-step", "5", "--finetune", "--train-iters", "3"])
+    tuned = pretrain(2, argv + ["--load", str(tmp_path), "--ckpt-step", "5", "--finetune", "--train-iters", "3"])
     assert tuned["start_iteration"] == 0 and len(tuned["losses"]) == 3 and tuned["valid_at_load"] is None
 
 
@@ -128,18 +100,18 @@ def test_no_load_optim_and_finetune(tmp_path):
 def dp4_zero3(tmp_path_factory):
     """DP 4 ZeRO-3, 10 iterations, saved at 5 and 10: the run that never stopped."""
     directory = tmp_path_factory.mktemp("dp4_zero3")
-    history = _pretrain(4, MODEL + B12 + _fsdp("optim_grads_params") + ["--save", str(directory),
+    history = pretrain(4, MODEL + B12 + fsdp("optim_grads_params") + ["--save", str(directory),
                                                                          "--save-interval", "5"])
     return directory, history
 
 
 RESHARD = {
-    "dp2-zero1": (2, _fsdp("optim")),
-    "dp4-hsdp-2x2": (4, _fsdp("optim_grads_params") + ["--num-distributed-optimizer-instances", "2",
+    "dp2-zero1": (2, fsdp("optim")),
+    "dp4-hsdp-2x2": (4, fsdp("optim_grads_params") + ["--num-distributed-optimizer-instances", "2",
                                                          "--outer-dp-sharding-strategy", "no_shard"]),
-    "dp1-no_shard": (1, _fsdp("no_shard")),
-    "dp3-zero2": (3, _fsdp("optim_grads")),
-    "pp2-dp2-zero3": (4, _fsdp("optim_grads_params") + ["--pipeline-model-parallel-size", "2"]),
+    "dp1-no_shard": (1, fsdp("no_shard")),
+    "dp3-zero2": (3, fsdp("optim_grads")),
+    "pp2-dp2-zero3": (4, fsdp("optim_grads_params") + ["--pipeline-model-parallel-size", "2"]),
 }
 
 
@@ -149,31 +121,31 @@ def test_reshard_dp4_zero3_checkpoint(dp4_zero3, target):
     """Loaded elsewhere: the validation loss before any step and the steps after match the run that never stopped."""
     directory, saved = dp4_zero3
     ranks, layout = RESHARD[target]
-    got = _pretrain(ranks, MODEL + B12 + layout + ["--load", str(directory), "--ckpt-step", "5"])
+    got = pretrain(ranks, MODEL + B12 + layout + ["--load", str(directory), "--ckpt-step", "5"])
     assert got["start_iteration"] == 5
-    assert _rel(got["valid_at_load"], saved["valid"][0]) <= 1e-5, (got["valid_at_load"], saved["valid"][0])
+    assert rel(got["valid_at_load"], saved["valid"][0]) <= 1e-5, (got["valid_at_load"], saved["valid"][0])
     for key in ("losses", "grad_norms"):
         assert len(got[key]) == 5
         for a, b in zip(got[key], saved[key][5:]):
-            assert _rel(a, b) <= 1e-5, (key, got[key], saved[key][5:])
+            assert rel(a, b) <= 1e-5, (key, got[key], saved[key][5:])
 
 
 # Pads to 512 rows at TP 1, 2 and 4 (NullTokenizer: 500 + end of document; a multiple of 128 x TP).
 SAME_PADDING = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "500"]
-TP_SOURCE = MODEL + B8 + SAME_PADDING + _fsdp("optim_grads_params")
+TP_SOURCE = MODEL + B8 + SAME_PADDING + fsdp("optim_grads_params")
 
 
 @pytest.fixture(scope="module")
 def tp2_dp2_zero3(tmp_path_factory):
     """TP 2 x DP 2 ZeRO-3 with sequence parallel, 10 iterations, saved at 5 and 10: the run that never stopped."""
     directory = tmp_path_factory.mktemp("tp2_dp2")
-    history = _pretrain(4, TP_SOURCE + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+    history = pretrain(4, TP_SOURCE + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                         "--save", str(directory), "--save-interval", "5"])
     return directory, history
 
 
 TP_RESHARD = {
-    "tp1-dp4-zero2": _fsdp("optim_grads"),
+    "tp1-dp4-zero2": fsdp("optim_grads"),
     "tp4-dp1-sp": ["--tensor-model-parallel-size", "4", "--sequence-parallel"],
     "tp2-pp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
 }
@@ -184,12 +156,12 @@ def test_tp_reshard(tp2_dp2_zero3, target):
     """A TP 2 x DP 2 checkpoint (TP-global keys) at TP 1 x DP 4, TP 4 x DP 1 and TP 2 x PP 2: the validation
     loss at load and the five steps after match the run that never stopped."""
     directory, saved = tp2_dp2_zero3
-    got = _pretrain(4, TP_SOURCE + TP_RESHARD[target] + ["--load", str(directory), "--ckpt-step", "5"])
+    got = pretrain(4, TP_SOURCE + TP_RESHARD[target] + ["--load", str(directory), "--ckpt-step", "5"])
     assert got["start_iteration"] == 5
-    assert _rel(got["valid_at_load"], saved["valid"][0]) <= 1e-5, (got["valid_at_load"], saved["valid"][0])
+    assert rel(got["valid_at_load"], saved["valid"][0]) <= 1e-5, (got["valid_at_load"], saved["valid"][0])
     for key in ("losses", "grad_norms"):
         assert len(got[key]) == 5
-        assert all(_rel(a, b) <= 1e-5 for a, b in zip(got[key], saved[key][5:])), (key, got[key], saved[key][5:])
+        assert all(rel(a, b) <= 1e-5 for a, b in zip(got[key], saved[key][5:])), (key, got[key], saved[key][5:])
 
 
 def test_inspect_and_convert_a_tp2_checkpoint(tp2_dp2_zero3, tmp_path, capsys):
@@ -201,7 +173,7 @@ def test_inspect_and_convert_a_tp2_checkpoint(tp2_dp2_zero3, tmp_path, capsys):
     assert "written at: world 4 = TP 2 x PP 1 x CP 1 x DP 2" in out and "loads at: any TP, PP, EP" in out
     model_file = tmp_path / "model.pt"
     convert.to_torch(str(directory), str(model_file), model_only=True, iteration=5)
-    result = _pool_of(4).run("tests.training.checkpoint_cases:loaded_vs_unsharded", timeout=300,
+    result = pool_of(4).run(loaded_vs_unsharded, timeout=300,
                              argv=TP_SOURCE + ["--load", str(directory), "--ckpt-step", "5"],
                              model_file=str(model_file))
     for r in result:
@@ -212,12 +184,12 @@ def test_inspect_and_convert_a_tp2_checkpoint(tp2_dp2_zero3, tmp_path, capsys):
 def test_vocabulary_padding_rows_cut_and_added(tmp_path):
     """ByteLevel vocabulary: 512 padded rows at TP 2, 384 at TP 1. TP 2 -> TP 1 cuts rows 384-511; TP 1 -> TP 2
     adds them with the values (and zero optimizer state) a fresh TP 2 model has; real rows never change."""
-    argv = MODEL + B8 + _fsdp("optim_grads_params") + ["--train-iters", "2", "--eval-interval", "2",
+    argv = MODEL + B8 + fsdp("optim_grads_params") + ["--train-iters", "2", "--eval-interval", "2",
                                                        "--lr-warmup-iters", "1"]
     tp2 = ["--tensor-model-parallel-size", "2"]
-    _pretrain(4, argv + tp2 + ["--save", str(tmp_path / "tp2")])
+    pretrain(4, argv + tp2 + ["--save", str(tmp_path / "tp2")])
     for source, layout, out, fresh in (("tp2", [], "tp1", None), ("tp1", tp2, "back", "back_fresh")):
-        _pool_of(4).run("tests.training.checkpoint_cases:fresh_then_loaded", timeout=300,
+        pool_of(4).run(fresh_then_loaded, timeout=300,
                         argv=argv + layout + ["--load", str(tmp_path / source)],
                         fresh=fresh and str(tmp_path / fresh), loaded=str(tmp_path / out))
     fc1 = "decoder.layers.0.mlp.linear_fc1.weight"
@@ -235,15 +207,15 @@ def test_vocabulary_padding_rows_cut_and_added(tmp_path):
 @pytest.mark.slow
 def test_virtual_pipeline_checkpoint_loads_without_pipeline(tmp_path):
     """PP 2 x VPP 2 (four chunks' layers under global numbers, tied output on the last stage) -> DP 4 and back."""
-    argv = MODEL + B8 + _fsdp("optim_grads_params") + ["--num-layers", "4", "--train-iters", "4",
+    argv = MODEL + B8 + fsdp("optim_grads_params") + ["--num-layers", "4", "--train-iters", "4",
                                                        "--eval-interval", "2"]
     vpp = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
-    saved = _pretrain(4, argv + vpp + ["--save", str(tmp_path), "--save-interval", "2"])
-    flat = _pretrain(4, argv + ["--load", str(tmp_path), "--ckpt-step", "2"])
-    again = _pretrain(4, argv + vpp + ["--load", str(tmp_path), "--ckpt-step", "2"])
+    saved = pretrain(4, argv + vpp + ["--save", str(tmp_path), "--save-interval", "2"])
+    flat = pretrain(4, argv + ["--load", str(tmp_path), "--ckpt-step", "2"])
+    again = pretrain(4, argv + vpp + ["--load", str(tmp_path), "--ckpt-step", "2"])
     for got in (flat, again):
-        assert _rel(got["valid_at_load"], saved["valid"][0]) <= 1e-5
-        assert all(_rel(a, b) <= 1e-5 for a, b in zip(got["losses"], saved["losses"][2:]))
+        assert rel(got["valid_at_load"], saved["valid"][0]) <= 1e-5
+        assert all(rel(a, b) <= 1e-5 for a, b in zip(got["losses"], saved["losses"][2:]))
     assert again["losses"] == saved["losses"][2:]
 
 
@@ -263,7 +235,7 @@ def _launch(nproc, argv, env):
 def test_kill_during_save_leaves_previous_checkpoint(tmp_path, point, rank, mode):
     """SIGKILL of one rank in the save of iteration 4 (sync, or async: in the writer thread while training
     runs, or when publishing): the tracker still names 2, which resumes exactly."""
-    argv = MODEL + B8 + _fsdp("optim_grads_params") + ["--train-iters", "4", "--eval-interval", "2",
+    argv = MODEL + B8 + fsdp("optim_grads_params") + ["--train-iters", "4", "--eval-interval", "2",
                                                        "--save", str(tmp_path), "--save-interval", "2"] + mode
     out = _launch(2, argv, {files.FAULT_ENV: f"{point}:{rank}:4"})
     assert out.returncode != 0 and f"killing this process at {point}" in out.stdout, out.stdout[-2000:]
@@ -272,10 +244,10 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path, point, rank, mode
     assert files.read_tracker(tmp_path) == 2
     assert (tmp_path / "iter_0000004").exists() == (point == "after_rename_before_tracker")
     assert any(n.startswith(".tmp_iter_0000004_") for n in _leftovers(tmp_path)) == (point != "after_rename_before_tracker")
-    resumed = _pretrain(2, argv + ["--load", str(tmp_path)])
+    resumed = pretrain(2, argv + ["--load", str(tmp_path)])
     assert resumed["start_iteration"] == 2
     for (loss, norm), got_loss, got_norm in zip(logged[2:], resumed["losses"], resumed["grad_norms"]):
-        assert _rel(got_loss, loss) <= 1e-6 and abs(got_norm - norm) <= 1e-6  # the log's precision
+        assert rel(got_loss, loss) <= 1e-6 and abs(got_norm - norm) <= 1e-6  # the log's precision
     assert files.read_tracker(tmp_path) == 4 and _leftovers(tmp_path) == []
     assert files.is_complete(tmp_path / "iter_0000004")
 
@@ -306,8 +278,8 @@ def test_load_errors_name_the_problem_and_change_nothing(dp4_zero3, tmp_path):
           "mismatched keys: optimizer.state.decoder.layers.0.mlp.linear_fc1.weight.exp_avg (checkpoint (3, 3)"]),
     ]
     for extra, fragments in cases:
-        result = _pool_of(4).run("tests.training.checkpoint_cases:load_error", timeout=300,
-                                 argv=MODEL + B12 + _fsdp("optim_grads_params") + extra)
+        result = pool_of(4).run(load_error, timeout=300,
+                                 argv=MODEL + B12 + fsdp("optim_grads_params") + extra)
         assert len({r["error"] for r in result}) == 1  # every rank raises the same error
         error = result[0]["error"]
         assert error is not None and all(f in error for f in fragments), error
@@ -326,14 +298,14 @@ def test_convert_round_trip(dp4_zero3, tmp_path, capsys):
     assert {k: v.get("shape") for k, v in original.items()} == {k: v.get("shape") for k, v in copy.items()}
     ckpt_inspect.main([str(back)])
     assert "iteration 5, consumed samples 60, saved on 4 ranks" in capsys.readouterr().out
-    result = _pool_of(4).run("tests.training.checkpoint_cases:loaded_vs_unsharded", timeout=300,
-                             argv=MODEL + B12 + _fsdp("optim") + ["--load", str(back)], model_file=str(model_file))
+    result = pool_of(4).run(loaded_vs_unsharded, timeout=300,
+                             argv=MODEL + B12 + fsdp("optim") + ["--load", str(back)], model_file=str(model_file))
     for r in result:
         assert r["iteration"] == 5 and r["compute_matches_main"] and r["weights_equal"], r
         assert r["missing"] == [] and r["unexpected"] == [] and r["max_logit_diff"] <= 1e-5, r
-    got = _pretrain(4, MODEL + B12 + _fsdp("optim_grads") + ["--load", str(back)])
-    assert _rel(got["valid_at_load"], saved["valid"][0]) <= 1e-6
-    assert all(_rel(a, b) <= 1e-5 for a, b in zip(got["losses"], saved["losses"][5:]))
+    got = pretrain(4, MODEL + B12 + fsdp("optim_grads") + ["--load", str(back)])
+    assert rel(got["valid_at_load"], saved["valid"][0]) <= 1e-6
+    assert all(rel(a, b) <= 1e-5 for a, b in zip(got["losses"], saved["losses"][5:]))
 
 
 # -------------------------------------------------------------------------- MoE
@@ -343,16 +315,16 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", 
 
 def test_moe_checkpoint_loads_under_another_ep(tmp_path):
     """Saved at EP 2 (experts keyed by global index), loaded at EP 1 and EP 4: the same validation loss."""
-    argv = MODEL + B8 + MOE + _fsdp("optim_grads_params")
-    saved = _pretrain(4, argv + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+    argv = MODEL + B8 + MOE + fsdp("optim_grads_params")
+    saved = pretrain(4, argv + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
                                  "--save", str(tmp_path)])
     keys = ckpt_inspect.describe(tmp_path / "iter_0000004")["keys"]
     assert {k.split("local_experts.")[1].split(".")[0] for k in keys if "local_experts." in k} == {"0", "1", "2", "3"}
     for ep in ("1", "4"):
-        got = _pretrain(4, argv + ["--expert-model-parallel-size", ep, "--moe-token-dispatcher-type", "allgather",
+        got = pretrain(4, argv + ["--expert-model-parallel-size", ep, "--moe-token-dispatcher-type", "allgather",
                                    "--load", str(tmp_path)])
         assert got["start_iteration"] == 4 and got["losses"] == []
-        assert _rel(got["valid_at_load"], saved["valid"][0]) <= 1e-5, (ep, got["valid_at_load"], saved["valid"])
+        assert rel(got["valid_at_load"], saved["valid"][0]) <= 1e-5, (ep, got["valid_at_load"], saved["valid"])
 
 
 def test_moe_grouped_gemm_checkpoint_loads_at_another_tp_and_ep(tmp_path):
@@ -360,21 +332,21 @@ def test_moe_grouped_gemm_checkpoint_loads_at_another_tp_and_ep(tmp_path):
     TP = expert TP 2 x EP 2, resumed at TP = expert TP 1 x EP 4: the validation loss at load and the steps
     after match the run that never stopped (a vocabulary that pads the same at TP 1 and 2: the 4.6% gap that once
     had such loads refused was the padding change, 512 -> 384 rows, not the expert weights)."""
-    argv = (MODEL + B8 + SAME_PADDING + MOE + _fsdp("optim_grads_params")
+    argv = (MODEL + B8 + SAME_PADDING + MOE + fsdp("optim_grads_params")
             + ["--moe-grouped-gemm", "--bf16", "--train-iters", "4", "--eval-interval", "2"])  # GroupedMLP: bf16 (emulated on some CPUs: few steps)
-    saved = _pretrain(4, argv + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+    saved = pretrain(4, argv + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                  "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather",
                                  "--save", str(tmp_path), "--save-interval", "2"])
     keys = ckpt_inspect.describe(tmp_path / "iter_0000002")["keys"]
     assert keys["model.decoder.layers.0.mlp.experts.weight1"]["shape"] == [4, 64, 256]
     assert keys["model.decoder.layers.0.mlp.experts.weight2"]["shape"] == [4, 256, 64]
-    got = _pretrain(4, argv + ["--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "alltoall",
+    got = pretrain(4, argv + ["--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "alltoall",
                                "--load", str(tmp_path), "--ckpt-step", "2"])
     assert got["start_iteration"] == 2 and len(got["losses"]) == 2
     # GroupedMLP computes in bf16 only, which rounds differently at another TP: measured 3.4e-5 at most
     # (the same layout: equal; a misplaced expert or ffn block: percent). The fp32 weights loaded are the saved ones.
-    assert _rel(got["valid_at_load"], saved["valid"][0]) <= 1e-4, (got["valid_at_load"], saved["valid"])
-    assert all(_rel(a, b) <= 1e-4 for a, b in zip(got["losses"], saved["losses"][2:])), (got["losses"], saved["losses"])
+    assert rel(got["valid_at_load"], saved["valid"][0]) <= 1e-4, (got["valid_at_load"], saved["valid"])
+    assert all(rel(a, b) <= 1e-4 for a, b in zip(got["losses"], saved["losses"][2:])), (got["losses"], saved["losses"])
 
 
 V1_ARGS = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params", "--num-layers", "1",
@@ -392,16 +364,16 @@ def test_layout_v1_checkpoint_loads(tmp_path):
         tar.extractall(tmp_path, filter="data")
     old = tmp_path / "ckpt"
     assert any(k.startswith("model.tp1.") for k in ckpt_inspect.describe(old / "iter_0000002")["keys"])
-    got = _pretrain(2, V1_ARGS + ["--load", str(old), "--save", str(tmp_path / "new")])
+    got = pretrain(2, V1_ARGS + ["--load", str(old), "--save", str(tmp_path / "new")])
     assert got["start_iteration"] == 2 and len(got["losses"]) == 1
-    assert _rel(got["valid_at_load"], 4.166764) <= 1e-6, got["valid_at_load"]
+    assert rel(got["valid_at_load"], 4.166764) <= 1e-6, got["valid_at_load"]
     new = ckpt_inspect.describe(tmp_path / "new" / "iter_0000003")
     assert new["common"]["version"] == 2 and not any(".tp" in k for k in new["keys"])
 
 
 def test_rng_states_round_trip(tmp_path):
-    result = _pool_of(2).run("tests.training.checkpoint_cases:rng_round_trip", timeout=300,
-                             argv=MODEL + B8 + _fsdp("optim"), directory=str(tmp_path))
+    result = pool_of(2).run(rng_round_trip, timeout=300,
+                             argv=MODEL + B8 + fsdp("optim"), directory=str(tmp_path))
     assert all(all(r.values()) for r in result), result
 
 

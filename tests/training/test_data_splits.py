@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
+from tests.cases.pretrain import pretrain_in_pool
+
 
 SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
          "--micro-batch-size", "1", "--train-iters", "2", "--tokenizer-type", "ByteLevelTokenizer"]
@@ -89,7 +91,7 @@ def test_small_corpus_default_split_trains_on_4_ranks(mcore_pool, corpora):
     argv = SMALL + ["--data-path", corpora[40], "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
                     "optim_grads_params", "--num-distributed-optimizer-instances", "2", "--eval-interval", "2",
                     "--eval-iters", "1", "--train-iters", "4", "--log-interval", "2"]
-    got = mcore_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=120, argv=argv, capture_log=True)[0]
+    got = mcore_pool.run(pretrain_in_pool, timeout=120, argv=argv, capture_log=True)[0]
     assert len(got["losses"]) == 4 and len(got["valid"]) == 2
     lines = got["log"].splitlines()
     assert "mesh dp_shard 2 x dp_outer 2" in got["log"]  # HSDP: the mesh sizes

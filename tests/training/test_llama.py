@@ -10,8 +10,13 @@ layers mixed). Every case runs inside the long-lived 4-rank pools (no new proces
 
 import pytest
 
-from megatron.training.arguments import ArgumentError, parse_args, validate_args
 from megatron.training.architecture import moe_layer_freq_type, swiglu_ffn_hidden_size
+from megatron.training.arguments import ArgumentError, parse_args, validate_args
+from tests.cases.common import LEVELS
+from tests.cases.job import fsdp
+from tests.cases.llama import local_spec_matches_cpu_spec
+from tests.cases.pretrain import pretrain_in_pool
+
 
 LLAMA = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3",
@@ -19,7 +24,6 @@ LLAMA = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--seed", "11", "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
          "--group-query-attention", "--num-query-groups", "2", "--untie-embeddings-and-output-weights",
          "--disable-bias-linear"]
-LEVELS = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 TOPOLOGIES = {  # name -> (pool fixture, extra arguments, levels checked in the default suite)
     "dp4": ("mcore_pool", ["--qk-layernorm"], ["no_shard", "optim_grads_params"]),
     "tp2-dp2-sp": ("mcore_pool", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--kv-channels", "24",
@@ -35,12 +39,8 @@ TOPOLOGIES = {  # name -> (pool fixture, extra arguments, levels checked in the 
 }
 
 
-def _fsdp(level):
-    return ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", level]
-
-
 def _run(pool, argv):
-    return pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300, argv=argv)[0]
+    return pool.run(pretrain_in_pool, timeout=300, argv=argv)[0]
 
 
 def _assert_parity(got, base, what):
@@ -59,7 +59,7 @@ def _check(pool, name, extra, levels):
     base = _run(pool, LLAMA + extra)
     assert base["losses"][-1] < base["losses"][0] * 1.05  # trains, not diverging
     for level in levels:
-        _assert_parity(_run(pool, LLAMA + extra + _fsdp(level)), base, (name, level))
+        _assert_parity(_run(pool, LLAMA + extra + fsdp(level)), base, (name, level))
 
 
 @pytest.mark.parametrize("name", [name for name, (pool, _, _) in TOPOLOGIES.items() if pool != "moe_pool"])
@@ -145,7 +145,7 @@ def test_gpu_block_spec_builds_the_same_model(mcore_pool):
             "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear", "--qk-layernorm",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--num-experts", "2", "--moe-layer-freq", "[1,0,1]",
             "--moe-shared-expert-intermediate-size", "16"]
-    got = mcore_pool.run("tests.training.llama_cases:local_spec_matches_cpu_spec", timeout=300, argv=argv)[0]
+    got = mcore_pool.run(local_spec_matches_cpu_spec, timeout=300, argv=argv)[0]
     assert got["cpu"]["layers"] == got["local"]["layers"] == ["MoELayer", "MLP", "MoELayer"]
     assert (got["cpu"]["attention"], got["local"]["attention"]) == ("SDPACoreAttention", "DotProductAttention")
     assert got["max_diff"] < 1e-5, got["max_diff"]

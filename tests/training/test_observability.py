@@ -16,7 +16,9 @@ import pytest
 
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
 from megatron.training.throughput import num_floating_point_operations, throughput
+from tests.cases.pretrain import pretrain_in_pool
 from tools.train_hf_tokenizer import train_tokenizer
+
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -144,9 +146,10 @@ def _close(a, printed, digits):
 def test_hf_tokenizer_preprocess_train_and_scalars(mcore_pool, tmp_path):
     """A BPE trained here -> preprocess_data.py (round trip) -> 4-rank Llama ZeRO-3 run with
     --log-throughput, TensorBoard, offline wandb and timers: every scalar equals its log line."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron.training.tokenizer import build_tokenizer
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     docs = _corpus()
     corpus = tmp_path / "corpus.jsonl"
@@ -171,7 +174,7 @@ def test_hf_tokenizer_preprocess_train_and_scalars(mcore_pool, tmp_path):
                     "optim_grads_params", "--log-throughput", "--tensorboard-dir", str(tb),
                     "--log-timers-to-tensorboard", "--wandb-project", "llama13", "--wandb-exp-name", "test",
                     "--wandb-save-dir", str(wb)]
-    result = mcore_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300, argv=argv,
+    result = mcore_pool.run(pretrain_in_pool, timeout=300, argv=argv,
                             capture_log=True)[0]
     stdout = result["log"]
     lines = {int(m[0]): [float(v) for v in m[1:]] for m in LINE.findall(stdout)}

@@ -8,23 +8,25 @@ loaded into bf16 state. (Exact resume of bf16 state: tests/engine/test_precision
 import pytest
 
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
-from tests.training.test_checkpointing import B8, MODEL, _fsdp, _pretrain, _rel
+from tests.cases.common import rel
+from tests.cases.job import B8, MODEL, fsdp, pretrain
 
-SHORT = ["--train-iters", "4", "--eval-interval", "2", "--bf16"] + _fsdp("optim_grads_params")
+
+SHORT = ["--train-iters", "4", "--eval-interval", "2", "--bf16"] + fsdp("optim_grads_params")
 LOW = ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16",
        "--main-grads-dtype", "bf16"]
 
 
 def test_bf16_state_trains_and_loads_fp32_state(tmp_path):
     argv = MODEL + B8 + SHORT
-    fp32 = _pretrain(2, argv + ["--save", str(tmp_path / "fp32"), "--save-interval", "2"])
-    low = _pretrain(2, argv + LOW)
+    fp32 = pretrain(2, argv + ["--save", str(tmp_path / "fp32"), "--save-interval", "2"])
+    low = pretrain(2, argv + LOW)
     for key in ("losses", "grad_norms"):
         assert len(low[key]) == len(fp32[key]) == 4
-        assert max(_rel(a, b) for a, b in zip(low[key], fp32[key])) < 3e-2, (key, low[key], fp32[key])
-    crossed = _pretrain(2, argv + LOW + ["--load", str(tmp_path / "fp32"), "--ckpt-step", "2"])
+        assert max(rel(a, b) for a, b in zip(low[key], fp32[key])) < 3e-2, (key, low[key], fp32[key])
+    crossed = pretrain(2, argv + LOW + ["--load", str(tmp_path / "fp32"), "--ckpt-step", "2"])
     assert crossed["start_iteration"] == 2
-    assert max(_rel(a, b) for a, b in zip(crossed["losses"], fp32["losses"][2:])) < 3e-2
+    assert max(rel(a, b) for a, b in zip(crossed["losses"], fp32["losses"][2:])) < 3e-2
 
 
 @pytest.mark.parametrize("argv, pattern", [

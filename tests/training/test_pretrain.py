@@ -1,44 +1,21 @@
 """pretrain_gpt.py end to end: --use-megatron-fsdp at every level equals Megatron-Core DDP."""
 
-import os
-import re
-import subprocess
-import sys
-
 import pytest
 
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
-from tests.conftest import _pool_of
+from tests.cases.common import LEVELS
+from tests.cases.job import LINE
+from tests.cases.job import PRETRAIN_MODEL as MODEL
+from tests.cases.job import fsdp, torchrun
+from tests.cases.pretrain import pretrain_in_pool
 from tests.harness.matrix import full_matrix
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LEVELS = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--lr", "1e-3",
-         "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--min-lr", "1e-4", "--mock-data",
-         "--log-interval", "1", "--eval-interval", "5", "--eval-iters", "1", "--seed", "7"]
-LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: ([0-9.E+-]+) \| grad norm: ([0-9.]+) \|")
-
-
-def _fsdp(level):
-    return ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", level] if level else []
-
-
-def _torchrun(nproc, extra):
-    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                          "--master_port", "29533", os.path.join(ROOT, "pretrain_gpt.py")] + MODEL + extra,
-                         capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    rows = [(int(i), float(loss), float(norm)) for i, loss, norm in LINE.findall(out.stdout)]
-    assert [r[0] for r in rows] == list(range(1, 11)), out.stdout[-2000:]
-    return rows, out.stdout
+from tests.harness.pools import pool_of
 
 
 def _in_pool(ranks, extra):
     """``pretrain_gpt``'s training function in the Megatron pool of ``ranks`` (no new processes,
     no second import of Megatron-Core): per-iteration losses, grad norms and rank 0's log."""
-    return _pool_of(ranks).run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300,
+    return pool_of(ranks).run(pretrain_in_pool, timeout=300,
                                argv=MODEL + extra, capture_log=True)[0]
 
 
@@ -61,7 +38,7 @@ def baseline_2():
 @pytest.mark.slow
 @pytest.mark.parametrize("level", LEVELS)
 def test_pretrain_gpt_2_ranks_matches_megatron_ddp(baseline_2, level):
-    run = _in_pool(2, _fsdp(level))
+    run = _in_pool(2, fsdp(level))
     rows, stdout = _rows(run), run["log"]
     assert len(rows) == 10
     _close(rows, baseline_2)
@@ -75,7 +52,7 @@ def test_pretrain_gpt_torchrun_launch(baseline_2):
     """The README's command line: torchrun + pretrain_gpt.py --use-megatron-fsdp (ZeRO-3) prints the same
     losses and grad norms (to the log's precision) as Megatron-Core DDP trained in the pool. The one
     launch of the module: the other levels run in the pool, where Megatron-Core is imported once."""
-    rows, stdout = _torchrun(2, _fsdp("optim_grads_params"))
+    rows, stdout = torchrun(2, MODEL + fsdp("optim_grads_params"))
     _close(rows, baseline_2)
     assert "levels optim_grads_params (dp_shard) x no_shard (dp_outer)" in stdout
 
@@ -96,28 +73,28 @@ def test_pretrain_gpt_tp2_dp2_all_levels(mcore_pool):
     table and in test_checkpointing's TP 2 resume, and every level runs through pretrain above.
     ZeRO-3 built on the meta device equals its eager build, bitwise."""
     tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-    base = mcore_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300, argv=MODEL + tp)[0]
+    base = mcore_pool.run(pretrain_in_pool, timeout=300, argv=MODEL + tp)[0]
     runs = {}
     for level in LEVELS if full_matrix() else ["optim", "optim_grads_params"]:
-        got = runs[level] = mcore_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300,
-                                           argv=MODEL + tp + _fsdp(level))[0]
+        got = runs[level] = mcore_pool.run(pretrain_in_pool, timeout=300,
+                                           argv=MODEL + tp + fsdp(level))[0]
         for key in ("losses", "grad_norms", "valid"):
             for a, b in zip(got[key], base[key]):
                 assert abs(a - b) <= 1e-5 * abs(b), (level, key, got[key], base[key])
-    meta = mcore_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300,
-                          argv=MODEL + tp + _fsdp("optim_grads_params") + META)[0]
+    meta = mcore_pool.run(pretrain_in_pool, timeout=300,
+                          argv=MODEL + tp + fsdp("optim_grads_params") + META)[0]
     _same_history(meta, runs["optim_grads_params"], "tp2 meta")
 
 
 @pytest.mark.parametrize("what, parallel", [
-    ("dp4-zero3", _fsdp("optim_grads_params")),
-    ("pp2-dp2-optim_grads", _fsdp("optim_grads") + ["--pipeline-model-parallel-size", "2"]),
+    ("dp4-zero3", fsdp("optim_grads_params")),
+    ("pp2-dp2-optim_grads", fsdp("optim_grads") + ["--pipeline-model-parallel-size", "2"]),
 ])
 def test_pretrain_gpt_meta_device_init_equals_eager(mcore_pool, what, parallel):
     """--init-model-with-meta-device: the same losses, bitwise, as the eager build (PP 2: tied embedding
     synchronised over the embedding group after materialisation, as Megatron-Core does at construction)."""
-    eager = mcore_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300, argv=MODEL + parallel)[0]
-    meta = mcore_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300,
+    eager = mcore_pool.run(pretrain_in_pool, timeout=300, argv=MODEL + parallel)[0]
+    meta = mcore_pool.run(pretrain_in_pool, timeout=300,
                           argv=MODEL + parallel + META)[0]
     _same_history(meta, eager, what)
 
@@ -131,10 +108,10 @@ def test_pretrain_gpt_moe_4_ranks_matches_megatron_ddp(moe_pool, dispatcher, ep,
     """pretrain_gpt.py --num-experts 4 on 4 CPU ranks: dense ZeRO-3, experts at their own level."""
     moe = MOE + ["--moe-token-dispatcher-type", dispatcher, "--expert-model-parallel-size", str(ep),
                  "--train-iters", "4", "--eval-interval", "2"]  # the suite's budget: 4 iterations show the updates
-    levels = _fsdp("optim_grads_params") + (
+    levels = fsdp("optim_grads_params") + (
         ["--expert-data-parallel-sharding-strategy", expert_level] if expert_level else [])
-    base = moe_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300, argv=MODEL + moe)[0]
-    got = moe_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300, capture_log=True,
+    base = moe_pool.run(pretrain_in_pool, timeout=300, argv=MODEL + moe)[0]
+    got = moe_pool.run(pretrain_in_pool, timeout=300, capture_log=True,
                        argv=MODEL + moe + levels)[0]
     # The router's load-balancing loss is logged as Megatron-LM logs it, the same as the baseline's.
     assert len(got["load_balancing_loss"]) == len(got["losses"]) and "load_balancing_loss: " in got["log"]
@@ -145,7 +122,7 @@ def test_pretrain_gpt_moe_4_ranks_matches_megatron_ddp(moe_pool, dispatcher, ep,
         for a, b in zip(got[key], base[key]):
             assert abs(a - b) <= 1e-5 * abs(b), (key, got[key], base[key])
     if ep == 2:  # experts built on the meta device too: the same run, bitwise
-        meta = moe_pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300,
+        meta = moe_pool.run(pretrain_in_pool, timeout=300,
                             argv=MODEL + moe + levels + META)[0]
         _same_history(meta, got, "moe ep2 meta")
 

@@ -10,7 +10,10 @@ Measured differences: see RTOL. ``--muon-extra-scale-factor 0.2``
 import pytest
 
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
-from tests.training.test_pretrain import MODEL, _fsdp
+from tests.cases.job import PRETRAIN_MODEL as MODEL
+from tests.cases.job import assert_exact_resume, fsdp
+from tests.cases.pretrain import pretrain_in_pool
+
 
 MUON = ["--optimizer", "muon", "--muon-use-nesterov", "--muon-extra-scale-factor", "0.2"]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
@@ -24,7 +27,7 @@ RTOL = {"losses": 1e-5, "valid": 1e-5, "grad_norms": 1e-4}
 
 
 def _pretrain(pool, argv):
-    return pool.run("tests.training.pretrain_cases:pretrain_in_pool", timeout=300, argv=MODEL + MUON + argv)[0]
+    return pool.run(pretrain_in_pool, timeout=300, argv=MODEL + MUON + argv)[0]
 
 
 def _close(got, base, what):
@@ -35,17 +38,17 @@ def _close(got, base, what):
 
 
 def test_pretrain_muon_dp4_zero3_matches_no_shard(mcore_pool):
-    base = _pretrain(mcore_pool, _fsdp("no_shard"))
+    base = _pretrain(mcore_pool, fsdp("no_shard"))
     assert base["losses"][-1] < base["losses"][0]
-    _close(_pretrain(mcore_pool, _fsdp("optim_grads_params")), base, "dp4 optim_grads_params")
+    _close(_pretrain(mcore_pool, fsdp("optim_grads_params")), base, "dp4 optim_grads_params")
 
 
 def test_pretrain_muon_tp2_blockwise_and_duplicated_match_no_shard(mcore_pool):
-    block = _pretrain(mcore_pool, TP2 + _fsdp("no_shard"))  # blockwise is Megatron's default
-    _close(_pretrain(mcore_pool, TP2 + _fsdp("optim")), block, "tp2 blockwise optim")
+    block = _pretrain(mcore_pool, TP2 + fsdp("no_shard"))  # blockwise is Megatron's default
+    _close(_pretrain(mcore_pool, TP2 + fsdp("optim")), block, "tp2 blockwise optim")
     dup = ["--muon-tp-mode", "duplicated"]
-    whole = _pretrain(mcore_pool, TP2 + dup + _fsdp("no_shard"))
-    _close(_pretrain(mcore_pool, TP2 + dup + _fsdp("optim_grads_params")), whole, "tp2 duplicated ZeRO-3")
+    whole = _pretrain(mcore_pool, TP2 + dup + fsdp("no_shard"))
+    _close(_pretrain(mcore_pool, TP2 + dup + fsdp("optim_grads_params")), whole, "tp2 duplicated ZeRO-3")
     # duplicated orthogonalises the whole matrix, blockwise each TP shard alone: same first two
     # losses (the first update shows from the third), different after
     assert whole["losses"][:2] == block["losses"][:2] and whole["losses"][2:] != block["losses"][2:]
@@ -64,10 +67,9 @@ def test_muon_startup_errors(argv, pattern):
 def test_pretrain_muon_exact_resume_zero3(mcore_pool, tmp_path):
     """--optimizer muon at DP 4 ZeRO-3, 6 iterations saving at 3 (fsdp_dtensor, Muon momentum and
     AdamW state in the DCP optimizer state) against a fresh run loading iteration 3: bitwise."""
-    from tests.training.test_checkpointing import _assert_exact_resume
 
     argv = ["--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "6",
-            "--eval-interval", "3"] + _fsdp("optim_grads_params")  # 6 iterations: the suite's budget
+            "--eval-interval", "3"] + fsdp("optim_grads_params")  # 6 iterations: the suite's budget
     straight = _pretrain(mcore_pool, argv + ["--save", str(tmp_path), "--save-interval", "3"])
     resumed = _pretrain(mcore_pool, argv + ["--load", str(tmp_path), "--ckpt-step", "3"])
-    _assert_exact_resume(straight, resumed, 3)
+    assert_exact_resume(straight, resumed, 3)

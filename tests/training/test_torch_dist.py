@@ -13,15 +13,17 @@ import pytest
 
 from megatron.training import checkpoint_files as files
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
-from tests.training.test_checkpointing import B8, MODEL, _assert_exact_resume, _fsdp, _pretrain, _rel
+from tests.cases.common import rel
+from tests.cases.job import B8, MODEL, assert_exact_resume, fsdp, pretrain
 from tools.checkpoint import convert
 
+
 BASELINE = MODEL + B8 + ["--use-distributed-optimizer"]
-FSDP = MODEL + B8 + _fsdp("optim_grads_params")
+FSDP = MODEL + B8 + fsdp("optim_grads_params")
 
 
 def _close(got, expected, rtol=1e-5):
-    assert len(got) == len(expected) and all(_rel(a, b) < rtol for a, b in zip(got, expected)), (got, expected)
+    assert len(got) == len(expected) and all(rel(a, b) < rtol for a, b in zip(got, expected)), (got, expected)
 
 
 def _keys(directory):
@@ -35,7 +37,7 @@ def _keys(directory):
 
 def test_torch_dist_baseline_to_fsdp_and_back(tmp_path):
     td, fsdp, back = tmp_path / "torch_dist", tmp_path / "fsdp", tmp_path / "back"
-    straight = _pretrain(2, BASELINE + ["--save", str(td), "--save-interval", "5"])
+    straight = pretrain(2, BASELINE + ["--save", str(td), "--save-interval", "5"])
     assert sorted(p.name for p in td.iterdir()) == ["iter_0000005", "iter_0000010", files.TRACKER]
     assert files.read_tracker(td) == 10
     meta = json.loads((td / "iter_0000005" / "metadata.json").read_text())
@@ -45,13 +47,13 @@ def test_torch_dist_baseline_to_fsdp_and_back(tmp_path):
     assert "optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.weight" in saved  # fully_reshardable
 
     # (a) the baseline resumes its own torch_dist checkpoint exactly
-    resumed = _pretrain(2, BASELINE + ["--load", str(td), "--ckpt-step", "5"])
-    _assert_exact_resume(straight, resumed, 5)
+    resumed = pretrain(2, BASELINE + ["--load", str(td), "--ckpt-step", "5"])
+    assert_exact_resume(straight, resumed, 5)
 
     # (b) torch_dist -> fsdp_dtensor -> --use-megatron-fsdp ZeRO-3: the baseline's next iterations within 1e-5
     convert.main(["from-torch-dist", str(td), str(fsdp), "--iteration", "5"])
     assert files.read_tracker(fsdp) == 5
-    moved = _pretrain(2, FSDP + ["--load", str(fsdp), "--save", str(fsdp), "--save-interval", "7"])
+    moved = pretrain(2, FSDP + ["--load", str(fsdp), "--save", str(fsdp), "--save-interval", "7"])
     assert moved["start_iteration"] == 5
     _close(moved["losses"], straight["losses"][5:])
     _close(moved["grad_norms"], straight["grad_norms"][5:])
@@ -64,7 +66,7 @@ def test_torch_dist_baseline_to_fsdp_and_back(tmp_path):
     # and back: fsdp_dtensor (saved at 7 by the ZeRO-3 run) -> torch_dist -> the baseline resumes within 1e-5
     convert.main(["to-torch-dist", str(fsdp), str(back), "--iteration", "7"])
     assert files.read_tracker(back) == 7
-    returned = _pretrain(2, BASELINE + ["--load", str(back)])
+    returned = pretrain(2, BASELINE + ["--load", str(back)])
     assert returned["start_iteration"] == 7
     _close(returned["losses"], straight["losses"][7:])
     _close(returned["losses"], moved["losses"][2:])

@@ -40,14 +40,16 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+from tools.bench.spec import SIZES  # noqa: E402
+from tools.bench.torch_case import run as CASE  # noqa: E402
+
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
-from tools.bench.spec import SIZES  # noqa: E402
 
-CASE = "tools.bench.torch_case:run"
 SYSTEMS = ("fsdp2", "ours:optim_grads_params", "ours:optim_grads_params:bf16-state")
 LABELS = {"fsdp2": "FSDP2", "ours:optim_grads_params": "ours ZeRO-3, fp32 state",
           "ours:optim_grads_params:bf16-state": "ours ZeRO-3, bf16 state"}

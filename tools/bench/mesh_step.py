@@ -25,6 +25,7 @@ import subprocess
 import sys
 from typing import Dict, List, Optional
 
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = {  # label: (inner level, outer level)
     "HSDP": ("optim_grads_params", "no_shard"),
@@ -65,15 +66,14 @@ def step_times(ctx, model_size: str, inner: str, outer: str, warmup: int, steps:
 
 def _one_tree(args) -> Dict[str, List[float]]:
     """Child process: every config once in one pool; per config, the slowest rank's time of each step."""
-    from tests.harness import WorkerPool
-
     import megatron.fsdp
+    from tests.harness import WorkerPool
     pool = WorkerPool(4, start_timeout=600.0)
     try:
         result = {"engine": os.path.dirname(megatron.fsdp.__file__)}
         for label in args.configs:
             inner, outer = CONFIGS[label]
-            per_rank = pool.run("tools.bench.mesh_step:step_times", timeout=1800, model_size=args.size, inner=inner,
+            per_rank = pool.run(step_times, timeout=1800, model_size=args.size, inner=inner,
                                 outer=outer, warmup=args.warmup, steps=args.steps)
             result[label] = [max(ts) for ts in zip(*per_rank)]
     finally:

@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
@@ -72,8 +73,8 @@ def case(ctx, system: str, hidden: int, layers: int, warmup: int, steps: int, th
     import torch.distributed as dist
 
     import megatron.fsdp as mfsdp
-    from tests.engine.training import RunConfig, train_step
-    from tests.models import MLP, Block, TinyLM, make_batches
+    from tests.cases.engine_training import RunConfig, train_step
+    from tests.cases.models import MLP, Block, TinyLM, make_batches
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
             res = {s: {"opt": [], "step": []} for s in SYSTEMS}
             for r in range(args.rounds):
                 for s in SYSTEMS[r % 3:] + SYSTEMS[:r % 3]:
-                    out = pool.run("tools.bench.muon:case", size=n, timeout=1800, system=s, hidden=args.hidden,
+                    out = pool.run(case, size=n, timeout=1800, system=s, hidden=args.hidden,
                                    layers=args.layers, warmup=args.warmup, steps=args.steps, threads=args.threads)
                     res[s]["opt"] += out[0]["opt"]
                     res[s]["step"] += out[0]["step"]

@@ -28,18 +28,21 @@ import sys
 import time
 from typing import List, Optional
 
+from tests.harness import RankError, WorkerTimeout  # noqa: E402
+from tools.bench import report  # noqa: E402
+from tools.bench import mcore_case, torch_case  # noqa: E402
+from tools.bench.spec import SIZES, SYSTEMS  # noqa: E402
+
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
-from tests.harness import RankError, WorkerTimeout  # noqa: E402
-from tools.bench import report  # noqa: E402
-from tools.bench.spec import SIZES, SYSTEMS  # noqa: E402
 
 # What a failed run raises: an exception on a rank, a hang, a dead rank or a pool that did not start.
 FAILURES = (RankError, WorkerTimeout, RuntimeError, OSError)
-CASES = {"torch": "tools.bench.torch_case:run", "mcore": "tools.bench.mcore_case:run"}
+CASES = {"torch": torch_case.run, "mcore": mcore_case.run}
 DEFAULT_PLOT = os.path.join(_ROOT, "docs", "performance.png")
 
 

@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 import megatron.fsdp as mfsdp
-from tests.engine.training import GLOBAL_MICRO_BATCH, OPTIMIZERS, local_slice
-from tests.models import MLP, ResetBlock, ResetLM, make_batches
+from tests.cases.engine_training import GLOBAL_MICRO_BATCH, OPTIMIZERS, local_slice
+from tests.cases.models import MLP, ResetBlock, ResetLM, make_batches
+
 
 SEED = 5
 Config = Tuple[str, Optional[str], bool]  # (inner level, outer level or None for a flat mesh, experts)
@@ -95,7 +96,8 @@ def meta_matches_eager(ctx, configs: List[Config], train: Optional[Config] = Non
 
 
 def _rss_tools():
-    from tools.bench.measure import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_heap as trim_memory
+    from tools.bench.measure import peak_rss_bytes, reset_peak_rss, rss_bytes
+    from tools.bench.measure import trim_heap as trim_memory
     return peak_rss_bytes, reset_peak_rss, rss_bytes, trim_memory
 
 

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 
 import megatron.fsdp as mfsdp
 from megatron.fsdp import profiling
-from tests.engine.training import GLOBAL_MICRO_BATCH, RunConfig, train_step, wrap
-from tests.models import make_batches
+from tests.cases.engine_training import GLOBAL_MICRO_BATCH, RunConfig, train_step, wrap
+from tests.cases.models import make_batches
+
 
 HIDDEN = 24
 

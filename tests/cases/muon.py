@@ -9,9 +9,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import megatron.fsdp as mfsdp
-from tests.engine.muon_training import MUON, muon_wrap
-from tests.engine.training import GLOBAL_MICRO_BATCH, OPTIMIZERS, RunConfig, train_step, wrap
-from tests.models import make_batches
+from tests.cases.engine_training import GLOBAL_MICRO_BATCH, OPTIMIZERS, RunConfig, train_step, wrap
+from tests.cases.models import make_batches
+from tests.cases.muon_training import MUON, muon_wrap
+
 
 BATCHES = 4
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from tests.mcore.gpt import MICRO_BATCHES, STEPS, Topology
+from tests.cases.gpt import MICRO_BATCHES, STEPS, Topology, megatron_ddp_run
+
 
 _runs: Dict[tuple, List[dict]] = {}
 
@@ -19,7 +20,7 @@ def megatron_ddp(pool, topology: Topology, use_distributed_optimizer: bool = Fal
     """Per-rank results of ``gpt.megatron_ddp_run`` for ``topology`` (``gpt.STEPS`` steps of ``gpt.MICRO_BATCHES`` micro-batches)."""
     key = (topology, use_distributed_optimizer, tuple(sorted(overrides.items())))
     if key not in _runs:
-        _runs[key] = pool.run("tests.mcore.gpt:megatron_ddp_run", timeout=300, topology=topology, steps=STEPS,
+        _runs[key] = pool.run(megatron_ddp_run, timeout=300, topology=topology, steps=STEPS,
                               micro_batches=MICRO_BATCHES, use_distributed_optimizer=use_distributed_optimizer,
                               **overrides)
     return _runs[key]

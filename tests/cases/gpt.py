@@ -28,6 +28,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
+
 SEED = 1234
 DATA_SEED = 4321
 VOCAB = 128
@@ -93,7 +94,9 @@ def set_random_seed(seed: int = SEED) -> None:
     model-parallel seed, as ``model_parallel_cuda_manual_seed`` does on GPUs.
     """
     import numpy as np
-    from megatron.core import parallel_state as ps, tensor_parallel
+
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
     from megatron.fsdp.mcore.cpu_mode import enable_cpu_mode
 
     seed = seed + 100 * ps.get_pipeline_model_parallel_rank()

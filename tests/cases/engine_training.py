@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 import megatron.fsdp as mfsdp
-from tests.models import MLP, Block, TinyLM, make_batches
+from tests.cases.models import MLP, Block, TinyLM, make_batches
+
 
 GLOBAL_MICRO_BATCH = 12  # divisible by 1, 2, 3, 4 and 6 ranks
 

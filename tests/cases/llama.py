@@ -10,6 +10,7 @@ def local_spec_matches_cpu_spec(ctx, argv: List[str]) -> dict:
     builds (Megatron-Core's ``get_gpt_decoder_block_spec``, local layers: DotProductAttention, its
     norms); returns the layer types and the largest logit difference on one batch."""
     import torch
+
     from megatron.core import parallel_state as ps
     from megatron.fsdp.mcore.cpu_mode import enable_cpu_mode
     from megatron.training import model as model_lib

@@ -93,7 +93,7 @@ def sigterm_mid_training(ctx, argv: List[str], at_iteration: int) -> Dict[str, o
     import signal
 
     from megatron.training import training
-    from tests.training.pretrain_cases import pretrain_in_pool
+    from tests.cases.pretrain import pretrain_in_pool
 
     calls = {"n": 0}
     original = training._mean_loss

@@ -7,9 +7,9 @@ from typing import Dict
 
 import torch
 
-from tests.engine.checkpoint_cases import BATCHES, _config, _load, _save, _train
-from tests.engine.training import GLOBAL_MICRO_BATCH, local_slice, wrap
-from tests.models import make_batches
+from tests.cases.engine_checkpoint import BATCHES, _config, _load, _save, _train
+from tests.cases.engine_training import GLOBAL_MICRO_BATCH, local_slice, wrap
+from tests.cases.models import make_batches
 
 
 def _moments(opt):

@@ -42,7 +42,7 @@ def finetune_first_batch(ctx, argv: List[str]) -> dict:
     """``pretrain`` of ``argv`` (``--load ... --finetune``), and the first global batch it trained on."""
     from megatron.training import data
     from megatron.training.arguments import parse_args, validate_args
-    from tests.training.pretrain_cases import pretrain_in_pool
+    from tests.cases.pretrain import pretrain_in_pool
 
     history = pretrain_in_pool(ctx, argv)
     args = validate_args(parse_args(argv), ctx.size)

@@ -12,8 +12,9 @@ import dataclasses
 import torch
 
 import megatron.fsdp as mfsdp
-from tests.engine.training import GLOBAL_MICRO_BATCH, RunConfig, build_model, local_slice, train_step, wrap
-from tests.models import MLP, Block, make_batches
+from tests.cases.engine_training import GLOBAL_MICRO_BATCH, RunConfig, build_model, local_slice, train_step, wrap
+from tests.cases.models import MLP, Block, make_batches
+
 
 GRAD_KINDS = ("reduce_scatter", "all_reduce")
 
@@ -196,7 +197,7 @@ def error_before_collective(ctx, case: str):
 
 def forgotten_no_sync(ctx, strategy: str, mesh=None, outer_strategy=None):
     """Every micro-batch inside no_sync: optimizer.step() still reduces the gradients."""
-    from tests.engine.training import local_slice
+    from tests.cases.engine_training import local_slice
 
     cfg = RunConfig(strategy=strategy, micro_batches=2, steps=3, mesh=mesh, outer_strategy=outer_strategy)
     fsdp, opt = wrap(ctx, cfg)
@@ -218,7 +219,7 @@ def forgotten_no_sync(ctx, strategy: str, mesh=None, outer_strategy=None):
 
 def eval_forward(ctx, strategy: str):
     """A forward under no_grad between steps: the same loss as with grad, nothing left gathered."""
-    from tests.engine.training import local_slice
+    from tests.cases.engine_training import local_slice
 
     cfg = RunConfig(strategy=strategy, micro_batches=1, steps=2)
     fsdp, opt = wrap(ctx, cfg)
@@ -236,7 +237,7 @@ def eval_forward(ctx, strategy: str):
 
 def adapter_hooks(ctx, strategy: str):
     """Engine features the Megatron adapter relies on, checked against plain arithmetic."""
-    from tests.engine.training import local_slice
+    from tests.cases.engine_training import local_slice
 
     cfg = RunConfig(strategy=strategy, micro_batches=1, steps=1)
     results = {}

@@ -71,7 +71,8 @@ def loaded_vs_unsharded(ctx, argv: List[str], model_file: str) -> Dict[str, obje
     Also: compute weights equal the loaded main weights before the first forward,
     and the unsharded model's weights equal the sharded model's full weights.
     """
-    from megatron.training import checkpointing, model as model_lib
+    from megatron.training import checkpointing
+    from megatron.training import model as model_lib
     from megatron.training.arguments import parse_args
     from megatron.training.training import setup
 
@@ -102,8 +103,8 @@ def rng_round_trip(ctx, argv: List[str], directory: str) -> Dict[str, bool]:
     import random
 
     import numpy as np
-    from megatron.core import tensor_parallel
 
+    from megatron.core import tensor_parallel
     from megatron.training import checkpointing
     from megatron.training.arguments import parse_args
     from megatron.training.training import setup

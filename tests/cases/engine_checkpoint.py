@@ -14,8 +14,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import megatron.fsdp as mfsdp
-from tests.engine.training import GLOBAL_MICRO_BATCH, RunConfig, train_step, wrap
-from tests.models import make_batches
+from tests.cases.engine_training import GLOBAL_MICRO_BATCH, RunConfig, train_step, wrap
+from tests.cases.models import make_batches
+
 
 BATCHES = 4
 
