@@ -8,8 +8,8 @@ Run under torchrun; model arguments as for pretrain_gpt.py::
 Each rank builds the model chunk and wraps it in ``FullyShardedDataParallel`` twice, eager
 then on the meta device, and reports the resident-set high-water mark (``VmHWM``, reset
 through ``/proc/self/clear_refs``) above the resident set before the build. Large blocks
-are served by ``mmap`` (``M_MMAP_THRESHOLD`` 64 KiB) so freed memory leaves the resident
-set, and a small build of each kind runs first (the first meta build loads torch's meta
+are served by ``mmap`` (the job's fixed ``M_MMAP_THRESHOLD``, set by ``initialize``:
+``megatron/training/allocator.py``) so freed memory leaves the resident set, and a small build of each kind runs first (the first meta build loads torch's meta
 kernels). The bound column is ``persistent + root + 2 units`` (the meta build's promise)
 and, as a fraction of the eager peak, ``1/N + root + 2 units``.
 """
@@ -17,7 +17,6 @@ and, as a fraction of the eager peak, ``1/N + root + 2 units``.
 from __future__ import annotations
 
 import copy
-import ctypes
 import gc
 import os
 import sys
@@ -73,10 +72,6 @@ def main(argv) -> None:
     validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     initialize(args)
     args.padded_vocab_size = padded_vocab_size(build_tokenizer(args).vocab_size, args)
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 64 << 10)  # M_MMAP_THRESHOLD: freed blocks leave the resident set
-    except (OSError, AttributeError):
-        pass
     tiny = copy.copy(args)
     tiny.num_layers, tiny.hidden_size, tiny.ffn_hidden_size = args.pipeline_model_parallel_size, 64, 256
     tiny.num_attention_heads = 4 * args.tensor_model_parallel_size

@@ -376,20 +376,26 @@ class UnitStorage:
         if self.inner.size == 1 and self.outer.size == 1:
             self.ensure_grads().add_(self.grad_full[regions.accum[0]:regions.accum[1]])
             return staged(Handle(), *step)
-        wire = self._in_reduce_dtype(self.grad_full)
-        inner_out = wire[lo:hi] if self.inner.size == 1 else torch.empty(hi - lo, dtype=wire.dtype, device=wire.device)
-        first = self.inner.reduce_scatter(inner_out, wire, tag) if self.inner.size > 1 else Handle()
+        device = self.grad_full.device
+        if self.inner.size > 1:
+            # The compute-dtype gradient goes to the collective as it is: the axis widens it to
+            # the reduce dtype (comm.CommAxis.reduce_scatter; on the gloo ring one chunk at a
+            # time) and keeps it only until the collective lands.
+            inner_out = torch.empty(hi - lo, dtype=self.reduce_dtype, device=device)
+            first = self.inner.reduce_scatter(inner_out, self.grad_full, tag)
+        else:
+            inner_out, first = self._in_reduce_dtype(self.grad_full)[lo:hi], Handle()
         if not self.levels.outer.shard_grads:
             def add_inner():
                 self.ensure_grads().add_(self._scale(inner_out, self.inner))
-            return staged(Handle(first, then=add_inner, keep=(wire,)), *step)
-        piece_out = torch.empty(piece_hi - piece_lo, dtype=wire.dtype, device=wire.device)
+            return staged(Handle(first, then=add_inner), *step)
+        piece_out = torch.empty(piece_hi - piece_lo, dtype=self.reduce_dtype, device=device)
 
         def outer_stage() -> Handle:
             def add_piece():
                 self.ensure_grads().add_(self._scale(self._scale(piece_out, self.inner), self.outer))
             return Handle(self.outer.reduce_scatter(piece_out, inner_out, tag), then=add_piece, keep=(inner_out,))
-        return staged(Handle(first, keep=(wire,)), outer_stage, *step)
+        return staged(first, outer_stage, *step)
 
     def reduce_step(self, tag: str) -> Handle:
         """The once-per-step stages: whatever the levels did not reduce every micro-batch."""

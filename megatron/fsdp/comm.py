@@ -253,9 +253,11 @@ class CommAxis:
             raise RuntimeError("a process group was given but torch.distributed is not initialised")
         self.gloo_reduce_scatter = path if self._gloo else None
 
-    def _record(self, kind: str, tensor: torch.Tensor, tag: str, passes: int) -> None:
-        """Record a collective on the full buffer ``tensor``; ``passes`` times ``(N-1)/N`` of it leave this rank."""
-        nbytes = tensor.numel() * tensor.element_size()
+    def _record(self, kind: str, tensor: torch.Tensor, tag: str, passes: int,
+                element_size: Optional[int] = None) -> None:
+        """Record a collective on the full buffer ``tensor`` (elements of ``element_size`` bytes on the
+        wire, default its own); ``passes`` times ``(N-1)/N`` of it leave this rank."""
+        nbytes = tensor.numel() * (element_size or tensor.element_size())
         self.ledger.record(kind, self.name, nbytes, tag, passes * ring_wire_bytes(nbytes, self.size))
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, tag: str = "") -> Handle:
@@ -272,16 +274,26 @@ class CommAxis:
 
         On gloo (CPU tensors) a ring of point-to-point messages, unless the native
         all-reduce was asked for; it is as asynchronous as the native call.
+
+        ``full`` may be in another dtype than ``output`` (bf16 gradients reduced in fp32):
+        the reduction is that of ``full.to(output.dtype)``, and it is recorded in
+        ``output``'s dtype, the bytes that travel. Why here and not in the caller: the ring
+        widens one chunk at a time, so a whole widened copy of a unit's gradient (twice
+        its bf16 size) never exists, and the ring releases ``full`` when it lands; other
+        paths widen the whole buffer first and keep it until the collective is waited.
         """
         if self.size == 1:
             output.copy_(full)
             return Handle()
-        if self.gloo_reduce_scatter == "ring" and full.device.type == "cpu":
+        ring = self.gloo_reduce_scatter == "ring" and full.device.type == "cpu"
+        if full.dtype != output.dtype and not (ring and torch.promote_types(full.dtype, output.dtype) == output.dtype):
+            full = full.to(output.dtype)  # a narrowing, or a path that cannot widen as it goes
+        if ring:
             work = ring_reduce_scatter(output, full, self.group, self.rank, self.size)  # checks sizes first
-            self._record("reduce_scatter", full, tag, 1)
+            self._record("reduce_scatter", full, tag, 1, output.element_size())
             return Handle(work, what=("reduce_scatter", self.name, tag))
         self._record("reduce_scatter", full, tag, 2 if self._gloo else 1)  # gloo: an all-reduce inside
-        return Handle(_REDUCE_SCATTER(output, full, group=self.group, async_op=True),
+        return Handle(_REDUCE_SCATTER(output, full, group=self.group, async_op=True), keep=(full,),
                       what=("reduce_scatter", self.name, tag))
 
     def broadcast(self, tensor: torch.Tensor, tag: str = "") -> Handle:

@@ -213,11 +213,19 @@ def ring_reduce_scatter(output: torch.Tensor, full: torch.Tensor, group, rank: i
     touched by the caller until ``wait()``. Chunk ``c`` starts at rank ``c + 1`` and
     travels round the ring, so its sum is ``((x[c+1] + x[c+2]) + ...) + x[c]``: a fixed
     order, the same on every run.
+
+    ``full`` may be narrower than ``output`` (bf16 gradients, an fp32 reduction): the sum is
+    that of ``full.to(output.dtype)``, bit for bit, but only the chunk sent first is ever
+    cast (1/N of the buffer, while it is on the wire) and the others are added from
+    ``full`` as they are (an exact widening inside the add), so a whole widened copy of
+    the buffer never exists. The ring holds ``full`` until it has finished, then drops
+    it: the caller's input is released when the ring lands, not when it is waited.
     """
     n = output.numel()
-    if full.numel() != n * size or full.dtype != output.dtype:
-        raise ValueError(f"reduce_scatter needs full.numel() == {size} * output.numel() and one dtype; "
-                         f"got {full.numel()} ({full.dtype}) and {n} ({output.dtype})")
+    if full.numel() != n * size or (full.dtype != output.dtype
+                                    and torch.promote_types(full.dtype, output.dtype) != output.dtype):
+        raise ValueError(f"reduce_scatter needs full.numel() == {size} * output.numel() and an output dtype at "
+                         f"least as wide; got {full.numel()} ({full.dtype}) and {n} ({output.dtype})")
     if not full.is_contiguous() or not output.is_contiguous():
         raise ValueError("reduce_scatter needs contiguous tensors")
     if n == 0:  # nothing to send; every rank sees the same sizes, so no rank draws tags
@@ -229,7 +237,7 @@ def ring_reduce_scatter(output: torch.Tensor, full: torch.Tensor, group, rank: i
     def run() -> None:
         received = torch.empty_like(output)
         partial = torch.empty_like(output) if size > 2 else output  # running sum sent on
-        outgoing = chunks[pred]  # step 0: the chunk whose sum starts at this rank
+        outgoing = chunks[pred].to(output.dtype)  # step 0: the chunk whose sum starts at this rank
         for step in range(size - 1):
             tag = first_tag + step
             recv = dist.irecv(received, group=group, group_src=pred, tag=tag)

@@ -137,6 +137,41 @@ def returns_before_peers_arrive(ctx, delay):
     return {"issue_s": issued, "total_ok": bool((out == axis.size).all())}
 
 
+def widening(ctx, numels):
+    """bf16 inputs reduced into fp32 outputs: the ring widens as it goes, the native path first.
+
+    Both must give, bit for bit, the reduction of the fp32-widened input; the ledger counts
+    fp32 bytes; and the ring drops its input when it has landed, before anyone waits.
+    """
+    import gc
+    import weakref
+
+    ledger = Ledger()
+    ring = CommAxis("ring", ctx.group, ledger, gloo_reduce_scatter="ring")
+    native = CommAxis("native", ctx.group, ledger, gloo_reduce_scatter="allreduce")
+    out = {"equal": [], "released_before_wait": []}
+    for numel in numels:
+        full = _full(ring.rank, ring.size, numel, torch.bfloat16, False, numel)
+        widened = full.float()
+        want, want_native = torch.empty(numel), torch.empty(numel)  # each path's own order of additions
+        ring.reduce_scatter(want, widened).wait()
+        native.reduce_scatter(want_native, widened).wait()
+        got_ring, got_native = torch.empty(numel), torch.empty(numel)
+        src = full.clone()
+        src_ref = weakref.ref(src)
+        handle = ring.reduce_scatter(got_ring, src)
+        del src  # the ring now holds the only reference
+        native.reduce_scatter(got_native, full).wait()
+        while not handle.is_completed():  # it lands without being waited
+            time.sleep(0.01)
+        gc.collect()
+        out["released_before_wait"].append(src_ref() is None)
+        handle.wait()
+        out["equal"].append(torch.equal(got_ring, want) and torch.equal(got_native, want_native))
+    out["ledger"] = {name: ledger.bytes("reduce_scatter", name) for name in ("ring", "native")}
+    return out
+
+
 def env_selects_path(ctx, value):
     import os
 
@@ -253,6 +288,16 @@ def test_call_returns_before_peers_arrive(pool):
     results = pool.run(returns_before_peers_arrive, size=3, timeout=TIMEOUT, delay=2.0)
     assert all(r["total_ok"] for r in results)
     assert max(r["issue_s"] for r in results[:-1]) < 1.0, results
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_narrower_input_widened_bitwise_and_released_when_the_ring_lands(pool, size):
+    numels = [0, 1, 7, 100_003]
+    for rank, result in enumerate(pool.run(CASES + "widening", size=size, timeout=TIMEOUT, numels=numels)):
+        assert all(result["equal"]), (rank, result)
+        assert all(result["released_before_wait"]), (rank, result)
+        fp32_bytes = 4 * size * sum(numels)
+        assert result["ledger"] == {"ring": 2 * fp32_bytes, "native": 2 * fp32_bytes}, (rank, result)
 
 
 @pytest.mark.parametrize("value", ["ring", "allreduce"])

@@ -1,6 +1,7 @@
-"""Persistent memory per rank equals the closed-form amount of each level."""
+"""Persistent memory per rank equals the closed-form amount of each level; a reduction widens no whole gradient."""
 
 import pytest
+import torch
 
 from tests.cases import engine as cases
 from tests.cases.common import LEVELS
@@ -21,3 +22,47 @@ def test_no_full_parameters_remain_after_zero3_backward(pool):
     result = pool.run(cases.gather_schedule, size=3, micro_batches=2, recompute=True)[0]
     assert result["resident_after_step"] == []
     assert result["transient_grads_after_step"] == []
+
+
+def widened_gradients(ctx):
+    """bf16 ZeRO-3, two steps: fp32 tensors of a whole unit's size that the backward's ops create.
+
+    Watched by a dispatch mode on the training thread (the gloo ring's worker, which widens
+    one 1/N chunk at a time, is not watched); returns the ops that made one, and the losses.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from tests.engine.training import GLOBAL_MICRO_BATCH, RunConfig, local_slice, make_batches, wrap
+
+    cfg = RunConfig(bf16=True, steps=2)
+    fsdp, opt = wrap(ctx, cfg)
+    sizes = {unit.storage.layout.padded_size for unit in fsdp.units if unit.storage.trainable_params}
+    hits = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() in sizes:
+                    hits.append(str(func))
+            return out
+
+    for step in make_batches(cfg.steps, cfg.micro_batches, GLOBAL_MICRO_BATCH):
+        for tokens, targets in step:
+            loss = fsdp(local_slice(ctx, tokens), local_slice(ctx, targets))
+            with Watch():
+                loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {"hits": hits, "units": len(sizes)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bf16_gradients_reduced_without_a_whole_fp32_copy(pool, world_size):
+    """Why: each reduction in flight held an fp32 copy of its unit's gradient (twice the bf16
+    size) until it was waited, the largest transient of the early backward (docs/performance.md,
+    "Peak memory against FSDP2"); the ring widens one chunk at a time instead."""
+    for rank, result in enumerate(pool.run("tests.engine.test_memory:widened_gradients", size=world_size)):
+        assert result["units"] > 1, result
+        assert result["hits"] == [], (rank, result["hits"][:5])

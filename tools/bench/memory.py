@@ -12,12 +12,13 @@ persistent bytes split the same way for both systems (``measure.persistent_break
 the weights the optimizer updates, their gradients, the optimizer state, and everything
 else alive between steps (``other``: buffers, staging, caches).
 
-Each configuration runs twice: as launched, and with ``MALLOC_ARENA_MAX=1`` in every rank's
-environment, applied to both systems alike. That second reading is a diagnosis, not the
-result: glibc gives each new thread its own malloc arena, and a gloo reduce-scatter that
-starts a thread per call (this engine's ring, until it runs on long-lived workers) leaves
-memory in arenas that ``malloc_trim`` cannot return, so the resident set grows with the
-number of arenas rather than with what the training step needs.
+Each configuration runs twice by default, both systems alike: as launched by the training
+job (``default``: the job's fixed glibc mmap threshold, ``megatron/training/allocator.py``,
+set in every rank before the model is built, as ``initialize`` does for pretrain_gpt.py),
+and under glibc's own defaults (``glibc``), whose mmap threshold rises after a large free so
+that freed blocks stay resident. ``1`` (``MALLOC_ARENA_MAX=1``: one malloc arena for all
+threads) and ``mmap`` (``MALLOC_MMAP_THRESHOLD_=65536`` in the environment) are diagnoses
+on top of glibc's defaults.
 
 On a CPU that emulates bf16 matrix products (no AVX512-BF16 or AMX) a 70M bf16 step takes
 most of an hour, so by default (``--upcast-bf16 auto``) the ranks run bf16 linears and
@@ -53,11 +54,12 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 SYSTEMS = ("fsdp2", "ours:optim_grads_params", "ours:optim_grads_params:bf16-state")
 LABELS = {"fsdp2": "FSDP2", "ours:optim_grads_params": "ours ZeRO-3, fp32 state",
           "ours:optim_grads_params:bf16-state": "ours ZeRO-3, bf16 state"}
-# glibc settings of the ranks: as launched; one arena (MALLOC_ARENA_MAX=1); a fixed 64 KiB mmap
-# threshold (MALLOC_MMAP_THRESHOLD_, which also stops glibc raising it after large frees), so
-# every large block is mapped on allocation and unmapped on free and the resident set follows
-# the live tensors rather than heap fragmentation (diagnoses)
-ARENAS = ("default", "1", "mmap")
+# glibc settings of the ranks: as launched by the training job (its fixed mmap threshold,
+# megatron.training.allocator); glibc's defaults; one arena (MALLOC_ARENA_MAX=1); a fixed 64 KiB
+# mmap threshold from the environment (MALLOC_MMAP_THRESHOLD_, which also stops glibc raising it
+# after large frees), so every large block is mapped on allocation and unmapped on free and the
+# resident set follows the live tensors rather than heap fragmentation (diagnoses)
+ARENAS = ("default", "glibc", "1", "mmap")
 _MALLOC_ENV = {"1": ("MALLOC_ARENA_MAX", "1"), "mmap": ("MALLOC_MMAP_THRESHOLD_", "65536")}
 BREAKDOWN = ("weights", "grads", "state", "other")  # measure.persistent_breakdown, largest rank of each
 TARGET = 0.92  # ours (fp32 state) / FSDP2 peak, at every world size
@@ -69,9 +71,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--ranks", nargs="+", type=int, default=[2, 4])
     p.add_argument("--size", choices=list(SIZES), default="70M")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
-    p.add_argument("--arenas", nargs="+", choices=ARENAS, default=["default", "1"],
-                   help="glibc settings: 'default' (as launched), '1' (MALLOC_ARENA_MAX=1), "
-                        "'mmap' (MALLOC_MMAP_THRESHOLD_=65536)")
+    p.add_argument("--arenas", nargs="+", choices=ARENAS, default=["default", "glibc"],
+                   help="glibc settings: 'default' (as the training job launches: its fixed mmap threshold), "
+                        "'glibc' (glibc's defaults), '1' (MALLOC_ARENA_MAX=1), 'mmap' (MALLOC_MMAP_THRESHOLD_=65536)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps (the optimizer state appears in the first)")
     p.add_argument("--steps", type=int, default=2, help="timed steps over which the peak is taken")
     p.add_argument("--rounds", type=int, default=1, help="runs of each system (the table shows the median)")
@@ -86,7 +88,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 @contextlib.contextmanager
 def _arena_env(setting: str):
     """The glibc setting for the ranks a pool spawns now (glibc reads it at process start)."""
-    if setting == "default":
+    if setting not in _MALLOC_ENV:
         yield
         return
     name, value = _MALLOC_ENV[setting]
@@ -114,7 +116,8 @@ def run_all(args, log=print) -> List[Dict]:
         for arena in args.arenas:
             with _arena_env(arena):
                 pool = WorkerPool(ranks, start_timeout=900.0)
-            settings = dict(bf16=True, threads=max(1, (os.cpu_count() or 1) // ranks), upcast_bf16=args.upcast)
+            settings = dict(bf16=True, threads=max(1, (os.cpu_count() or 1) // ranks), upcast_bf16=args.upcast,
+                            job_allocator=arena == "default")
             try:
                 # One discarded tiny step per system: imports and one-time allocations.
                 for system in args.systems:
@@ -132,7 +135,7 @@ def run_all(args, log=print) -> List[Dict]:
                                                 for kind in BREAKDOWN},
                                   "step_s": _median([max(ts) for ts in zip(*(r["times"] for r in per_rank))])}
                         records.append(record)
-                        log(f"[N={ranks} MALLOC_ARENA_MAX={arena}] {LABELS[system]}: peak "
+                        log(f"[N={ranks} allocator={arena}] {LABELS[system]}: peak "
                             f"{record['peak_bytes'] / MIB:.1f} MiB ({time.perf_counter() - start:.0f} s)")
             finally:
                 pool.close()
@@ -162,7 +165,7 @@ def rows(records: List[Dict]) -> List[Dict]:
 
 
 def format_table(table: List[Dict]) -> str:
-    head = (f"{'N':>2} {'MALLOC_ARENA_MAX':>16} {'system':<26} | {'peak MiB':>9} {'x FSDP2':>8} | "
+    head = (f"{'N':>2} {'allocator':>16} {'system':<26} | {'peak MiB':>9} {'x FSDP2':>8} | "
             f"{'persist MiB':>11} {'x FSDP2':>8} | " + " ".join(f"{k:>7}" for k in BREAKDOWN) + f" | {'step s':>7}")
     lines = [head, "-" * len(head)]
     for r in table:

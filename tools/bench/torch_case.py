@@ -103,13 +103,18 @@ def build_system(system: str, model: torch.nn.Module, tokens: torch.Tensor, bf16
 
 
 def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, threads: int,
-        upcast_bf16: bool = False) -> dict:
+        upcast_bf16: bool = False, job_allocator: bool = False) -> dict:
     """Build ``system`` on ``size_name``, train ``warmup + steps`` steps, return this rank's figures.
 
     ``upcast_bf16``: bf16 linears and attention through fp32 kernels (``bf16_support``), for
     CPUs that emulate bf16 matrix products; it stays installed in the worker process.
+    ``job_allocator``: glibc's mmap threshold fixed as the training job fixes it
+    (``megatron.training.allocator``), whatever the system; process-wide, it stays set too.
     """
     M.prepare_worker(threads)
+    if job_allocator:
+        from megatron.training.allocator import fix_mmap_threshold
+        fix_mmap_threshold()
     if upcast_bf16:
         from tools.bench.bf16_support import upcast_bf16_kernels
         upcast_bf16_kernels()

@@ -44,12 +44,9 @@ def return_large_buffers_to_the_os() -> None:
     (``mallopt(M_MMAP_THRESHOLD)``, as ``MALLOC_MMAP_THRESHOLD_`` would set) stops that. No-op
     where glibc is not the allocator.
     """
-    try:
-        import ctypes
+    from megatron.training.allocator import fix_mmap_threshold
 
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
+    fix_mmap_threshold(1 << 20)
 
 
 def _status_bytes(field: str) -> int:
