@@ -293,7 +293,7 @@ def test_call_returns_before_peers_arrive(pool):
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_narrower_input_widened_bitwise_and_released_when_the_ring_lands(pool, size):
     numels = [0, 1, 7, 100_003]
-    for rank, result in enumerate(pool.run(CASES + "widening", size=size, timeout=TIMEOUT, numels=numels)):
+    for rank, result in enumerate(pool.run(widening, size=size, timeout=TIMEOUT, numels=numels)):
         assert all(result["equal"]), (rank, result)
         assert all(result["released_before_wait"]), (rank, result)
         fp32_bytes = 4 * size * sum(numels)

@@ -33,7 +33,7 @@ def widened_gradients(ctx):
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
-    from tests.engine.training import GLOBAL_MICRO_BATCH, RunConfig, local_slice, make_batches, wrap
+    from tests.cases.engine_training import GLOBAL_MICRO_BATCH, RunConfig, local_slice, make_batches, wrap
 
     cfg = RunConfig(bf16=True, steps=2)
     fsdp, opt = wrap(ctx, cfg)
@@ -63,6 +63,6 @@ def test_bf16_gradients_reduced_without_a_whole_fp32_copy(pool, world_size):
     """Why: each reduction in flight held an fp32 copy of its unit's gradient (twice the bf16
     size) until it was waited, the largest transient of the early backward (docs/performance.md,
     "Peak memory against FSDP2"); the ring widens one chunk at a time instead."""
-    for rank, result in enumerate(pool.run("tests.engine.test_memory:widened_gradients", size=world_size)):
+    for rank, result in enumerate(pool.run(widened_gradients, size=world_size)):
         assert result["units"] > 1, result
         assert result["hits"] == [], (rank, result["hits"][:5])

@@ -168,7 +168,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     pool = WorkerPool(args.ranks, start_timeout=900.0)
     threads = max(1, (os.cpu_count() or 1) // args.ranks)
     profiles = {}
-    target = "tools.bench.memory_phases:case"
+    target = case
     job = args.allocator == "default"
     try:
         for system in args.systems:  # one discarded tiny run each: imports and one-time allocations
