@@ -94,7 +94,7 @@ def grad_traffic(ctx, strategy: str, micro_batches: int, mesh=None, outer_strate
     train_step(ctx, fsdp, opt, step, cfg, after_micro_batch=snapshot)
     units_with_grads = sum(1 for u in fsdp.units if u.num_trainable)
     trainable = sum(p.numel() for p in build_model(cfg).parameters() if p.requires_grad)
-    n, m = fsdp.inner_axis.size, fsdp.outer_axis.size
+    n, m = fsdp.sections["dense"].inner.size, fsdp.sections["dense"].outer.size
     inner, outer = fsdp.levels.inner, fsdp.levels.outer
     # Theory: the inner axis reduces the whole gradient (every micro-batch if it
     # shards grads); the outer axis reduces what the inner level left on this
@@ -131,7 +131,7 @@ def memory(ctx, strategy: str, bf16: bool, mesh=None, outer_strategy=None):
     model = build_model(cfg)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    n, m = fsdp.inner_axis.size, fsdp.outer_axis.size
+    n, m = fsdp.sections["dense"].inner.size, fsdp.sections["dense"].outer.size
     inner, outer = fsdp.levels.inner, fsdp.levels.outer
 
     def split(shard_inner: bool, shard_outer: bool) -> int:
