@@ -266,6 +266,21 @@ def adapter_hooks(ctx, strategy: str):
     fsdp.broadcast_params()
     full = fsdp.full_state_dict()
     results["norm_weight_sum"] = float(full["norm.weight"].sum())
+    # load_full_state_dict (the DCP load's install path): drifted main weights back to ``full``, and
+    # compute weights rebuilt from them (the same loss, bitwise, as after the first load; before it,
+    # under optim/optim_grads, the compute weights still hold the drift of the other ranks' ranges).
+    tokens, targets = make_batches(1, 1, GLOBAL_MICRO_BATCH)[0][0]
+    fsdp.load_full_state_dict(full)
+    with torch.no_grad():
+        loss = fsdp(local_slice(ctx, tokens), local_slice(ctx, targets)).item()
+    for unit in fsdp.units:
+        unit.storage.main.add_(1.0)
+    fsdp.install_updated_weights()
+    fsdp.load_full_state_dict(full)
+    with torch.no_grad():
+        reloaded = fsdp(local_slice(ctx, tokens), local_slice(ctx, targets)).item()
+    results["load_full_state_dict"] = (all(torch.equal(v, full[k]) for k, v in fsdp.full_state_dict().items())
+                                       and reloaded == loss)
     # A module instance can be a unit.
     model = build_model(cfg)
     fsdp = mfsdp.fully_shard(model, strategy=strategy, unit_modules=(model.blocks[1],), process_group=ctx.group)
