@@ -15,8 +15,8 @@ counted from 0) twice over:
 * the engine's timeline (``megatron.fsdp.profiling``) gives the printed table: for each
   unit and each of its collectives, when it was issued, when it had landed, how long the
   compute thread waited for it, which later stages of a multi-stage collective the schedule
-  issued at a later unit's compute end, and which were only issued inside the final wait
-  (see docs/mesh.md "What overlaps").
+  issued at a later compute boundary, and which were only issued inside the final wait
+  (with ``reductions_in_flight=0``; see docs/mesh.md "What overlaps").
 
 "Landed" is what the process can observe without polling: ``<= t`` when the collective
 had already completed when its wait began at ``t`` (compute did not wait), else the time

@@ -14,7 +14,8 @@ from .layout import FlatLayout, ParamSpec, build_layout
 from .matrix_optimizer import TensorShards
 from .mesh import DataParallelMesh, build_mesh
 from .mixed_precision import MixedPrecision
-from .module import FullyShardedModule, PersistentMemory, fully_shard, megatron_no_weight_decay
+from .build import fully_shard, megatron_no_weight_decay
+from .module import FullyShardedModule, PersistentMemory
 from .optimizer import FullyShardedOptimizer
 from .precision_optimizer import OptimizerPrecision
 from .runtime import Overlap

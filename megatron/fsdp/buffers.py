@@ -237,17 +237,11 @@ class UnitStorage:
             raise RuntimeError(f"buffer range [{a}, {b}) has no persistent compute weights (kept: [{lo}, {hi}))")
         return self.shard[a - lo:b - lo]
 
-    _compute_slice = compute_slice  # the former private name, kept for branches that still call it
 
     @property
     def resident(self) -> bool:
         """The full buffer is allocated: it holds the weights or an all-gather is filling it."""
         return self.residency is not Residency.SHARDED
-
-    @property
-    def weights_ready(self) -> bool:
-        """The full weights are in place and the parameters point at them."""
-        return self.residency is Residency.FULL
 
     def _attach_params(self) -> None:
         for p, view in zip(self.params, self.views):

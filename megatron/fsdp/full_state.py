@@ -1,9 +1,12 @@
 """Full (unsharded) state of a wrapped model: ``full_state_dict``, ``load_full_state_dict``, ``broadcast_params``.
 
-Apart from the DCP path (``checkpoint.py``: per-rank pieces, any mesh at load time), these
-move whole buffers: every rank builds a unit's full buffer in main dtype (summing the
-owners' pieces over each axis whose level shards optimizer state), and a rank that holds
-the full buffer writes its own ranges from it without further collectives.
+Apart from the DCP path (``checkpoint.py``: per-rank pieces, any mesh at load time),
+``full_state_dict`` and ``broadcast_params`` move whole buffers: every rank builds a unit's
+full buffer in main dtype (summing the owners' pieces over each axis whose level shards
+optimizer state), and after the broadcast a rank that holds the full buffer writes its own
+ranges from it without further collectives. Loading full tensors takes the DCP load's
+path: each rank cuts its owned pieces out of them and ``checkpoint.install_pieces``
+writes them and rebuilds the compute weights, the one place loaded values reach storage.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Dict
 import torch
 
 from .buffers import UnitStorage
+from .checkpoint import install_pieces, owned_pieces
 
 
 def gathered_main(s: UnitStorage) -> torch.Tensor:
@@ -38,7 +42,8 @@ def gathered_main(s: UnitStorage) -> torch.Tensor:
 
 @torch.no_grad()
 def load_flat(s: UnitStorage, flat: torch.Tensor) -> None:
-    """Write a full main-dtype buffer into this rank's main and compute storage (no collective)."""
+    """Write a full main-dtype buffer that every rank of the unit holds (after ``broadcast_params``'
+    broadcast) into this rank's main and compute storage (no collective)."""
     a, b = s.regions.main
     if not s.shares_main:
         s.main.copy_(flat[a:b])
@@ -89,19 +94,16 @@ def load_full_state_dict(model, state_dict: Dict[str, torch.Tensor], strict: boo
     unexpected = [k for k in state_dict if k not in names and k not in buffers]
     if strict and (missing or unexpected):
         raise KeyError(f"state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    model.wait_weights()
+    pieces = {}
+    for unit in model.units:  # every check before anything is written
+        for p in owned_pieces(unit):
+            if p.name in state_dict:
+                value = state_dict[p.name].detach()
+                if tuple(value.shape) != p.shape:
+                    raise ValueError(f"{p.name}: shape {tuple(value.shape)} in the state dict, {p.shape} in the model")
+                pieces[p.name] = value.reshape(-1)[p.param_lo:p.param_lo + p.b - p.a]
+    install_pieces(model, pieces)
     with torch.no_grad():
-        for unit in model.units:
-            s = unit.storage
-            flat = gathered_main(s)
-            for name, slot in zip(unit.param_names, s.layout.slots):
-                if name in state_dict:
-                    value = state_dict[name]
-                    if tuple(value.shape) != slot.spec.shape:
-                        raise ValueError(f"{name}: shape {tuple(value.shape)} in the state dict, "
-                                         f"{slot.spec.shape} in the model")
-                    flat[slot.start:slot.end].copy_(value.reshape(-1))
-            load_flat(s, flat)
         for name, buf in buffers.items():
             if name in state_dict:
                 buf.copy_(state_dict[name])

@@ -182,11 +182,6 @@ def submit(group, run) -> RingWork:
     return _worker_for(group).submit(RingWork(run))
 
 
-def live_workers() -> int:
-    """Worker threads still running (one per process group that has run a ring and is alive)."""
-    return sum(1 for w in list(_all_workers) if w._thread.is_alive())
-
-
 def shutdown_workers(timeout: float = 60.0) -> bool:
     """Finish every ring already issued and end every worker thread; True when all ended in time.
 

@@ -221,10 +221,6 @@ class MatrixOptimizer:
     def is_matrix(self, model: int, name: str) -> bool:
         return (model, name) in self.names
 
-    def grad_pieces(self) -> List[Tuple[str, torch.Tensor]]:
-        """``(section, this rank's gradient piece)`` of every matrix (for the global norm and clipping)."""
-        return [(mu.storage.section, g) for mu in self.units for g in mu.grads if g.numel()]
-
     def state_bytes(self) -> int:
         return sum(mu.momentum.untyped_storage().nbytes() for mu in self.units)
 
@@ -409,14 +405,6 @@ class MatrixOptimizer:
             param.mul_(1 - lr * wd)
             param.add_(held[j], alpha=-adjusted)
 
-    # ------------------------------------------------------------- reporting
-    def traffic_theory(self) -> Dict[str, float]:
-        """Per section: bf16 bytes of every matrix, and the owner-set size (for ledger checks)."""
-        out: Dict[str, float] = {}
-        for mu in self.units:
-            out[mu.storage.section] = out.get(mu.storage.section, 0) + 2 * sum(m.numel for m in mu.matrices)
-        return out
-
 
 def _length(r) -> int:
     return r[1] - r[0]
@@ -427,8 +415,3 @@ def _cat(parts: List[torch.Tensor], held: Dict[int, torch.Tensor], dtype: torch.
         return torch.cat(parts)
     some = next(iter(held.values()), None)
     return torch.empty(0, dtype=dtype, device=some.device if some is not None else "cpu")
-
-
-def matrix_numel(optimizer: MatrixOptimizer) -> int:
-    return sum(m.numel for mu in optimizer.units for m in mu.matrices)
-

@@ -92,8 +92,9 @@ class FullyShardedOptimizer:
         weight_decay = optimizer_kwargs.get("weight_decay", 0.0)
         groups = {False: [], True: [], MATRIX: []}
         self._grads: List[torch.Tensor] = []
-        # (optimizer tensor, its gradient view): attached while the accumulators exist
-        # (``_grads_ready``), detached when ``zero_grad`` releases them.
+        # (optimizer tensor, its gradient view): attached by ``finish_grad_sync`` (after the
+        # models' own ``finish_grad_sync`` has allocated every accumulator), detached when
+        # ``zero_grad`` releases them.
         self._grad_of: List[tuple] = []
         self._grads_attached = False
         self._norm_grads: Dict[str, List[torch.Tensor]] = {name: [] for name in first.sections}
@@ -192,19 +193,27 @@ class FullyShardedOptimizer:
             axis.all_reduce(value, tag="grad_norm").wait()
         return value
 
-    def _grads_ready(self) -> None:
-        """Every gradient accumulator allocated (zeros where no gradient arrived) and attached."""
-        for model in self.models:
-            for unit in model.units:
-                unit.storage.ensure_grads()
+    def _attach_grads(self) -> None:
+        """Point every optimizer tensor's gradient at its accumulator view (once per step).
+
+        The accumulators exist by now: each model's ``finish_grad_sync`` allocates the
+        ones no gradient reached (zeros), the one place that rule lives (``runtime.py``).
+        """
         if not self._grads_attached:
             for weight, grad in self._grad_of:
                 attach_grad(weight, grad)
             self._grads_attached = True
 
+    def _require_synced_grads(self, call: str) -> None:
+        """``call`` reads the reduced gradients: refuse before ``finish_grad_sync`` instead of
+        reading unreduced or released accumulators."""
+        if not self._grads_attached:
+            raise RuntimeError(f"FullyShardedOptimizer.{call}() needs the reduced gradients: call "
+                               "finish_grad_sync() first (step() does)")
+
     def grad_norm(self) -> float:
         """Global L2 norm of the gradients: every element of every section counted exactly once."""
-        self._grads_ready()
+        self._require_synced_grads("grad_norm")
         total = 0.0
         for section, grads in self._norm_grads.items():
             device = self._grads[0].device if self._grads else torch.device("cpu")
@@ -222,10 +231,10 @@ class FullyShardedOptimizer:
                                    "run loss.backward() on the wrapped model first")
         for model in self.models:
             model.finish_grad_sync()
-        self._grads_ready()
+        self._attach_grads()
 
     def clip_grads(self, norm: float) -> None:
-        self._grads_ready()
+        self._require_synced_grads("clip_grads")
         if self.clip_grad > 0.0 and math.isfinite(norm):
             coef = self.clip_grad / (norm + 1.0e-6)
             if coef < 1.0:
@@ -234,7 +243,7 @@ class FullyShardedOptimizer:
     @torch.no_grad()
     def step_with_ready_grads(self) -> None:
         """Update the shards and install the new weights (gathers overlap the next forward)."""
-        self._grads_ready()
+        self._require_synced_grads("step_with_ready_grads")
         if self.matrix is None:
             self.optimizer.step()
         else:  # the elementwise step runs while the first unit's matrix pieces travel

@@ -73,10 +73,6 @@ class Timeline:
         return hits[nth]
 
 
-def active_timeline() -> Optional[Timeline]:
-    return _timeline
-
-
 @contextlib.contextmanager
 def recording() -> Iterator[Timeline]:
     """Record the schedule of this process into a fresh :class:`Timeline` while inside."""

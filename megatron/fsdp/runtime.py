@@ -21,15 +21,28 @@ Multi-stage collectives (a :class:`~.comm.StagedHandle`: the outer then the inne
 of two-axis ZeRO-3 and of the HFSDP install; the inner reduce-scatter then the outer
 reduction of HSDP, HFSDP and two-axis ZeRO-3) advance at fixed points of the hook
 sequence, never from another thread and never on a timing decision (``is_completed``
-differs between ranks): each time a unit's compute ends (its post-forward, its
-post-backward), every multi-stage collective issued before that point, in issue order,
-waits for its current stage and issues its next one. The hook sequence is the same on
-every rank, so the order of collectives on every process group is too. A stage waited
-there has had one unit's compute to land: the second stage of unit k+1's gather is
-issued at the end of unit k's forward, the outer reduction of unit k at the end of unit
-k-1's backward. A stage's completion work (the gradient addition into the accumulator,
-the averaging, attaching the gathered parameters) runs right there, before the next
-stage is issued, or in the final wait (``Handle.wait``) if that comes first.
+differs between ranks). The hook sequence is the same on every rank, so the order of
+collectives on every process group is too. The points, each a compute boundary:
+
+* each time a unit's compute ends (its post-forward, its post-backward), every multi-stage
+  collective issued before that point, in issue order, waits for its current stage and
+  issues its next one (``_advance_staged``): the second stage of unit k+1's gather is
+  issued at the end of unit k's forward, the outer reduction of unit k at the end of unit
+  k-1's backward;
+* the root's pre-forward, when the root waits for a multi-stage gather of its own: the same
+  advance, so the first unit's second stage lands during the root's compute;
+* a unit's pre-hook (forward or backward), before it prefetches the next unit and waits:
+  its own stages still unissued (only the first unit of a pass has any: the root prefetched
+  it and no unit's compute has ended since) are issued, so they travel while the prefetch
+  is issued instead of inside the wait (``_gather_then_prefetch``);
+* the end of the backward and ``finish_grad_sync``, where no compute follows: every stage
+  still unissued, one round per stage, before the first reduction is waited
+  (``_issue_every_stage``), so the last reductions' outer stages travel together.
+
+Only ``reductions_in_flight=0`` issues a later stage inside a wait (each reduction is
+waited as soon as it is issued). A stage's completion work (the gradient addition into
+the accumulator, the averaging, attaching the gathered parameters) runs right where the
+stage is waited, before the next stage is issued, or in the final wait (``Handle.wait``).
 """
 
 from __future__ import annotations
@@ -72,6 +85,11 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _stages_left(handle: Optional[Handle]) -> bool:
+    """``handle`` is a multi-stage collective with stages not yet issued."""
+    return isinstance(handle, StagedHandle) and handle.stages_left > 0
+
+
 class Schedule:
     """The hooks' side of the schedule: what each forward/backward hook gathers, releases, reduces and
     advances, and the step hooks (``start_grad_sync``, ``finish_grad_sync``, ``after_step``)."""
@@ -105,11 +123,24 @@ class Schedule:
         self._order = []
         self._fwd_ends = []
         self._bwd_plan = None
-        if self.root is not None and self.root.state in (UnitState.IDLE, UnitState.UNSHARDING):
-            self.root.begin_use(UnitState.FORWARD)
+        root = self.root
+        if root is not None and root.state is UnitState.IDLE and not root.storage.resident:
+            self._track_staged("all_gather", root, root.start_unshard())
         self._prefetch(self._fwd_plan.first(self.overlap.forward_prefetch))
+        if root is not None and _stages_left(root.pending[1]):
+            # The root is about to wait for a multi-stage gather (or install) of its own, so
+            # this is a compute boundary: every multi-stage collective in flight moves one
+            # stage on first, and the first units' next stages land during the root's compute
+            # instead of being issued inside their waits.
+            self._advance_staged()
+        if root is not None and root.state in (UnitState.IDLE, UnitState.UNSHARDING):
+            root.begin_use(UnitState.FORWARD)
+        if root is not None:
+            profiling.mark("forward", "begin", root.name)
 
     def root_post_forward(self, output):
+        if self.root is not None:
+            profiling.mark("forward", "end", self.root.name)
         if torch.is_grad_enabled():
             self._register_pre_backward(self.root, output)
         else:
@@ -123,9 +154,9 @@ class Schedule:
             self._enter_backward(unit)
             return
         self._count_gather(unit, "forward")
-        unit.begin_use(UnitState.FORWARD)
         self._order.append(unit)
-        self._prefetch(self._fwd_plan.after(unit, self.overlap.forward_prefetch))
+        self._gather_then_prefetch(unit, self._fwd_plan.after(unit, self.overlap.forward_prefetch))
+        unit.begin_use(UnitState.FORWARD)
         profiling.mark("forward", "begin", unit.name)
 
     def post_forward(self, unit: FSDPUnit, output):
@@ -150,13 +181,25 @@ class Schedule:
             if unit.state is UnitState.IDLE and not unit.storage.resident:
                 self._track_staged("all_gather", unit, unit.start_unshard())
 
+    def _gather_then_prefetch(self, unit: FSDPUnit, ahead: List[FSDPUnit]) -> None:
+        """A unit's pre-hook, before it waits for its weights: its gather issued (on demand, if no
+        prefetch did), every stage of it still unissued issued now (its input has had the compute
+        before this hook to land), then the prefetch of the units ``ahead``, so the last stage
+        lands while those are issued. Only the first unit of a pass has stages left here (later
+        ones were advanced at the previous unit's compute end)."""
+        self._prefetch([unit])
+        kind, handle = unit.pending
+        while _stages_left(handle):
+            self._advance_one(kind, unit.name, handle)
+        self._prefetch(ahead)
+
     # ------------------------------------------------------ multi-stage collectives
     def _track_staged(self, kind: str, unit: FSDPUnit, handle: Handle) -> None:
-        if isinstance(handle, StagedHandle) and handle.stages_left:
+        if _stages_left(handle):
             self._staged.append((kind, unit.name, handle))
 
     def _advance_staged(self) -> None:
-        """A unit's compute ended: every multi-stage collective issued before now moves one stage on.
+        """A compute boundary: every multi-stage collective issued before now moves one stage on.
 
         In issue order, on this thread: the same collectives in the same order on every rank.
         """
@@ -164,10 +207,21 @@ class Schedule:
         for kind, name, handle in staged:
             if not handle.stages_left:
                 continue  # waited (all stages issued) since
-            with profiling.span("stage." + kind, name, waiting_on=handle.current):
-                handle.advance()
+            self._advance_one(kind, name, handle)
             if handle.stages_left:
                 self._staged.append((kind, name, handle))
+
+    def _issue_every_stage(self) -> None:
+        """No more compute follows (the end of the backward, ``finish_grad_sync``): issue every
+        stage still unissued, one round per stage in issue order, before anything is waited, so
+        the last stages of the last reductions travel together instead of one wait at a time."""
+        while self._staged:
+            self._advance_staged()
+
+    @staticmethod
+    def _advance_one(kind: str, name: str, handle: StagedHandle) -> None:
+        with profiling.span("stage." + kind, name, waiting_on=handle.current):
+            handle.advance()
 
     # --------------------------------------------------------------- backward
     def _register_pre_backward(self, unit: FSDPUnit, output) -> None:
@@ -189,16 +243,16 @@ class Schedule:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if unit is None or unit.state is UnitState.BACKWARD:
             return
-        if unit is not self.root:
-            self._count_gather(unit, "backward")
-        self._enter_backward(unit)
         depth = self.overlap.backward_prefetch
         if unit is self.root:  # the backward starts in the root: prefetch the first units of its plan
+            self._enter_backward(unit)
             self._prefetch(self._backward_plan().first(depth))
             return
+        self._count_gather(unit, "backward")
         plan = self._backward_plan()
         self._bwd_order.append(unit)
-        self._prefetch(plan.after(unit, depth))
+        self._gather_then_prefetch(unit, plan.after(unit, depth))
+        self._enter_backward(unit)
 
     def _enter_backward(self, unit: FSDPUnit) -> None:
         if unit.state is UnitState.FORWARD:
@@ -265,6 +319,7 @@ class Schedule:
         self._release_all()
         if self.sync_grads:
             self._reduce_unreduced()
+        self._issue_every_stage()
         self._drain()
         if self._bwd_order:
             self._last_bwd_plan = _Plan(self._bwd_order)
@@ -293,6 +348,7 @@ class Schedule:
         ``finalize_model_grads`` and the optimizer finishes it again.
         """
         self._reduce_unreduced()
+        self._issue_every_stage()
         self._drain()
         for unit in self.units:  # a unit that got no gradient this step has a zero one
             unit.storage.ensure_grads()
@@ -347,5 +403,3 @@ class _Plan:
         k = self._position.get(unit.index)
         return [] if k is None or depth == 0 else self.units[k + 1:k + 1 + depth]
 
-
-Runtime = Schedule  # the former name, kept importable for branches that still use it

@@ -24,7 +24,7 @@ are ``FULL``.
 from __future__ import annotations
 
 import enum
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -98,6 +98,12 @@ class FSDPUnit:
         with profiling.span("all_gather", self.name):
             self._pending = self.storage.unshard(tag=self.name)
         self._pending_kind = "all_gather"
+
+    @property
+    def pending(self) -> Tuple[str, Optional[Handle]]:
+        """What is in flight into the compute weights: ``("all_gather" or "install", handle)``;
+        the handle is None when nothing is."""
+        return self._pending_kind, self._pending
 
     def wait_weights(self) -> None:
         if self._pending is not None:

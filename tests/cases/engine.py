@@ -95,7 +95,7 @@ def grad_traffic(ctx, strategy: str, micro_batches: int, mesh=None, outer_strate
     train_step(ctx, fsdp, opt, step, cfg, after_micro_batch=snapshot)
     units_with_grads = sum(1 for u in fsdp.units if u.num_trainable)
     trainable = sum(p.numel() for p in build_model(cfg).parameters() if p.requires_grad)
-    n, m = fsdp.inner_axis.size, fsdp.outer_axis.size
+    n, m = fsdp.sections["dense"].inner.size, fsdp.sections["dense"].outer.size
     inner, outer = fsdp.levels.inner, fsdp.levels.outer
     # Theory: the inner axis reduces the whole gradient (every micro-batch if it
     # shards grads); the outer axis reduces what the inner level left on this
@@ -132,7 +132,7 @@ def memory(ctx, strategy: str, bf16: bool, mesh=None, outer_strategy=None):
     model = build_model(cfg)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    n, m = fsdp.inner_axis.size, fsdp.outer_axis.size
+    n, m = fsdp.sections["dense"].inner.size, fsdp.sections["dense"].outer.size
     inner, outer = fsdp.levels.inner, fsdp.levels.outer
 
     def split(shard_inner: bool, shard_outer: bool) -> int:
@@ -267,6 +267,21 @@ def adapter_hooks(ctx, strategy: str):
     fsdp.broadcast_params()
     full = fsdp.full_state_dict()
     results["norm_weight_sum"] = float(full["norm.weight"].sum())
+    # load_full_state_dict (the DCP load's install path): drifted main weights back to ``full``, and
+    # compute weights rebuilt from them (the same loss, bitwise, as after the first load; before it,
+    # under optim/optim_grads, the compute weights still hold the drift of the other ranks' ranges).
+    tokens, targets = make_batches(1, 1, GLOBAL_MICRO_BATCH)[0][0]
+    fsdp.load_full_state_dict(full)
+    with torch.no_grad():
+        loss = fsdp(local_slice(ctx, tokens), local_slice(ctx, targets)).item()
+    for unit in fsdp.units:
+        unit.storage.main.add_(1.0)
+    fsdp.install_updated_weights()
+    fsdp.load_full_state_dict(full)
+    with torch.no_grad():
+        reloaded = fsdp(local_slice(ctx, tokens), local_slice(ctx, targets)).item()
+    results["load_full_state_dict"] = (all(torch.equal(v, full[k]) for k, v in fsdp.full_state_dict().items())
+                                       and reloaded == loss)
     # A module instance can be a unit.
     model = build_model(cfg)
     fsdp = mfsdp.fully_shard(model, strategy=strategy, unit_modules=(model.blocks[1],), process_group=ctx.group)

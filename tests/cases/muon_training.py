@@ -117,10 +117,18 @@ def muon_run(ctx, cfg: RunConfig, muon: Optional[dict] = None, grouped: bool = F
         "losses": losses, "grad_norms": norms,
         "params": params if ctx.rank == 0 else None,
         "wire": wire, "calls": calls, "steps": dict(matrix.steps),
-        "matrix_bytes": {k: v for k, v in matrix.traffic_theory().items()},
+        "matrix_bytes": _matrix_bf16_bytes(matrix),
         "matrix_units": len(matrix.units),
         "planned": _planned_bf16_bytes(matrix),
     }
+
+
+def _matrix_bf16_bytes(matrix) -> Dict[str, int]:
+    """Per section, the bf16 bytes of every matrix (the theory the ledger's all-to-all bytes are held to)."""
+    out: Dict[str, int] = {}
+    for mu in matrix.units:
+        out[mu.storage.section] = out.get(mu.storage.section, 0) + 2 * sum(m.numel for m in mu.matrices)
+    return out
 
 
 def _planned_bf16_bytes(matrix) -> int:

@@ -12,6 +12,7 @@ def test_engine_hooks_for_the_adapter(pool, strategy):
     for r in results:
         assert r["sum_then_scale_equals_mean"]
         assert r["instance_units"] == ["<root>", "blocks.1"]
+        assert r["load_full_state_dict"]
     # Sharded optimizer levels: the three pieces tile embed.weight (67 x 32); no_shard: each rank holds all.
     expected = 67 * 32 * (3 if strategy == "no_shard" else 1)
     assert results[0]["embed_piece_total"] == expected

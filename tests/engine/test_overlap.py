@@ -8,6 +8,11 @@
   second stage of unit k+1's gather is issued before unit k's forward ends, the outer reduction
   of unit k before unit k-1's backward ends (``comm.StagedHandle``, advanced at each unit's
   compute end, see docs/mesh.md "What overlaps"), in the same order on every rank;
+* no stage is issued inside a wait, the first unit of each pass and the last reductions
+  included: the forward's first stages advance at the root's pre-forward (so they land during
+  the root's compute), the backward's first unit issues its second stage in its pre-hook
+  before it prefetches the next unit, and the last reductions' second stages are all issued
+  at the end of the backward before the first of them is waited;
 * every collective a unit issues runs inside a profiler range named by kind and unit.
 """
 
@@ -86,6 +91,12 @@ def test_two_stage_collectives_on_a_2x2_mesh(pool):
         # Every collective of a unit is issued inside a named range (the grad norm is the optimizer's).
         assert all(r[1] for r in rows if r[0] == "issue" and r[2] != "grad_norm"), [r for r in rows if not r[1]]
         assert max(_in_flight_at_backward_ends(rows)) == in_flight
+        if in_flight:
+            # With reductions in flight, no collective at all is issued inside a wait: every stage
+            # after the first is issued at a compute boundary (a stage.* range), the first unit of
+            # each pass and the last reductions of the backward included.
+            inside_waits = [r for r in rows if r[0] == "issue" and r[1].startswith("wait.")]
+            assert not inside_waits, inside_waits
 
     rows = full["rows"]
     forward, backward = _order(rows, "forward"), _order(rows, "backward")
@@ -106,6 +117,32 @@ def test_two_stage_collectives_on_a_2x2_mesh(pool):
         second, where = _issue(rows, k, "dp_outer", "reduce_scatter")
         assert where == "stage.reduce" and _pos(rows, "backward", "begin", j) < second < _pos(
             rows, "backward", "end", j), (k, j)
+
+    # The first unit of the forward: the root waits for its own two-stage gather in its pre-forward,
+    # so both its second stage and that of the first prefetched unit are issued there, before the
+    # root's compute begins; layers.0's inner all-gather lands during the root's compute.
+    root_compute = _pos(rows, "forward", "begin", "<root>")
+    for unit in ("<root>", forward[0]):
+        first, _ = _issue(rows, unit, "dp_outer", "all_gather")
+        second, where = _issue(rows, unit, "dp_shard", "all_gather")
+        assert where == "stage.all_gather" and first < second < root_compute, (unit, where)
+    assert _pos(rows, "begin", "wait.all_gather", forward[0]) > root_compute
+    # The first unit of the backward (prefetched by the root's pre-backward): its second stage is
+    # issued in its pre-hook, after the root's backward compute began and before the prefetch of
+    # the next unit and its own wait (nth=1: each unit's second gather of the step is its backward's).
+    last, before_last = backward[0], backward[1]
+    second, where = _issue(rows, last, "dp_shard", "all_gather", nth=1)
+    prefetch, _ = _issue(rows, before_last, "dp_outer", "all_gather", nth=1)
+    assert where == "stage.all_gather"
+    assert _pos(rows, "backward", "begin", "<root>") < second < prefetch < _pos(
+        rows, "begin", "wait.all_gather", last, nth=1), (second, prefetch)
+    # The last reductions: the root's (its parameters' gradients arrive last) and layers.0's outer
+    # reduce-scatters are issued before the end of the backward waits for either of them; the
+    # root's, with no compute left, at the end of the backward itself.
+    root_outer, where = _issue(rows, "<root>", "dp_outer", "reduce_scatter")
+    assert where == "stage.reduce" and _pos(rows, "backward", "end", "<root>") < root_outer
+    first_wait = min(_pos(rows, "begin", "wait.reduce", u) for u in ("<root>", backward[-1]))
+    assert root_outer < first_wait and _issue(rows, backward[-1], "dp_outer", "reduce_scatter")[0] < first_wait
 
     # No reduction in flight: the outer stage of unit k runs before unit k-1's backward begins,
     # at the price of waiting for the inner stage right there.
