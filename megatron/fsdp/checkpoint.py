@@ -126,7 +126,7 @@ def model_state_dict(model) -> Dict[str, Any]:
             s = unit.storage
             for p in owned_pieces(unit):
                 out[p.name] = staged_piece(piece_values(s, p), p.shape, p.param_lo, placement_of(model, p.name),
-                                           s.main_dtype)
+                                           s.main_dtype, stable=p.trainable)  # main weights: the step changes them
         for name, buf in persistent_buffers(model.module).items():
             out[name] = staged_copy(buf)
     return out
@@ -390,7 +390,7 @@ def optimizer_state_dict(optimizer, main_weights: bool = True) -> Dict[str, Any]
             for name, dtype in layout.shaped:
                 if run is not None and layout.initialized:
                     value = staged_piece(inner.state[run.tensor][name][p.a - run.a:p.b - run.a], p.shape,
-                                         p.param_lo, placement)
+                                         p.param_lo, placement, stable=True)
                 else:
                     value = sharded_piece(staged_zeros(p.b - p.a, dtype, s.main.device), p.shape, p.param_lo,
                                           placement)

@@ -25,6 +25,7 @@ atomic rename, tracker) is in ``checkpoint_files.py``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pickle
 import random
 import time
@@ -146,8 +147,8 @@ def _state_bytes(state: Mapping[str, Any]) -> int:
                else len(v) if isinstance(v, (bytes, bytearray)) else 256 for v in flat.values())
 
 
-def _prepare_directory(args, iteration: int, state: Mapping[str, Any]) -> Path:
-    """All ranks: the temporary directory of this save, after checking the free space (a collective).
+def _prepare_directory(args, iteration: int, state: Mapping[str, Any], group=None) -> Path:
+    """All ranks: the temporary directory of this save, after checking the free space (a collective on ``group``).
 
     Rank 0 creates ``--save``, checks the checkpoint's size (summed over ranks) against
     the free space and marks the temporary directory as this job's (``checkpoint_paths``);
@@ -155,7 +156,7 @@ def _prepare_directory(args, iteration: int, state: Mapping[str, Any]) -> Path:
     """
     rank, root = dist.get_rank(), Path(args.save)
     needed = torch.tensor([_state_bytes(state)], dtype=torch.int64)
-    dist.all_reduce(needed)
+    dist.all_reduce(needed, group=group)
     needed_bytes = int(needed.item()) + (1 << 20)  # common.json, manifest, DCP metadata
     plan: List[Any] = [None, None]
     if rank == 0:
@@ -166,47 +167,75 @@ def _prepare_directory(args, iteration: int, state: Mapping[str, Any]) -> Path:
                 paths.write_owner(files.temporary_dir(root, iteration, plan[0]))
         except OSError as exc:
             plan = [None, f"cannot save to --save {root}: {exc.strerror or exc}"]
-    dist.broadcast_object_list(plan, src=0)
+    dist.broadcast_object_list(plan, src=0, group=group)
     if plan[1]:
         raise CheckpointError(plan[1])
     return files.temporary_dir(root, iteration, plan[0])
 
 
-def save_state_dict(model, optimizer, arena=None) -> Dict[str, Any]:
+def save_state_dict(model, optimizer, arena=None, defer: bool = False) -> Dict[str, Any]:
     """What a save writes: copies of this rank's pieces (into ``arena``'s host buffers when given:
-    ``megatron/fsdp/staging.py``)."""
+    ``megatron/fsdp/staging.py``; ``defer``: the main weights' and optimizer state's copies only once
+    ``arena.copy_deferred()`` runs)."""
     from megatron.fsdp.staging import staging_into
 
     if arena is None:
         return _state_dict(model, optimizer, with_optimizer=True, with_rng=True, for_load=False)[0]
-    with staging_into(arena):
+    with staging_into(arena, defer):
         return _state_dict(model, optimizer, with_optimizer=True, with_rng=True, for_load=False)[0]
 
 
-def stage_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler, arena=None):
-    """Step 1 of a save (all ranks, a collective): this rank's pieces copied to host memory and DCP's plan.
+@dataclasses.dataclass
+class Snapshot:
+    """This rank's part of a save, taken on the training thread: host copies of its pieces and (rank 0)
+    ``common.json``. Everything after it (plan, write, publish) may run on another thread."""
 
-    Returns a ``save_steps.StagedSave``; ``write_step`` and ``save_steps.finish``
-    complete it (now, or in the background: ``async_save``, which passes its ``arena``).
-    """
+    iteration: int
+    state: Dict[str, Any]
+    common: Optional[Dict[str, Any]]
+    copy_seconds: float
+
+
+def snapshot(args, iteration: int, consumed_samples: int, model, optimizer, scheduler, arena=None,
+             defer: bool = False) -> Snapshot:
+    """Step 0 of a save (this rank, no collective): copies of this rank's pieces in host memory (into
+    ``arena``'s buffers when given; ``defer``: see ``save_state_dict``) and, on rank 0, what ``common.json``
+    will say."""
     from . import save_steps
 
     files.check_fault_spec(dist.get_world_size())
-    rank = dist.get_rank()
-    arrived = time.perf_counter()
-    dist.all_reduce(torch.zeros(1))  # every rank at the save: waiting for the slowest is not the save's cost
     start = time.perf_counter()
-    state = save_state_dict(model, optimizer, arena)
-    copied = time.perf_counter() - start
-    tmp = _prepare_directory(args, iteration, state)
-    common = None if rank != 0 else {
+    state = save_steps.host_copies(save_state_dict(model, optimizer, arena, defer))
+    common = None if dist.get_rank() != 0 else {
         "format": FORMAT, "version": VERSION, "iteration": iteration,
         "consumed_train_samples": consumed_samples, "world_size": dist.get_world_size(),
         "scheduler": scheduler.state_dict(), "model_args": _model_args(args),
         "parallel_layout": parallel_layout(args),
         "args": {k: _json_value(v) for k, v in sorted(vars(args).items())},
     }
-    staged = save_steps.stage(state, tmp, Path(args.save), iteration, common, copied)
+    return Snapshot(iteration, state, common, time.perf_counter() - start)
+
+
+def plan_snapshot(args, snap: Snapshot, group=None):
+    """Step 1 of a save (all ranks of ``group``, any thread): the temporary directory (after the free-space
+    check) and DCP's agreed plan; returns a ``save_steps.StagedSave`` for ``write_step`` and ``save_steps.finish``."""
+    from . import save_steps
+
+    tmp = _prepare_directory(args, snap.iteration, snap.state, group)
+    return save_steps.stage(snap.state, tmp, Path(args.save), snap.iteration, snap.common, snap.copy_seconds,
+                            group)
+
+
+def stage_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler, arena=None):
+    """Steps 0 and 1 of a synchronous save (all ranks, the training thread): ``snapshot`` and ``plan_snapshot``.
+
+    Before them every rank waits for the slowest to reach the save (logged apart:
+    rank skew, not the save's cost).
+    """
+    arrived = time.perf_counter()
+    dist.all_reduce(torch.zeros(1))  # every rank at the save: waiting for the slowest is not the save's cost
+    start = time.perf_counter()
+    staged = plan_snapshot(args, snapshot(args, iteration, consumed_samples, model, optimizer, scheduler, arena))
     staged.arrival_seconds = start - arrived
     return staged
 
