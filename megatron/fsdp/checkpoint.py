@@ -33,7 +33,7 @@ from .buffers import UnitStorage
 # Metadata validation lives in checkpoint_metadata.py; these names stay importable from here.
 from .checkpoint_metadata import _shape_of, check_against, check_checkpoint_keys, mismatch_error  # noqa: F401
 from .dcp_pieces import GlobalPlacement, local_piece, sharded_piece
-from .staging import staged_copy, staged_piece, staged_zeros
+from .staging import staged_copy, staged_piece, staged_zeros_piece
 from .unit import UnitState
 
 
@@ -392,8 +392,7 @@ def optimizer_state_dict(optimizer, main_weights: bool = True) -> Dict[str, Any]
                     value = staged_piece(inner.state[run.tensor][name][p.a - run.a:p.b - run.a], p.shape,
                                          p.param_lo, placement, stable=True)
                 else:
-                    value = sharded_piece(staged_zeros(p.b - p.a, dtype, s.main.device), p.shape, p.param_lo,
-                                          placement)
+                    value = staged_zeros_piece(p.b - p.a, dtype, s.main.device, p.shape, p.param_lo, placement)
                 out[f"state.{key}.{name}"] = value
     for g, group in enumerate(inner.param_groups):
         for hp, value in group.items():

@@ -119,7 +119,16 @@ class StagingArena:
         same slot for the same description gets the same object back, its data the slot's new contents
         (building DCP's description of a piece costs more than the copy of a small one)."""
         i = self._cursor
-        local = self.copy(value, dtype, stable)
+        return self._kept_or_built(i, self.copy(value, dtype, stable), description, build)
+
+    def zeros_piece(self, numel: int, dtype: torch.dtype, description: Tuple,
+                    build: Callable[[torch.Tensor], Any]) -> Any:
+        """``piece`` of zeros (optimizer state before the first step), kept like a copied piece: the first
+        save after the start-up round then reuses the description, not only the memory."""
+        i = self._cursor
+        return self._kept_or_built(i, self.zeros(numel, dtype), description, build)
+
+    def _kept_or_built(self, i: int, local: torch.Tensor, description: Tuple, build: Callable) -> Any:
         kept = self._pieces.get(i)
         if kept is not None and kept[0] == description and kept[1] is self._slots[i]:
             return kept[2]
@@ -165,3 +174,14 @@ def staged_piece(value: torch.Tensor, shape, lo: int, placement=None, dtype: Opt
 def staged_zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     arena = _ARENA.get()
     return torch.zeros(numel, dtype=dtype, device=device) if arena is None else arena.zeros(numel, dtype)
+
+
+def staged_zeros_piece(numel: int, dtype: torch.dtype, device: torch.device, shape, lo: int, placement=None):
+    """``sharded_piece`` of ``numel`` zeros; in an arena kept across saves like ``staged_piece``."""
+    from .dcp_pieces import sharded_piece
+
+    arena = _ARENA.get()
+    if arena is None:
+        return sharded_piece(torch.zeros(numel, dtype=dtype, device=device), shape, lo, placement)
+    return arena.zeros_piece(numel, dtype, (tuple(shape), lo, placement),
+                             lambda local: sharded_piece(local, shape, lo, placement))

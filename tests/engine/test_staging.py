@@ -46,6 +46,15 @@ def test_pieces_are_kept_with_their_slots():
     with staging_into(arena):
         moved = staged_piece(value[2:], (2, 3), 1)  # another description: built anew
     assert moved is not pieces[0] and staged_piece(value[2:], (2, 3), 2) is not pieces[0]
+    # Optimizer state before the first step (zeros) leaves its piece for the first save after the step.
+    from megatron.fsdp.staging import staged_zeros_piece
+
+    arena = StagingArena()
+    with staging_into(arena):
+        zeros = staged_zeros_piece(4, torch.float32, torch.device("cpu"), (2, 2), 0)
+    assert torch.equal(zeros._local_tensor, torch.zeros(4))
+    with staging_into(arena):
+        assert staged_piece(value[2:], (2, 2), 0) is zeros and torch.equal(zeros._local_tensor, value[2:])
 
 
 def test_deferred_copies_wait_for_copy_deferred():
