@@ -74,7 +74,7 @@ class Rule:
 
 @dataclasses.dataclass(frozen=True)
 class _Reshaped:
-    """A new chunk's source: ``flat`` elements of the stored chunk ``source`` from ``start``, as ``sizes``."""
+    """A new chunk's source: the stored chunk ``source``'s flat elements from ``start``, viewed as ``sizes``."""
 
     source: Any  # the version-1 chunk's _StorageInfo
     start: int

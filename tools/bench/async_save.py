@@ -80,7 +80,7 @@ def compare_saves(args) -> None:
             shutil.rmtree(directory, ignore_errors=True)
     print(f"\n{args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; {args.ranks} CPU ranks, ZeRO-3, "
           f"save every {args.interval} of {args.iters} iterations (the last at the end)")
-    print(f"{'mode':<6} {'save at':>8} {'training blocked (s)':>21} {'write (s)':>10} {'blocked / sync':>15} "
+    print(f"{'mode':<6} {'save at':>8} {'training blocked (s)':>21} {'background (s)':>15} {'blocked / sync':>15} "
           f"{'iteration after (s)':>20} {'other iterations (s)':>21}")
     sync_times = {it: v[0] for it, v in results["sync"]["saves"].items()}
     for mode, res in results.items():
@@ -93,7 +93,7 @@ def compare_saves(args) -> None:
             write = values[1] if len(values) > 1 else values[0]
             ratio = blocked / sync_times[it] if it in sync_times and sync_times[it] else float("nan")
             next_walls = "/".join(f"{walls[i]:.2f}" for i in (it + 1, it + 2) if i in walls) or "-"
-            print(f"{mode:<6} {it:>8} {blocked:>21.3f} {write:>10.2f} {ratio:>15.3f} {next_walls:>20} "
+            print(f"{mode:<6} {it:>8} {blocked:>21.3f} {write:>15.2f} {ratio:>15.3f} {next_walls:>20} "
                   f"{median:>21.2f}")
 
 
