@@ -33,7 +33,7 @@ from .buffers import UnitStorage
 # Metadata validation lives in checkpoint_metadata.py; these names stay importable from here.
 from .checkpoint_metadata import _shape_of, check_against, check_checkpoint_keys, mismatch_error  # noqa: F401
 from .dcp_pieces import GlobalPlacement, local_piece, sharded_piece
-from .staging import staged_copy, staged_piece, staged_zeros
+from .staging import staged_copy, staged_piece, staged_zeros_piece
 from .unit import UnitState
 
 
@@ -126,7 +126,7 @@ def model_state_dict(model) -> Dict[str, Any]:
             s = unit.storage
             for p in owned_pieces(unit):
                 out[p.name] = staged_piece(piece_values(s, p), p.shape, p.param_lo, placement_of(model, p.name),
-                                           s.main_dtype)
+                                           s.main_dtype, stable=p.trainable)  # main weights: the step changes them
         for name, buf in persistent_buffers(model.module).items():
             out[name] = staged_copy(buf)
     return out
@@ -390,10 +390,9 @@ def optimizer_state_dict(optimizer, main_weights: bool = True) -> Dict[str, Any]
             for name, dtype in layout.shaped:
                 if run is not None and layout.initialized:
                     value = staged_piece(inner.state[run.tensor][name][p.a - run.a:p.b - run.a], p.shape,
-                                         p.param_lo, placement)
+                                         p.param_lo, placement, stable=True)
                 else:
-                    value = sharded_piece(staged_zeros(p.b - p.a, dtype, s.main.device), p.shape, p.param_lo,
-                                          placement)
+                    value = staged_zeros_piece(p.b - p.a, dtype, s.main.device, p.shape, p.param_lo, placement)
                 out[f"state.{key}.{name}"] = value
     for g, group in enumerate(inner.param_groups):
         for hp, value in group.items():

@@ -54,12 +54,12 @@ def describe_state_dict(state: Mapping[str, Any]) -> Dict[str, Description]:
     return {k: (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else BYTES for k, v in flat.items()}
 
 
-def describe_checkpoint(checkpoint_dir) -> Dict[str, Description]:
-    """``{key: description}`` of a DCP checkpoint, from its metadata file only."""
+def describe_checkpoint(checkpoint_dir, reader=None) -> Dict[str, Description]:
+    """``{key: description}`` of a DCP checkpoint, from its metadata file only (as ``reader`` gives it, when given)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(str(checkpoint_dir)).read_metadata()
+    metadata = (reader or FileSystemReader(str(checkpoint_dir))).read_metadata()
     return {k: (tuple(md.size), str(md.properties.dtype)) if isinstance(md, TensorStorageMetadata) else BYTES
             for k, md in metadata.state_dict_metadata.items()}
 

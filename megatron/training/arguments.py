@@ -153,8 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load the weights only; iteration, optimizer, scheduler and data start afresh")
     g.add_argument("--exit-interval", type=int, default=None, help="exit after an iteration divisible by N "
                    "(saving first with --save)")
-    g.add_argument("--async-save", action="store_true", help="write checkpoints in the background: training "
-                   "blocks only to copy this rank's pieces to host memory (docs/checkpoints.md)")
+    g.add_argument("--async-save", action="store_true", help="plan, write and publish checkpoints in the "
+                   "background: training blocks only to snapshot this rank's pieces into host memory "
+                   "(docs/checkpoints.md)")
     g = p.add_argument_group("fault tolerance (docs/training.md)")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10,
                    help="process-group timeout: a collective some rank never joins fails after this long, "

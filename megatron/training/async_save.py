@@ -1,33 +1,49 @@
-"""``--async-save``: checkpoints written by a background thread while training continues.
+"""``--async-save``: checkpoints planned, written and published by a background thread while training continues.
 
-The training loop blocks only for ``save_steps.stage`` (this rank's pieces are
-copied into host staging buffers kept from one save to the next, pinned on a GPU:
-``megatron/fsdp/staging.py``, filled once at start-up by ``prepare``; and DCP's plan is
-agreed). The write of
-this rank's files (``save_steps.write_pieces``) runs on one long-lived writer
-thread. Completion is agreed at a later iteration boundary: while a write is in
-flight, every rank all-reduces one flag ("mine is done") after each iteration,
-on the training thread (so it is ordered with every other collective of that
-thread), on the default group on CPU and on an own gloo group beside NCCL (host
-flags, no device synchronisation). When every rank is done, ``save_steps.finish`` runs there:
-rank 0 writes the metadata, renames and moves the tracker. So the atomic
-protocol is unchanged: the tracker moves only after every rank's files are
-fsynced, and a crash anywhere before that leaves the previous checkpoint in
-charge. The writer thread runs no collective: two threads never issue
-collectives on one process group.
+The training loop blocks only for ``checkpointing.snapshot``: this rank's pieces
+described over host staging buffers kept from one save to the next (pinned on a GPU:
+``megatron/fsdp/staging.py``, filled once at start-up by ``prepare``), small values
+copied, and rank 0's ``common.json`` contents. No collective runs there, so no rank
+waits for another while training is stopped. On CPU the big copies (fp32 main
+weights, optimizer state: values only the optimizer step changes) are deferred:
+the writer thread makes them first, while the next forward and backward run, and
+the training thread waits for them before that step (``before_optimizer_step``;
+counted as blocked time). On a GPU they are issued at once (device to pinned host,
+on the training stream, so no later kernel can overtake them).
+
+Everything else runs on one long-lived writer thread, with collectives on a gloo
+process group of its own (created at start-up by every rank; two threads never
+issue collectives on one group): the deferred copies, the free-space check and
+the temporary directory, DCP's plan (cached: a save described like the previous
+one sends empty plans), this rank's files (fsynced), then ``save_steps.finish``:
+every rank's write results gathered to rank 0, which writes the metadata, renames
+and moves the tracker, and tells every rank how that went. So the atomic protocol
+is unchanged: the tracker moves only after every rank's files are fsynced, and a
+crash anywhere before that leaves the previous checkpoint in charge.
+
+Why all of it in the background: measured on 4 CPU ranks (docs/checkpoints.md), the
+time training stood still was the copy, the free-space all-reduce, DCP's plan gather
+and scatter and rank 0's publishing, the collectives mostly waiting for the other
+ranks (each slowed by the others on shared cores); with the collectives moved, the
+copy alone still blocked 0.6-0.75 s.
+
+Outcomes are agreed on the training thread: while a save is in flight, every rank
+all-reduces one flag ("mine is done") after each iteration (the default group on
+CPU, an own gloo group beside NCCL: host flags, no device synchronisation); once
+all are done, every rank reports the same outcome at the same iteration (the saved
+line, or the one error of a failed write, raised on every rank).
 
 Why a thread: the write is file I/O and ``torch.save`` of host tensors, much of
-it outside the GIL, and a thread needs neither shared-memory staging nor a process
-group of its own. Measured (docs/checkpoints.md, ``tools/bench/async_save.py
---writer-compare``), a writer process slowed a Python-bound step loop less than the
-thread (2.35x vs 2.98x on 2 oversubscribed cores): a process writer is the
-follow-up. Why one thread for the whole process: glibc
-gives each new thread its own malloc arena (~100 MiB RSS each), so a thread per
-save would grow resident memory with every save.
+it outside the GIL, and a thread needs no shared-memory staging. Measured
+(``tools/bench/async_save.py --writer-compare``), a writer process slowed a
+Python-bound step loop less than the thread (2.35x vs 2.98x on 2 oversubscribed
+cores). Why one thread for the whole process: glibc gives each new thread its own
+malloc arena (~100 MiB RSS each), so a thread per save would grow resident memory
+with every save.
 
-A new save, ``--exit-interval``, the end of training and an error all wait for
-the write in flight; a failed write stops the job on every rank with one error
-naming the ranks, and the previous checkpoint stays the tracker's.
+A new save, ``--exit-interval`` and the end of training wait for the save in
+flight; a failed save stops the job on every rank with one error naming the
+ranks, and the previous checkpoint stays the tracker's.
 """
 
 from __future__ import annotations
@@ -100,13 +116,17 @@ def background_writer() -> BackgroundWriter:
 
 @dataclasses.dataclass
 class PendingSave:
-    staged: save_steps.StagedSave
-    job: WriteJob
+    iteration: int
+    root: str
+    job: WriteJob  # its outcome: the published directory, or the exception (the same on every rank)
     blocked: float  # seconds the training thread spent on it so far
+    copied: threading.Event  # the deferred copies are made: the optimizer may step
+    gated: float = 0.0  # of ``blocked``: waiting for them before the next step
 
 
 class CheckpointSaver:
-    """The training loop's saves: synchronous, or (``--async-save``) written in the background.
+    """The training loop's saves: synchronous, or (``--async-save``) planned, written and published in the
+    background.
 
     ``save``, ``poll`` and ``wait`` are called by every rank at the same iteration
     boundaries (they run collectives); ``abandon`` after an error runs none.
@@ -116,12 +136,14 @@ class CheckpointSaver:
         self.args = args
         self.asynchronous = bool(getattr(args, "async_save", False))
         self._pending: Optional[PendingSave] = None
-        self._group = None
+        self._group = None  # the training thread's flags: the default group on CPU, gloo beside NCCL
+        self._writer_group = None  # the writer thread's collectives
         self.arena: Optional[StagingArena] = None
         if self.asynchronous:
             self.arena = StagingArena(pin=torch.cuda.is_available())
             if dist.get_backend() != "gloo":
                 self._group = dist.new_group(backend="gloo")  # beside NCCL: host flags, never device syncs
+            self._writer_group = dist.new_group(backend="gloo")
 
     def prepare(self, model, optimizer) -> None:
         """At start-up (``--async-save``): one staging round into the arena, so every save after it
@@ -136,63 +158,90 @@ class CheckpointSaver:
                      f"reused by every save (allocated in {time.perf_counter() - start:.3f} s)")
 
     def save(self, iteration: int, consumed: int, model, optimizer, scheduler) -> None:
-        from .checkpointing import save_checkpoint, stage_checkpoint, write_step
+        from .checkpointing import plan_snapshot, save_checkpoint, snapshot, write_step
 
         if not self.asynchronous:
             save_checkpoint(self.args, iteration, consumed, model, optimizer, scheduler)
             return
         start = time.perf_counter()
-        self.wait()
+        self.wait()  # the arena's buffers are free again only once the previous save is written
         waited = time.perf_counter() - start
-        staged = stage_checkpoint(self.args, iteration, consumed, model, optimizer, scheduler, self.arena)
-        rank = dist.get_rank()
+        defer = not self.arena.pin
+        snap = snapshot(self.args, iteration, consumed, model, optimizer, scheduler, self.arena, defer)
+        rank, args, group, arena, copied = dist.get_rank(), self.args, self._writer_group, self.arena, threading.Event()
+        deferred = arena.deferred_bytes
 
-        def write():
-            results = write_step(staged)
-            files.fault_point(FAULT_POINT, iteration, rank)
-            return results
-        job = background_writer().submit(write)
-        blocked = time.perf_counter() - start - staged.arrival_seconds
-        self._pending = PendingSave(staged, job, blocked)
+        def background():
+            try:
+                arena.copy_deferred()
+            finally:
+                copied.set()
+            staged = plan_snapshot(args, snap, group)
+            try:
+                results = write_step(staged)
+                files.fault_point(FAULT_POINT, iteration, rank)
+            except Exception as exc:  # noqa: BLE001 - every rank learns of it in ``finish`` and raises it
+                results = exc
+            final = save_steps.finish(staged, results, barrier=True, group=group)
+            return final, staged
+        job = background_writer().submit(background)
+        blocked = time.perf_counter() - start
+        self._pending = PendingSave(iteration, args.save, job, blocked, copied)
         print_rank_0(f" saving checkpoint at iteration {iteration:8d} in the background: training blocked "
-                     f"{blocked:.3f} s (copy {staged.copy_seconds:.3f} s, plan {staged.plan_seconds:.3f} s"
-                     + (f", waiting for the previous write {waited:.3f} s" if waited > 1e-3 else "")
-                     + f"; before it {staged.arrival_seconds:.3f} s waiting for the slowest rank to reach the save)")
+                     f"{blocked:.3f} s (snapshot {snap.copy_seconds:.3f} s"
+                     + (f", {deferred / 2**20:.1f} MiB of copies left to the writer" if deferred else "")
+                     + (f", waiting for the previous save {waited:.3f} s" if waited > 1e-3 else "") + ")")
+
+    def before_optimizer_step(self) -> None:
+        """Before every optimizer step: the step may change the values a save in flight still has to copy
+        (``staging.py``, deferred copies); wait until they are copied (counted as blocked)."""
+        pending = self._pending
+        if pending is not None and not pending.copied.is_set():
+            start = time.perf_counter()
+            pending.copied.wait()
+            pending.gated = time.perf_counter() - start
+            pending.blocked += pending.gated
 
     def poll(self, iteration: int) -> None:
-        """After each iteration: publish the write in flight if every rank has finished it (one tiny all-reduce)."""
+        """After each iteration: report the save in flight if every rank has finished it (one tiny all-reduce)."""
         if self._pending is None:
             return
         busy = torch.tensor([0.0 if self._pending.job.done.is_set() else 1.0])
         dist.all_reduce(busy, group=self._group)
         if busy.item() == 0:
-            self._publish(iteration)
+            self._report(iteration)
 
     def wait(self, iteration: Optional[int] = None) -> None:
-        """Block until the write in flight is written everywhere, then publish it (all ranks)."""
+        """Block until the save in flight is published (or failed) everywhere, then report it (all ranks)."""
         if self._pending is not None:
+            start = time.perf_counter()
             self._pending.job.done.wait()
-            self._publish(iteration)
+            self._report(iteration, time.perf_counter() - start)
 
-    def _publish(self, iteration: Optional[int]) -> None:
+    def _report(self, iteration: Optional[int], waited: float = 0.0) -> None:
+        """Every rank at the same iteration: the saved line, or the save's error (the same on every rank)."""
         pending, self._pending = self._pending, None
-        start = time.perf_counter()
-        final = save_steps.finish(pending.staged, pending.job.outcome, barrier=False, group=self._group)
-        blocked = pending.blocked + time.perf_counter() - start
+        outcome = pending.job.outcome
+        if isinstance(outcome, BaseException):
+            raise outcome
+        final, staged = outcome
         when = f", published after iteration {iteration}" if iteration is not None else ""
-        print_rank_0(f" saved checkpoint at iteration {pending.staged.iteration:8d} to {final} (async): training "
-                     f"blocked {blocked:.3f} s, background write {pending.job.seconds:.2f} s{when} "
-                     f"(publishing {time.perf_counter() - start:.3f} s)")
+        print_rank_0(f" saved checkpoint at iteration {pending.iteration:8d} to {final} (async): training "
+                     f"blocked {pending.blocked:.3f} s, background save {pending.job.seconds:.2f} s{when} "
+                     f"(plan {staged.plan_seconds:.3f} s"
+                     + (f"; {pending.gated:.3f} s of the blocked time waiting for its copies before the next step"
+                        if pending.gated > 1e-3 else "")
+                     + (f"; then waited {waited:.3f} s for it" if waited > 1e-3 else "") + ")")
 
     def abandon(self, timeout: float = 600.0) -> None:
-        """After an error (no collective may run): let this rank's write end, publish nothing, say so."""
+        """After an error (no collective may run): let this rank's save end, say how it ended."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
         finished = pending.job.done.wait(timeout)
         outcome = pending.job.outcome
-        state = ("failed: " + f"{type(outcome).__name__}: {outcome}" if isinstance(outcome, Exception)
-                 else "written" if finished else f"still running after {timeout:.0f} s")
-        print(f"[rank {dist.get_rank()}] training stopped with the checkpoint of iteration "
-              f"{pending.staged.iteration} in flight ({state}); not published: the tracker of "
-              f"{pending.staged.root} still names iteration {files.read_tracker(pending.staged.root)}", flush=True)
+        state = ("failed: " + f"{type(outcome).__name__}: {outcome}" if isinstance(outcome, BaseException)
+                 else f"published as {outcome[0]}" if finished else f"still running after {timeout:.0f} s")
+        print(f"[rank {dist.get_rank()}] training stopped with the checkpoint of iteration {pending.iteration} "
+              f"in flight ({state}); the tracker of {pending.root} names iteration "
+              f"{files.read_tracker(pending.root)}", flush=True)

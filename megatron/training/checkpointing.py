@@ -25,6 +25,7 @@ atomic rename, tracker) is in ``checkpoint_files.py``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pickle
 import random
 import time
@@ -47,14 +48,15 @@ from .checkpoint_files import CheckpointError
 from .logging_utils import print_rank_0
 
 FORMAT = "fsdp_dtensor"
-# 2: TP-global keys and shapes (any TP, EP); 1: keys per TP rank (loads at the TP and grouped-GEMM EP it was saved at).
+# 2: TP-global keys and shapes; 1: keys per TP rank, read in TP-global terms (checkpoint_v1.py). Both load at any TP, EP.
 VERSION = 2
 # Arguments that fix parameter shapes: a checkpoint saved with other values cannot load.
 MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length",
                     "max_position_embeddings", "true_vocab_size", "padded_vocab_size", "num_experts",
                     "moe_ffn_hidden_size", "untie_embeddings_and_output_weights", "add_bias_linear",
                     "moe_grouped_gemm")
-# Arguments that changed checkpoint keys in layout version 1 (tensor-parallel shards stored per TP rank).
+# Arguments that changed checkpoint keys in layout version 1 (tensor-parallel shards stored per TP rank): recorded,
+# free to change at load.
 KEY_LAYOUT_ARGS = ("tensor_model_parallel_size", "expert_tensor_parallel_size")
 # The parallel layout a checkpoint was written with (common.json; tools/checkpoint/inspect.py shows it).
 PARALLEL_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
@@ -145,8 +147,8 @@ def _state_bytes(state: Mapping[str, Any]) -> int:
                else len(v) if isinstance(v, (bytes, bytearray)) else 256 for v in flat.values())
 
 
-def _prepare_directory(args, iteration: int, state: Mapping[str, Any]) -> Path:
-    """All ranks: the temporary directory of this save, after checking the free space (a collective).
+def _prepare_directory(args, iteration: int, state: Mapping[str, Any], group=None) -> Path:
+    """All ranks: the temporary directory of this save, after checking the free space (a collective on ``group``).
 
     Rank 0 creates ``--save``, checks the checkpoint's size (summed over ranks) against
     the free space and marks the temporary directory as this job's (``checkpoint_paths``);
@@ -154,7 +156,7 @@ def _prepare_directory(args, iteration: int, state: Mapping[str, Any]) -> Path:
     """
     rank, root = dist.get_rank(), Path(args.save)
     needed = torch.tensor([_state_bytes(state)], dtype=torch.int64)
-    dist.all_reduce(needed)
+    dist.all_reduce(needed, group=group)
     needed_bytes = int(needed.item()) + (1 << 20)  # common.json, manifest, DCP metadata
     plan: List[Any] = [None, None]
     if rank == 0:
@@ -165,47 +167,75 @@ def _prepare_directory(args, iteration: int, state: Mapping[str, Any]) -> Path:
                 paths.write_owner(files.temporary_dir(root, iteration, plan[0]))
         except OSError as exc:
             plan = [None, f"cannot save to --save {root}: {exc.strerror or exc}"]
-    dist.broadcast_object_list(plan, src=0)
+    dist.broadcast_object_list(plan, src=0, group=group)
     if plan[1]:
         raise CheckpointError(plan[1])
     return files.temporary_dir(root, iteration, plan[0])
 
 
-def save_state_dict(model, optimizer, arena=None) -> Dict[str, Any]:
+def save_state_dict(model, optimizer, arena=None, defer: bool = False) -> Dict[str, Any]:
     """What a save writes: copies of this rank's pieces (into ``arena``'s host buffers when given:
-    ``megatron/fsdp/staging.py``)."""
+    ``megatron/fsdp/staging.py``; ``defer``: the main weights' and optimizer state's copies only once
+    ``arena.copy_deferred()`` runs)."""
     from megatron.fsdp.staging import staging_into
 
     if arena is None:
         return _state_dict(model, optimizer, with_optimizer=True, with_rng=True, for_load=False)[0]
-    with staging_into(arena):
+    with staging_into(arena, defer):
         return _state_dict(model, optimizer, with_optimizer=True, with_rng=True, for_load=False)[0]
 
 
-def stage_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler, arena=None):
-    """Step 1 of a save (all ranks, a collective): this rank's pieces copied to host memory and DCP's plan.
+@dataclasses.dataclass
+class Snapshot:
+    """This rank's part of a save, taken on the training thread: host copies of its pieces and (rank 0)
+    ``common.json``. Everything after it (plan, write, publish) may run on another thread."""
 
-    Returns a ``save_steps.StagedSave``; ``write_step`` and ``save_steps.finish``
-    complete it (now, or in the background: ``async_save``, which passes its ``arena``).
-    """
+    iteration: int
+    state: Dict[str, Any]
+    common: Optional[Dict[str, Any]]
+    copy_seconds: float
+
+
+def snapshot(args, iteration: int, consumed_samples: int, model, optimizer, scheduler, arena=None,
+             defer: bool = False) -> Snapshot:
+    """Step 0 of a save (this rank, no collective): copies of this rank's pieces in host memory (into
+    ``arena``'s buffers when given; ``defer``: see ``save_state_dict``) and, on rank 0, what ``common.json``
+    will say."""
     from . import save_steps
 
     files.check_fault_spec(dist.get_world_size())
-    rank = dist.get_rank()
-    arrived = time.perf_counter()
-    dist.all_reduce(torch.zeros(1))  # every rank at the save: waiting for the slowest is not the save's cost
     start = time.perf_counter()
-    state = save_state_dict(model, optimizer, arena)
-    copied = time.perf_counter() - start
-    tmp = _prepare_directory(args, iteration, state)
-    common = None if rank != 0 else {
+    state = save_steps.host_copies(save_state_dict(model, optimizer, arena, defer))
+    common = None if dist.get_rank() != 0 else {
         "format": FORMAT, "version": VERSION, "iteration": iteration,
         "consumed_train_samples": consumed_samples, "world_size": dist.get_world_size(),
         "scheduler": scheduler.state_dict(), "model_args": _model_args(args),
         "parallel_layout": parallel_layout(args),
         "args": {k: _json_value(v) for k, v in sorted(vars(args).items())},
     }
-    staged = save_steps.stage(state, tmp, Path(args.save), iteration, common, copied)
+    return Snapshot(iteration, state, common, time.perf_counter() - start)
+
+
+def plan_snapshot(args, snap: Snapshot, group=None):
+    """Step 1 of a save (all ranks of ``group``, any thread): the temporary directory (after the free-space
+    check) and DCP's agreed plan; returns a ``save_steps.StagedSave`` for ``write_step`` and ``save_steps.finish``."""
+    from . import save_steps
+
+    tmp = _prepare_directory(args, snap.iteration, snap.state, group)
+    return save_steps.stage(snap.state, tmp, Path(args.save), snap.iteration, snap.common, snap.copy_seconds,
+                            group)
+
+
+def stage_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler, arena=None):
+    """Steps 0 and 1 of a synchronous save (all ranks, the training thread): ``snapshot`` and ``plan_snapshot``.
+
+    Before them every rank waits for the slowest to reach the save (logged apart:
+    rank skew, not the save's cost).
+    """
+    arrived = time.perf_counter()
+    dist.all_reduce(torch.zeros(1))  # every rank at the save: waiting for the slowest is not the save's cost
+    start = time.perf_counter()
+    staged = plan_snapshot(args, snapshot(args, iteration, consumed_samples, model, optimizer, scheduler, arena))
     staged.arrival_seconds = start - arrived
     return staged
 
@@ -266,12 +296,13 @@ def verify_checkpoint(directory: Path) -> None:
 
 
 # ------------------------------------------------------------------------ load
-def validate_keys(state: Mapping[str, Any], directory: Path, prefixes: Tuple[str, ...]) -> None:
+def validate_keys(state: Mapping[str, Any], directory: Path, prefixes: Tuple[str, ...], reader=None) -> None:
     """Compare the union of every rank's state dict with the checkpoint (a collective; the same verdict everywhere).
 
     Checkpoint keys under ``prefixes`` must all be asked for, every asked key must
     exist with the same shape, dtype and kind (the engine's rule: ``megatron.fsdp.checkpoint_metadata``).
-    Raises ``CheckpointError`` naming them.
+    ``reader``: the checkpoint's metadata as that storage reader gives it (a layout-1 checkpoint's,
+    translated). Raises ``CheckpointError`` naming them.
     """
     gathered: List[Optional[Dict[str, Tuple]]] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, describe_state_dict(state))
@@ -281,7 +312,8 @@ def validate_keys(state: Mapping[str, Any], directory: Path, prefixes: Tuple[str
         for key, d in desc.items():
             if wanted.setdefault(key, d) != d:
                 wrong.append(f"{key} (ranks disagree: {show(wanted[key])} vs {show(d)})")
-    missing, unexpected, mismatched = key_mismatches(wanted, describe_checkpoint(directory), prefixes, label="model")
+    saved = describe_checkpoint(directory, reader)
+    missing, unexpected, mismatched = key_mismatches(wanted, saved, prefixes, label="model")
     error = mismatch_error(f"checkpoint {directory} does not fit this model", sorted(missing), sorted(unexpected),
                            wrong + sorted(mismatched))
     if error is not None:
@@ -289,7 +321,7 @@ def validate_keys(state: Mapping[str, Any], directory: Path, prefixes: Tuple[str
 
 
 def tp_global(common: Mapping[str, Any]) -> bool:
-    """Whether a checkpoint's keys and shapes are TP-global (it loads at any TP and EP size).
+    """Whether a checkpoint's keys and shapes are TP-global as stored (else ``checkpoint_v1`` translates them).
 
     Layout version 2 always; version 1 when it was written without tensor
     parallelism and without grouped-GEMM experts (its keys and shapes are then
@@ -302,24 +334,35 @@ def tp_global(common: Mapping[str, Any]) -> bool:
             and saved.get("expert_tensor_parallel_size") in (1, None) and not saved.get("moe_grouped_gemm"))
 
 
+def layout_v1_reader(model, directory: Path):
+    """A storage reader that shows a layout-1 checkpoint in TP-global terms (a collective: every rank's split
+    rules are gathered, so that all translate every key alike, under PP too)."""
+    from . import checkpoint_v1
+
+    mine = {k: v for chunk in model for k, v in chunk.split_rules().items()}
+    gathered: List[Optional[Dict[str, Tuple]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    rules = {k: checkpoint_v1.Rule(*v) for per_rank in gathered for k, v in per_rank.items()}
+    return checkpoint_v1.TranslatedReader(directory, rules)
+
+
 def check_model_args(common: Mapping[str, Any], args, directory: Path) -> None:
-    """Name every argument that fixes the model's shape (or its keys) and differs from the checkpoint's."""
+    """Name every argument that fixes the model's shape and differs from the checkpoint's.
+
+    TP, expert TP and EP sizes may change (every checkpoint loads in TP-global
+    terms), and the padded vocabulary where the tokenizer's size is recorded
+    (padding rows are cut or added: ``load_checkpoint``).
+    """
     if common.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {directory} has format {common.get('format')!r}, expected {FORMAT!r}")
     saved, now = common.get("model_args", {}), _model_args(args)
-    free = set()  # what this checkpoint's layout lets change
-    if tp_global(common):
-        free |= set(KEY_LAYOUT_ARGS) | {"expert_model_parallel_size"}
-        if saved.get("true_vocab_size") is not None:
-            free.add("padded_vocab_size")  # padding rows are cut or added (load_checkpoint)
+    free = set(KEY_LAYOUT_ARGS) | {"expert_model_parallel_size"}
+    if saved.get("true_vocab_size") is not None:
+        free.add("padded_vocab_size")
     diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} in the checkpoint, {v!r} now"
              for k, v in now.items() if k in saved and saved[k] != v and k not in free]
     if diffs:
-        hint = ("; this checkpoint has layout version 1 (keys per tensor-parallel rank): load it at the sizes it "
-                "was saved with and save it again to get one that loads at any TP and EP size"
-                if not tp_global(common) and any(k in d for d in diffs for k in ("tensor", "expert-model"))
-                else "")
-        raise CheckpointError(f"checkpoint {directory} was saved with a different model: " + "; ".join(diffs) + hint)
+        raise CheckpointError(f"checkpoint {directory} was saved with a different model: " + "; ".join(diffs))
 
 
 def find_checkpoint(args) -> Optional[Path]:
@@ -358,19 +401,19 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
         print_rank_0(f" checkpoint saved on {common['world_size']} ranks, loading on {dist.get_world_size()}: "
                      "RNG states not restored")
         with_rng = False
-    legacy = not tp_global(common)
-    rows = None if legacy else common["model_args"].get("padded_vocab_size")
+    reader = None if tp_global(common) else layout_v1_reader(model, directory)
+    rows = common["model_args"].get("padded_vocab_size")
     if rows is not None and rows != args.padded_vocab_size:
         print_rank_0(f" checkpoint padded vocabulary {rows} rows, this model {args.padded_vocab_size}: "
                      + ("padding rows cut" if rows > args.padded_vocab_size
                         else "the added padding rows keep this model's initial values (optimizer state zero)"))
     for chunk in model:  # the keys and coordinates the checkpoint was written in
-        chunk.use_checkpoint_layout(legacy=legacy, vocab_rows=rows)
+        chunk.use_checkpoint_layout(vocab_rows=rows)
     try:
         state, mains = _state_dict(model, optimizer, with_optimizer, with_rng)
         prefixes = ("model.",) + (("optimizer.",) if with_optimizer else ()) + (("rng.",) if with_rng else ())
-        validate_keys(state, directory, prefixes)
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)))
+        validate_keys(state, directory, prefixes, reader)
+        dcp.load(state, storage_reader=reader or dcp.FileSystemReader(str(directory)))
         for chunk in model:
             keys = set(chunk.checkpoint_keys().to_global.values())
             chunk.load_state_dict({k: v for k, v in state["model"].items() if k in keys})

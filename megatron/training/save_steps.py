@@ -1,25 +1,28 @@
-"""A checkpoint save in three steps, so the middle one can run in the background.
+"""A checkpoint save in three steps, so that all but a host copy can run in the background.
 
 ``torch.distributed.checkpoint.save`` plans, writes and finishes in one call,
 with collectives before and after the write. Split apart:
 
-1. ``stage`` (all ranks, the training thread, a collective): the state dict is
-   already a copy of this rank's pieces (the engine's state dicts never hold
-   views of live storage); on a GPU it is copied once more into pinned host
-   memory, so the write needs no device. Then DCP's plan is agreed (local plans
-   gathered, deduplicated and scattered back): every rank knows what it writes
-   and rank 0 holds the checkpoint's metadata.
+0. ``host_copies`` (this rank, the training thread, no collective): the state
+   dict is already a copy of this rank's pieces (the engine's state dicts never
+   hold views of live storage); on a GPU it is copied once more into pinned host
+   memory, so nothing after it needs the device or the training thread.
+1. ``stage`` (all ranks, a collective on ``group``): DCP's plan agreed (local
+   plans gathered, deduplicated and scattered back; cached, so a save described
+   like the previous one sends empty plans): every rank knows what it writes and
+   rank 0 holds the checkpoint's metadata.
 2. ``write_pieces`` (one rank, no collective, no device): this rank's files in
-   the temporary directory, fsynced. It is the one function a background writer
-   calls; wrappers that add checks to the write (manifests, free space) wrap it.
-3. ``finish`` (all ranks, the training thread, a collective): every rank's write
+   the temporary directory, fsynced. Wrappers that add checks to the write
+   (manifests, free space) wrap it.
+3. ``finish`` (all ranks, a collective on ``group``): every rank's write
    results gathered to rank 0 (so every rank has written), which writes
    ``.metadata`` and ``common.json`` and publishes (rename, tracker;
    ``checkpoint_files.publish``). Until then the previous checkpoint is in charge.
 
-A synchronous save runs the three back to back (``checkpointing.save_checkpoint``);
-``async_save.CheckpointSaver`` runs step 2 on its writer thread and step 3 at a
-later iteration boundary.
+A synchronous save runs them back to back on the training thread
+(``checkpointing.save_checkpoint``); ``async_save.CheckpointSaver`` runs step 0
+on the training thread and steps 1-3 on its writer thread, on a process group of
+the writer's own (two threads never issue collectives on one group).
 """
 
 from __future__ import annotations
@@ -80,19 +83,25 @@ def _host_copy(value: Any, pin: bool) -> Any:
     return value
 
 
-def stage(state: Dict[str, Any], tmp: Path, root: Path, iteration: int,
-          common: Optional[Dict[str, Any]], copy_seconds: float = 0.0) -> StagedSave:
-    """Step 1 (all ranks): host copies and DCP's agreed plan. ``state`` must already be a copy
-    (made in ``copy_seconds``)."""
-    start = time.perf_counter()
+def host_copies(state: Dict[str, Any]) -> Dict[str, Any]:
+    """Step 0 (this rank, the training thread): ``state`` (already a copy) with every device tensor copied to
+    host memory (pinned on a GPU), complete when this returns: the other steps may run on any thread."""
     pin = torch.cuda.is_available()
     state = _host_copy(state, pin)
     if pin:
         torch.cuda.synchronize()  # the pinned copies are complete before a writer reads them
+    return state
+
+
+def stage(state: Dict[str, Any], tmp: Path, root: Path, iteration: int,
+          common: Optional[Dict[str, Any]], copy_seconds: float = 0.0, group=None) -> StagedSave:
+    """Step 1 (all ranks of ``group``): DCP's agreed plan for ``state`` (host copies: ``host_copies``,
+    made in ``copy_seconds``)."""
+    start = time.perf_counter()
     # host tensors: no device streams in the writer
     writer = manifest.ChecksummingWriter(str(tmp), per_thread_copy_ahead=0)
     planner = CheckpointSavePlanner()
-    dist_wrapper = _DistWrapper(None, True, 0)
+    dist_wrapper = _DistWrapper(group, True, 0)
     metadata_box: List[Optional[Metadata]] = [None]
 
     def local_step() -> SavePlan:
@@ -105,11 +114,10 @@ def stage(state: Dict[str, Any], tmp: Path, root: Path, iteration: int,
         plans, metadata_box[0] = planner.create_global_plan(plans)
         return writer.prepare_global_plan(plans)
 
-    copied = time.perf_counter()
     central = dist_wrapper.reduce_scatter("plan", local_step, global_step)
     plan = planner.finish_plan(central)
     return StagedSave(iteration, root, tmp, state, writer, planner, plan, metadata_box[0], common,
-                      copy_seconds + copied - start, time.perf_counter() - copied)
+                      copy_seconds, time.perf_counter() - start)
 
 
 def write_pieces(staged: StagedSave) -> List[WriteResult]:
@@ -125,8 +133,9 @@ def finish(staged: StagedSave, results: Any, barrier: bool = True, group=None) -
     ``results`` is this rank's write results, or the exception its write raised:
     then nobody publishes and every rank raises the same error naming the ranks
     (the all-reduce is the agreement). ``barrier`` makes every rank return only
-    once the checkpoint is visible (a synchronous save); an asynchronous one lets
-    the other ranks train on while rank 0 renames.
+    once the checkpoint is visible, or raise the error rank 0's publish raised (a
+    broadcast of its outcome: no rank is left waiting for a rank 0 that failed);
+    without it only rank 0 knows.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     failed = torch.tensor([0.0 if isinstance(results, list) else 1.0])
@@ -145,15 +154,25 @@ def finish(staged: StagedSave, results: Any, barrier: bool = True, group=None) -
     gathered: Optional[List[Any]] = [None] * world if rank == 0 else None
     dist.gather_object((results, staged.writer.files), gathered, dst=0, group=group)
     final = staged.root / files.iteration_dir_name(staged.iteration)
+    outcome: List[Optional[str]] = [None]
     if rank == 0:
-        staged.writer.finish(metadata=staged.metadata, results=[r for r, _ in gathered])
-        files.write_common(staged.tmp, staged.common)
-        written = {k: v for _, per_rank in gathered for k, v in per_rank.items()}
-        written.update(staged.writer.files)  # rank 0's, now with the .metadata it just wrote
-        manifest.write_manifest(staged.tmp, written, extra=[files.COMMON])
-        files.fsync_dir(staged.tmp)
-        (staged.tmp / paths.OWNER).unlink(missing_ok=True)
-        final = files.publish(staged.tmp, staged.root, staged.iteration, rank)
-    if barrier:
-        dist.barrier(group=group)
+        try:
+            staged.writer.finish(metadata=staged.metadata, results=[r for r, _ in gathered])
+            files.write_common(staged.tmp, staged.common)
+            written = {k: v for _, per_rank in gathered for k, v in per_rank.items()}
+            written.update(staged.writer.files)  # rank 0's, now with the .metadata it just wrote
+            manifest.write_manifest(staged.tmp, written, extra=[files.COMMON])
+            files.fsync_dir(staged.tmp)
+            (staged.tmp / paths.OWNER).unlink(missing_ok=True)
+            final = files.publish(staged.tmp, staged.root, staged.iteration, rank)
+        except Exception as exc:  # noqa: BLE001 - told to every rank below, then raised everywhere
+            outcome[0] = f"{type(exc).__name__}: {exc}"
+            if not barrier:
+                raise
+    if barrier:  # every rank returns once the checkpoint is visible, or raises rank 0's error with it
+        dist.broadcast_object_list(outcome, src=0, group=group)
+        if outcome[0] is not None:
+            raise files.CheckpointError(
+                f"publishing checkpoint iteration {staged.iteration} failed on rank 0 ({outcome[0]}); "
+                f"{staged.root}'s tracker names iteration {files.read_tracker(staged.root)}")
     return final

@@ -165,6 +165,7 @@ def _train(args, device, model, optimizer, scheduler, forward_backward, forward_
             model=model if len(model) > 1 else model[0], num_microbatches=args.num_micro_batches,
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
             decoder_seq_length=args.seq_length, forward_only=False)
+        saver.before_optimizer_step()  # a save in flight may still be copying what the step changes
         ok, grad_norm, _zeros = timers.wrap("optimizer", optimizer.step)()
         consumed += args.global_batch_size
         scheduler.step(increment=args.global_batch_size)

@@ -178,3 +178,49 @@ def fresh_then_loaded(ctx, argv: List[str], fresh, loaded: str) -> None:
             else:
                 iteration, consumed = 0, 0
             checkpointing.save_checkpoint(args, iteration, consumed, model, optimizer, scheduler)
+
+
+def layout_v1_translation(ctx, directory: str) -> Dict[str, bool]:
+    """A layout-1 checkpoint made here (EP 2 x expert TP 2 grouped-GEMM weights in their raw shapes, a TP-split
+    and a replicated weight, each key's raw tensor split over the 2 ranks mid-row as the engine's flat pieces)
+    read through ``checkpoint_v1.TranslatedReader`` into full TP-global tensors: each shard where it belongs."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from megatron.fsdp.dcp_pieces import sharded_piece
+    from megatron.training.checkpoint_v1 import Rule, TranslatedReader
+
+    rank, gen = dist.get_rank(), torch.Generator().manual_seed(5)
+    experts, hidden, ffn, local_experts, local_ffn = 4, 3, 4, 2, 2
+    w1, w2 = "decoder.layers.0.mlp.experts.weight1", "decoder.layers.0.mlp.experts.weight2"
+    proj, norm = "decoder.layers.0.self_attention.linear_proj.weight", "decoder.final_layernorm.weight"
+    raw = {}  # v1 key: the whole raw tensor of that TP (and EP) rank
+    for t in range(2):
+        for e in range(2):
+            raw[f"tp{t}.ep{e}.{w1}"] = torch.randn(hidden, local_experts * 2 * local_ffn, generator=gen)  # GLU
+            raw[f"tp{t}.ep{e}.{w2}"] = torch.randn(local_experts * local_ffn, hidden, generator=gen)
+        raw[f"tp{t}.{proj}"] = torch.randn(hidden, 2, generator=gen)
+        raw[f"tp{t}.{norm}"] = torch.full((hidden,), 1.0 + t)  # replicated: TP rank 0's copy is read
+    pieces = {}
+    for key, value in raw.items():
+        cut = value.numel() // 2 + 1  # inside a row
+        lo, hi = (0, cut) if rank == 0 else (cut, value.numel())
+        pieces[key] = sharded_piece(value.reshape(-1)[lo:hi].clone(), value.shape, lo)
+    dcp.save({"model": pieces}, checkpoint_id=directory)
+    rules = {w1: Rule("grouped", 3, (experts, hidden, 2, ffn)), w2: Rule("grouped", 1, (experts, ffn, hidden)),
+             proj: Rule("split", 1)}
+    state = {"model": {w1: torch.zeros(experts, hidden, 2, ffn), w2: torch.zeros(experts, ffn, hidden),
+                       proj: torch.zeros(hidden, 4), norm: torch.zeros(hidden)}}
+    dcp.load(state, storage_reader=TranslatedReader(directory, rules))
+    got, ok = state["model"], {}
+    for t in range(2):
+        f = slice(t * local_ffn, (t + 1) * local_ffn)
+        for e in range(2):
+            x = slice(e * local_experts, (e + 1) * local_experts)
+            ok[f"w1 tp{t} ep{e}"] = torch.equal(got[w1][x, :, :, f],
+                                                raw[f"tp{t}.ep{e}.{w1}"].view(local_experts, hidden, 2, local_ffn))
+            ok[f"w2 tp{t} ep{e}"] = torch.equal(got[w2][x, f], raw[f"tp{t}.ep{e}.{w2}"].view(local_experts,
+                                                                                            local_ffn, hidden))
+        ok[f"proj tp{t}"] = torch.equal(got[proj][:, 2 * t:2 * t + 2], raw[f"tp{t}.{proj}"])
+    ok["norm"] = torch.equal(got[norm], raw[f"tp0.{norm}"])
+    return ok

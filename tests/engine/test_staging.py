@@ -46,3 +46,29 @@ def test_pieces_are_kept_with_their_slots():
     with staging_into(arena):
         moved = staged_piece(value[2:], (2, 3), 1)  # another description: built anew
     assert moved is not pieces[0] and staged_piece(value[2:], (2, 3), 2) is not pieces[0]
+    # Optimizer state before the first step (zeros) leaves its piece for the first save after the step.
+    from megatron.fsdp.staging import staged_zeros_piece
+
+    arena = StagingArena()
+    with staging_into(arena):
+        zeros = staged_zeros_piece(4, torch.float32, torch.device("cpu"), (2, 2), 0)
+    assert torch.equal(zeros._local_tensor, torch.zeros(4))
+    with staging_into(arena):
+        assert staged_piece(value[2:], (2, 2), 0) is zeros and torch.equal(zeros._local_tensor, value[2:])
+
+
+def test_deferred_copies_wait_for_copy_deferred():
+    """In a deferring round a stable value's slot is filled only by ``copy_deferred`` (with the value as it is
+    then); other values are copied at once."""
+    from megatron.fsdp.staging import staged_piece
+
+    arena, stable, other = StagingArena(), torch.arange(6, dtype=torch.float32), torch.ones(3)
+    with staging_into(arena):  # the first round (start-up): everything copied at once
+        staged_piece(stable, (2, 3), 0, stable=True)
+    with staging_into(arena, defer=True):
+        piece = staged_piece(stable + 100, (2, 3), 0, stable=True)  # a new value object: its copy waits
+        copied = staged_copy(other)
+    assert torch.equal(copied, other) and arena.deferred_bytes == 6 * 4
+    assert torch.equal(piece._local_tensor, stable)  # still the previous round's contents
+    arena.copy_deferred()
+    assert torch.equal(piece._local_tensor, stable + 100) and arena.deferred_bytes == 0

@@ -19,10 +19,11 @@ from megatron.fsdp.mcore.checkpoint_keys import (ParallelRanks, chunk_keys, glob
                                                  split_placement, tp1_shape, tp_placements)
 from megatron.training import checkpoint_files as files
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
+from megatron.training.checkpoint_v1 import parse_key as parse_v1_key
 from tests.cases.common import LEVELS, rel
 from tests.cases.job import B8, B12, LINE, MODEL, ROOT, assert_exact_resume, fsdp, pretrain
-from tests.cases.job_checkpoint import (failing_background_write, fresh_then_loaded, load_error, loaded_vs_unsharded,
-                                        rng_round_trip)
+from tests.cases.job_checkpoint import (failing_background_write, fresh_then_loaded, layout_v1_translation, load_error,
+                                        loaded_vs_unsharded, rng_round_trip)
 from tests.harness.matrix import full_matrix
 from tests.harness.pools import pool_of
 from tools.checkpoint import convert
@@ -358,17 +359,33 @@ V1_ARGS = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_gr
 
 
 def test_layout_v1_checkpoint_loads(tmp_path):
-    """A checkpoint written by the previous layout (keys per TP rank; tests/data/README.md) loads at its TP size:
-    the validation loss it logged, then training on; saving again writes TP-global keys."""
+    """A checkpoint written by the previous layout (keys per TP rank; tests/data/README.md) loads at its TP size
+    and at TP 1 (its TP-local pieces read in TP-global coordinates): the validation loss it logged, the next
+    step's loss alike at both; saving again writes TP-global keys."""
     with tarfile.open(os.path.join(ROOT, "tests", "data", "checkpoint_v1_tp2.tar.xz")) as tar:
         tar.extractall(tmp_path, filter="data")
     old = tmp_path / "ckpt"
     assert any(k.startswith("model.tp1.") for k in ckpt_inspect.describe(old / "iter_0000002")["keys"])
-    got = pretrain(2, V1_ARGS + ["--load", str(old), "--save", str(tmp_path / "new")])
+    no_dropout = ["--hidden-dropout", "0", "--attention-dropout", "0"]  # the same step at both TP sizes
+    got = pretrain(2, V1_ARGS + no_dropout + ["--load", str(old), "--save", str(tmp_path / "new")])
     assert got["start_iteration"] == 2 and len(got["losses"]) == 1
     assert rel(got["valid_at_load"], 4.166764) <= 1e-6, got["valid_at_load"]
     new = ckpt_inspect.describe(tmp_path / "new" / "iter_0000003")
     assert new["common"]["version"] == 2 and not any(".tp" in k for k in new["keys"])
+    tp1 = V1_ARGS[:V1_ARGS.index("--tensor-model-parallel-size")] + V1_ARGS[V1_ARGS.index("--disable-bias-linear"):]
+    at_tp1 = pretrain(2, tp1 + no_dropout + ["--load", str(old)])  # TP 1 x DP 2
+    assert at_tp1["start_iteration"] == 2
+    assert rel(at_tp1["valid_at_load"], got["valid_at_load"]) <= 1e-5, (at_tp1["valid_at_load"], got)
+    assert rel(at_tp1["losses"][0], got["losses"][0]) <= 1e-5, (at_tp1["losses"], got["losses"])
+
+
+def test_layout_v1_grouped_gemm_and_tp_pieces_read_tp_global(tmp_path):
+    """Layout-1 pieces (grouped-GEMM weights per EP and expert-TP rank, raw shapes, split mid-row over DP; a
+    TP-split and a replicated weight) land where the TP-global tensor has them: the EP / TP resharding of
+    layout-1 checkpoints rests on this."""
+    results = pool_of(2).run(layout_v1_translation, timeout=120, directory=str(tmp_path / "v1"))
+    for ok in results:
+        assert ok and all(ok.values()), ok
 
 
 def test_rng_states_round_trip(tmp_path):
@@ -406,11 +423,11 @@ def test_global_keys():
     assert global_key("decoder.final_layernorm.weight", stage, tp) == "decoder.final_layernorm.weight"
     assert global_key("decoder.layers.1.mlp.experts.weight1", stage, tp) == "decoder.layers.3.mlp.experts.weight1"
     # layout version 1: keys per TP rank (expert TP rank for experts), grouped GEMM per EP rank
-    assert global_key("decoder.final_layernorm.weight", stage, tp, legacy=True) == "tp1.decoder.final_layernorm.weight"
-    assert global_key("decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight", stage, tp, legacy=True) == \
-        "decoder.layers.2.mlp.experts.local_experts.2.linear_fc2.weight"
-    assert global_key("decoder.layers.1.mlp.experts.weight1", stage, tp, legacy=True) == \
-        "ep1.decoder.layers.3.mlp.experts.weight1"
+    assert parse_v1_key("model.tp1.decoder.final_layernorm.weight") == ("model.", 1, None,
+                                                                        "decoder.final_layernorm.weight")
+    assert parse_v1_key("optimizer.state.tp0.ep1.decoder.layers.3.mlp.experts.weight1.exp_avg") == \
+        ("optimizer.state.", 0, 1, "decoder.layers.3.mlp.experts.weight1.exp_avg")
+    assert parse_v1_key("model.decoder.layers.0.mlp.linear_fc1.weight") is None
     keys = chunk_keys(stage, ["decoder.layers.0.x", "output_layer.weight"], plain)
     assert keys.localize(keys.globalize({"decoder.layers.0.x": 1})) == {"decoder.layers.0.x": 1}
     with pytest.raises(ValueError, match="same checkpoint keys"):

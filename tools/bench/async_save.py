@@ -6,13 +6,14 @@
 
 The first form runs ``pretrain_gpt.py`` twice (``--save-interval`` saves, once
 synchronous and once with ``--async-save``) and prints one table: the save's cost
-to training (the synchronous save time; the async blocked time, staging plus
-publishing), the background write time, their ratio, and the wall time of the
+to training (the synchronous save time; the async blocked time: the host copy, plus
+any wait for the previous save), the background time (plan, write, publish), their ratio, and the wall time of the
 iterations around each save (the interval between consecutive iteration log
 lines, so a save's blocking lands in the iteration it follows) against the
-median of the others. Both save times start once every rank has reached the save
-(the log lines give the wait for the slowest rank apart: it is rank skew, which the
-next collective of training would absorb without a save too).
+median of the others. The synchronous save time starts once every rank has reached
+the save (the log line gives the wait for the slowest rank apart: it is rank skew,
+which the next collective of training would absorb without a save too); an async
+save runs no collective on the training thread, so it waits for no rank.
 
 ``--writer-compare`` measures what a background writer costs the training
 thread (GIL contention, memory bandwidth): a step loop of many small torch ops
@@ -37,7 +38,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 ITERATION = re.compile(r"^ iteration\s+(\d+)/")
 SYNC = re.compile(r"saved checkpoint at iteration\s+(\d+) to .* in ([0-9.]+) s")
 ASYNC = re.compile(r"saved checkpoint at iteration\s+(\d+) to .*\(async\): training blocked ([0-9.]+) s, "
-                   r"background write ([0-9.]+) s")
+                   r"background save ([0-9.]+) s")
 
 
 def _run(args, extra: List[str], save_dir: str) -> Dict[str, object]:
@@ -62,6 +63,9 @@ def _run(args, extra: List[str], save_dir: str) -> Dict[str, object]:
                 saves[int(s.group(1))] = tuple(float(v) for v in s.groups()[1:])
     if proc.wait() != 0:
         raise SystemExit("pretrain_gpt.py failed:\n" + "".join(log[-40:]))
+    if args.log:
+        with open(args.log, "a") as f:
+            f.write(f"==== {' '.join(extra) or 'synchronous'}\n" + "".join(log))
     walls = {i: stamps[i] - stamps[i - 1] for i in stamps if i - 1 in stamps}
     return {"walls": walls, "saves": saves}
 
@@ -76,7 +80,7 @@ def compare_saves(args) -> None:
             shutil.rmtree(directory, ignore_errors=True)
     print(f"\n{args.layers} layers, hidden {args.hidden}, vocab {args.vocab}; {args.ranks} CPU ranks, ZeRO-3, "
           f"save every {args.interval} of {args.iters} iterations (the last at the end)")
-    print(f"{'mode':<6} {'save at':>8} {'training blocked (s)':>21} {'write (s)':>10} {'blocked / sync':>15} "
+    print(f"{'mode':<6} {'save at':>8} {'training blocked (s)':>21} {'background (s)':>15} {'blocked / sync':>15} "
           f"{'iteration after (s)':>20} {'other iterations (s)':>21}")
     sync_times = {it: v[0] for it, v in results["sync"]["saves"].items()}
     for mode, res in results.items():
@@ -89,7 +93,7 @@ def compare_saves(args) -> None:
             write = values[1] if len(values) > 1 else values[0]
             ratio = blocked / sync_times[it] if it in sync_times and sync_times[it] else float("nan")
             next_walls = "/".join(f"{walls[i]:.2f}" for i in (it + 1, it + 2) if i in walls) or "-"
-            print(f"{mode:<6} {it:>8} {blocked:>21.3f} {write:>10.2f} {ratio:>15.3f} {next_walls:>20} "
+            print(f"{mode:<6} {it:>8} {blocked:>21.3f} {write:>15.2f} {ratio:>15.3f} {next_walls:>20} "
                   f"{median:>21.2f}")
 
 
@@ -167,6 +171,7 @@ def main(argv=None) -> None:
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--interval", type=int, default=4)
     p.add_argument("--dir", default=None, help="where the checkpoints go (a temporary directory, removed)")
+    p.add_argument("--log", default=None, help="append both runs' full output to this file")
     p.add_argument("--writer-compare", action="store_true")
     p.add_argument("--mib", type=int, default=150, help="--writer-compare: bytes written per round")
     p.add_argument("--steps", type=int, default=60, help="--writer-compare: training-like steps per writer")

@@ -23,9 +23,9 @@ adapter renames:
 
 Layout version 1 (checkpoints written before TP-global coordinates) prefixed every
 key with ``tp{rank}.`` under TP > 1 and legacy ``GroupedMLP`` weights with
-``ep{rank}.`` under EP > 1, each key in TP-local shape; ``chunk_keys(...,
-legacy=True)`` gives those keys, so such a checkpoint still loads at the TP and EP
-sizes it was written with.
+``ep{rank}.`` under EP > 1, each key in TP-local shape; the training job reads such
+a checkpoint in TP-global coordinates (``megatron/training/checkpoint_v1.py``),
+told how each parameter was split by ``split_rules``.
 
 TP-global coordinates (``tp_placements``): where Megatron-Core's TP-1 model
 has the parameter, i.e. the shards concatenated along the partition dimension
@@ -109,8 +109,8 @@ def _layer_maps(module: torch.nn.Module):
     return offsets, experts
 
 
-def global_key(name: str, module: torch.nn.Module, ranks: ParallelRanks, maps=None, legacy: bool = False) -> str:
-    """The checkpoint key of parameter or buffer ``name`` of ``module`` (``legacy``: layout version 1)."""
+def global_key(name: str, module: torch.nn.Module, ranks: ParallelRanks, maps=None) -> str:
+    """The checkpoint key of parameter or buffer ``name`` of ``module``."""
     offsets, experts = maps if maps is not None else _layer_maps(module)
     key, local_layer = name, None
     m = _LAYER.search(key)
@@ -124,20 +124,13 @@ def global_key(name: str, module: torch.nn.Module, ranks: ParallelRanks, maps=No
     if key == "output_layer.weight" and getattr(module, "share_embeddings_and_output_weights", False) \
             and post and not pre:
         key = "embedding.word_embeddings.weight"
-    if not legacy:
-        return key
-    is_expert = ".mlp.experts." in f".{name}"
-    if is_expert and _GROUPED.search(f".{name}") and ranks.ep[1] > 1:
-        key = f"ep{ranks.ep[0]}.{key}"
-    rank, size = ranks.expert_tp if is_expert else ranks.tp
-    return f"tp{rank}.{key}" if size > 1 else key
+    return key
 
 
-def chunk_keys(module: torch.nn.Module, names: Iterable[str], ranks: ParallelRanks,
-               legacy: bool = False) -> CheckpointKeys:
+def chunk_keys(module: torch.nn.Module, names: Iterable[str], ranks: ParallelRanks) -> CheckpointKeys:
     """The renaming of every name in ``names`` (a chunk's parameter and buffer names)."""
     maps = _layer_maps(module)
-    forward = {n: global_key(n, module, ranks, maps, legacy) for n in names}
+    forward = {n: global_key(n, module, ranks, maps) for n in names}
     inverse = {g: n for n, g in forward.items()}
     if len(inverse) != len(forward):
         dup = sorted({g for g in forward.values() if list(forward.values()).count(g) > 1})
@@ -267,3 +260,23 @@ def tp1_shape(key: str, stored: Tuple[int, ...]) -> Tuple[int, ...]:
             and len(stored) == (3 if key.endswith("weight") else 2):
         return (2 * stored[1],) + stored[2:]
     return stored
+
+
+def split_rules(module: torch.nn.Module, placements: Mapping[str, GlobalPlacement],
+                keys: CheckpointKeys) -> Dict[str, Tuple[str, int, Tuple[int, ...]]]:
+    """How layout version 1 split each parameter over TP (and EP) ranks, by checkpoint key: ``("split", dim, ())``
+    for a TP shard along Megatron-Core's ``partition_dim``, ``("grouped", ffn dim, TP-global shape)`` for a
+    legacy GroupedMLP weight (``placements``: this chunk's ``tp_placements``); replicated ones are absent."""
+    out: Dict[str, Tuple[str, int, Tuple[int, ...]]] = {}
+    for name, param in module.named_parameters():
+        key = keys.to_global.get(name)
+        if key is None:
+            continue
+        if _GROUPED.search(f".{name}"):
+            glob = tuple(placements[name].shape)
+            out[key] = ("grouped", len(glob) - 1 if name.endswith("weight1") else 1, glob)
+        elif getattr(param, "tensor_model_parallel", False):
+            if getattr(param, "partition_stride", 1) != 1:
+                raise ValueError(f"{name}: layout version 1 never stored a strided TP split")
+            out[key] = ("split", param.partition_dim, ())
+    return out

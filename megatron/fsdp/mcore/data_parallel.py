@@ -30,7 +30,7 @@ import megatron.fsdp as mfsdp
 from megatron.fsdp.checkpoint import expected_model_keys
 from megatron.fsdp.meta_init import is_on_meta
 
-from .checkpoint_keys import CheckpointKeys, ParallelRanks, chunk_keys, tp_placements
+from .checkpoint_keys import CheckpointKeys, ParallelRanks, chunk_keys, split_rules, tp_placements
 from .distributed_index import FSDPDistributedIndex
 from .meta_init import recipe_of
 from .overlap import overlap_arguments
@@ -263,20 +263,23 @@ class FullyShardedDataParallel(_BaseDataParallel):
             self.use_checkpoint_layout()
         return self._checkpoint_keys
 
-    def use_checkpoint_layout(self, legacy: bool = False, vocab_rows: Optional[int] = None) -> None:
+    def use_checkpoint_layout(self, vocab_rows: Optional[int] = None) -> None:
         """Keys and TP-global coordinates of the state dicts from now on (not a collective).
 
-        The default is this model's own layout (what a save writes). A load sets
-        what the checkpoint was written with: ``legacy`` for layout version 1 (keys
-        per TP rank, TP-local shapes) or ``vocab_rows`` for another padded
-        vocabulary size; call it again without arguments afterwards.
+        The default is this model's own layout (what a save writes). A load of a
+        checkpoint with another padded vocabulary size sets ``vocab_rows``; call it
+        again without arguments afterwards.
         """
         self._fsdp.checkpoint_placements = {}
         shapes = expected_model_keys(self._fsdp)  # TP-local shapes (no placements yet)
         ranks = ParallelRanks.from_parallel_state(tp=(self.index.tp_rank, self.index.tp_size))
-        self._checkpoint_keys = chunk_keys(self.module, list(shapes), ranks, legacy=legacy)
-        if not legacy:
-            self._fsdp.checkpoint_placements = tp_placements(self.module, shapes, ranks, vocab_rows)
+        self._checkpoint_keys = chunk_keys(self.module, list(shapes), ranks)
+        self._fsdp.checkpoint_placements = tp_placements(self.module, shapes, ranks, vocab_rows)
+
+    def split_rules(self):
+        """How a layout-version-1 checkpoint split this chunk's parameters (``checkpoint_keys.split_rules``)."""
+        keys = self.checkpoint_keys()
+        return split_rules(self.module, self._fsdp.checkpoint_placements, keys)
 
     def state_dict(self, prefix: str = "", keep_vars: bool = False, destination=None):
         """This rank's pieces for ``torch.distributed.checkpoint``, keyed by global name (no collective).
