@@ -180,7 +180,8 @@ def _train(args, device, model, optimizer, scheduler, forward_backward, forward_
             if name != "lm loss":
                 history.setdefault(name, []).append(value)
         rates = throughput(args, elapsed, dist.get_world_size()) if args.log_throughput else None
-        board.scalars(iteration, _iteration_scalars(args, losses, grad_norm, lr, elapsed, rates))
+        peak_mib = memory_mib()["peak"]  # one reading for the board and the log line
+        board.scalars(iteration, _iteration_scalars(args, losses, grad_norm, lr, elapsed, rates, peak_mib))
         board.scalars(iteration, timers.take())
         if iteration == start_iteration + 1:  # the optimizer state exists only now
             line = persistent_line(args, model, optimizer)
@@ -194,7 +195,7 @@ def _train(args, device, model, optimizer, scheduler, forward_backward, forward_
                     insert_field(fields, name, value, after="elapsed time per iteration (ms)")
             print_rank_0(format_fields(fields))
             interval.reset()
-            peaks = [row[0] for row in gather_per_rank([memory_mib()["peak"]])]
+            peaks = [row[0] for row in gather_per_rank([peak_mib])]
             highest_peak = max([highest_peak] + peaks)
             print_rank_0(" " + memory_line(peaks))
             reset_peak_memory()
@@ -239,10 +240,10 @@ def _time_grad_sync(model, timers: IterationTimers) -> None:
     config.finalize_model_grads_func = timers.wrap("all-grads-sync", config.finalize_model_grads_func)
 
 
-def _iteration_scalars(args, losses, grad_norm, lr, elapsed_seconds, rates) -> dict:
+def _iteration_scalars(args, losses, grad_norm, lr, elapsed_seconds, rates, peak_mib) -> dict:
     """The iteration line's values under Megatron-LM's TensorBoard names (every loss under its own name)."""
     values = {**losses, "learning-rate": lr, "grad-norm": grad_norm, "batch-size": args.global_batch_size,
-              "iteration-time": elapsed_seconds, "mem-max-allocated-bytes": memory_mib()["peak"] * 2**20}
+              "iteration-time": elapsed_seconds, "mem-max-allocated-bytes": peak_mib * 2**20}
     if rates is not None:
         values.update({"throughput": rates.tflops_per_gpu, "tokens-per-second-per-rank": rates.tokens_per_second_per_rank})
     return values

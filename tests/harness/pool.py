@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Sequence
 
 
 @contextlib.contextmanager
@@ -73,16 +73,11 @@ class RankContext:
 
 
 def _worker_main(rank: int, world: int, init_file: str, conn) -> None:
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    import warnings
+    from tests.harness import worker_setup  # noqa: F401  (first: settings before torch)
 
     import torch
     import torch.distributed as dist
 
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    from megatron.fsdp.library_warnings import silence_unactionable_warnings
-
-    silence_unactionable_warnings(cpu_worker_pool=True)  # notices would interleave with report tools' rows
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     groups = {k: dist.new_group(list(range(k))) for k in range(1, world + 1)}
@@ -157,10 +152,19 @@ class WorkerPool:
     # Starting takes ~5 s on a quiet 2-core machine, but a shared one under heavy load can
     # take minutes to import torch in N processes: a start is not a case, so wait generously.
 
-    def __init__(self, world_size: int, start_timeout: float = 600.0):
+    def __init__(self, world_size: int, start_timeout: float = 600.0, preload: Optional[Sequence[str]] = None):
+        """``preload=None``: each worker is spawned and imports what it needs itself (it sees the
+        environment as it is now: the benchmarks set glibc's variables per pool). A list of
+        modules: the workers are forked from one server process (multiprocessing's forkserver)
+        that imported them once; the first pool of the process fixes the list and the
+        environment of every later one."""
         self.world_size = world_size
         self._dir = tempfile.mkdtemp(prefix="mfsdp-pool-")
-        ctx = mp.get_context("spawn")
+        if preload is None:
+            ctx = mp.get_context("spawn")
+        else:
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(list(preload))
         self._conns, self._procs = [], []
         init_file = os.path.join(self._dir, "rendezvous")
         for rank in range(world_size):

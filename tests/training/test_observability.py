@@ -197,8 +197,8 @@ def test_hf_tokenizer_preprocess_train_and_scalars(mcore_pool, tmp_path):
         assert board["batch-size"][it] == 8 and board["iteration-time"][it] > 0
         fwd_bwd, sync, opt = (board[f"{t}-time"][it] for t in ("forward-backward", "all-grads-sync", "optimizer"))
         assert 0 < sync <= fwd_bwd and opt > 0, (fwd_bwd, sync, opt)
-    peak = float(re.search(r"peak memory \(MiB\) per rank: (\d+)", stdout).group(1))
-    assert abs(board["mem-max-allocated-bytes"][1] / 2**20 - peak) <= 8
+    peak = float(re.search(r"^ peak memory \(MiB\) per rank: (\d+)", stdout, re.M).group(1))  # iteration 1's line
+    assert abs(board["mem-max-allocated-bytes"][1] / 2**20 - peak) <= 0.5  # the same reading, printed rounded
     valid = float(re.search(r"validation loss at iteration 3 \| lm loss value: ([0-9.E+-]+)", stdout).group(1))
     assert _close(board["lm loss validation"][3], valid, 6) and _close(history[3]["lm loss validation"], valid, 6)
     assert math.isfinite(valid)
