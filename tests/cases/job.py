@@ -24,10 +24,11 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--hidden-dropout", "0", "--attention-dropout", "0"]  # runs on other layouts must match: no dropout masks
 B8 = ["--micro-batch-size", "2", "--global-batch-size", "8"]
 B12 = ["--micro-batch-size", "1", "--global-batch-size", "12"]  # divides DP 1, 2, 3 and 4
+# 6 iterations: the warm-up, updates built on updates, a validation in the middle and at the end.
 PRETRAIN_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-                  "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--lr", "1e-3",
+                  "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "6", "--lr", "1e-3",
                   "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--min-lr", "1e-4", "--mock-data",
-                  "--log-interval", "1", "--eval-interval", "5", "--eval-iters", "1", "--seed", "7"]
+                  "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1", "--seed", "7"]
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: ([0-9.E+-]+) \| grad norm: ([0-9.]+) \|")
 
 
@@ -41,8 +42,10 @@ def pretrain(ranks, argv, **kwargs):
     return pool_of(ranks).run(pretrain_in_pool, timeout=300, argv=argv, **kwargs)[0]
 
 
-def torchrun(nproc, argv, iterations=10):
-    """``torchrun pretrain_gpt.py argv``: the logged (iteration, lm loss, grad norm) rows and the output."""
+def torchrun(nproc, argv):
+    """``torchrun pretrain_gpt.py argv``: the logged (iteration, lm loss, grad norm) rows (one per
+    iteration of ``--train-iters``) and the output."""
+    iterations = int(argv[len(argv) - 1 - argv[::-1].index("--train-iters") + 1])  # the last one given wins
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                           "--master_port", "29533", os.path.join(ROOT, "pretrain_gpt.py")] + argv,

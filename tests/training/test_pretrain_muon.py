@@ -2,7 +2,7 @@
 
 Sampled (the suite budget): DP 4 at optim_grads_params, TP 2 x DP 2 blockwise at
 optim and duplicated at optim_grads_params, each against no_shard on its
-topology for 10 iterations (the engine tests cover every level).
+topology for 6 iterations (the engine tests cover every level).
 Measured differences: see RTOL. ``--muon-extra-scale-factor 0.2``
 (spectral x 0.2: Moonlight's AdamW-RMS match, torch's ``match_rms_adamw``).
 """
