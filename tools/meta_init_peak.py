@@ -8,7 +8,7 @@ Run under torchrun; model arguments as for pretrain_gpt.py::
 Each rank builds the model chunk and wraps it in ``FullyShardedDataParallel`` twice, eager
 then on the meta device, and reports the resident-set high-water mark (``VmHWM``, reset
 through ``/proc/self/clear_refs``) above the resident set before the build. Large blocks
-are served by ``mmap`` (the job's fixed ``M_MMAP_THRESHOLD``, set by ``initialize``:
+are served by ``mmap`` (a fixed 64 KiB ``M_MMAP_THRESHOLD``, ``MEASURE_MMAP_THRESHOLD`` of
 ``megatron/training/allocator.py``) so freed memory leaves the resident set, and a small build of each kind runs first (the first meta build loads torch's meta
 kernels). The bound column is ``persistent + root + 2 units`` (the meta build's promise)
 and, as a fraction of the eager peak, ``1/N + root + 2 units``.
@@ -71,6 +71,9 @@ def main(argv) -> None:
                               "optim_grads_params"])
     validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     initialize(args)
+    from megatron.training.allocator import MEASURE_MMAP_THRESHOLD, fix_mmap_threshold
+
+    fix_mmap_threshold(MEASURE_MMAP_THRESHOLD)  # the resident set follows every tensor over 64 KiB
     args.padded_vocab_size = padded_vocab_size(build_tokenizer(args).vocab_size, args)
     tiny = copy.copy(args)
     tiny.num_layers, tiny.hidden_size, tiny.ffn_hidden_size = args.pipeline_model_parallel_size, 64, 256

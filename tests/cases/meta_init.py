@@ -104,9 +104,9 @@ def _rss_tools():
 def _mmap_large_allocations() -> None:
     """glibc: serve blocks over 64 KiB by mmap (and unmap them on free), so the resident set follows the
     live tensors; by default the threshold grows after the first large free and freed blocks stay resident."""
-    from megatron.training.allocator import fix_mmap_threshold
+    from megatron.training.allocator import MEASURE_MMAP_THRESHOLD, fix_mmap_threshold
 
-    fix_mmap_threshold(respect_env=False)
+    fix_mmap_threshold(MEASURE_MMAP_THRESHOLD, respect_env=False)
 
 
 def build_peak(ctx, layers: int = 8, hidden: int = 256, vocab: int = 4096) -> Dict[str, object]:
