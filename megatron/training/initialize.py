@@ -20,15 +20,16 @@ def _world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def gloo_twin_groups(args) -> bool:
+def gloo_twin_groups(disabled: bool = False) -> bool:
     """Whether Megatron-Core creates (and its optimizer uses) a gloo twin of every process group.
 
     On a GPU the twins are the CPU-side copies of the NCCL groups that Megatron-Core's
     optimizer and checkpointing may use. On CPU every group is gloo already: a twin
     would double the ~50 groups ``initialize_model_parallel`` creates (and their
-    threads) for nothing.
+    threads) for nothing. ``disabled``: ``--disable-gloo-process-groups``. One rule for the job
+    and the tests' Megatron-Core set-ups.
     """
-    return torch.cuda.is_available() and not args.disable_gloo_process_groups
+    return torch.cuda.is_available() and not disabled
 
 
 def initialize(args):
@@ -62,7 +63,7 @@ def initialize(args):
         expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
-        create_gloo_process_groups=gloo_twin_groups(args),
+        create_gloo_process_groups=gloo_twin_groups(args.disable_gloo_process_groups),
     )
     seed = args.seed + 100 * ps.get_pipeline_model_parallel_rank()
     random.seed(seed)

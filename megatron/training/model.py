@@ -187,7 +187,7 @@ def wrap_and_optimize(args, config, chunks):
     model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
              for i, chunk in enumerate(chunks)]
     optimizer = get_megatron_optimizer(opt_config, model, config_overrides=get_standard_config_overrides(opt_config),
-                                       use_gloo_process_groups=gloo_twin_groups(args))
+                                       use_gloo_process_groups=gloo_twin_groups(args.disable_gloo_process_groups))
 
     def wire():
         config.grad_scale_func = optimizer.scale_loss

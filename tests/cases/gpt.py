@@ -41,9 +41,6 @@ CLIP_GRAD = 1.0
 # two micro-batches show gradient accumulation (a doubled or missed micro-batch changes the
 # first grad norm). Longer runs found nothing more and cost the suite minutes (docs/testing.md).
 STEPS, MICRO_BATCHES = 3, 2
-# Megatron-Core's gloo twin of every group only on GPUs: on CPU the groups are gloo already
-# (megatron/training/initialize.py:gloo_twin_groups says why).
-GLOO_TWINS = torch.cuda.is_available()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +114,7 @@ def parallel(ctx, topology: Topology, seed: int = SEED):
     released, so the next case in the same worker starts clean.
     """
     from megatron.core import parallel_state as ps
+    from megatron.training.initialize import gloo_twin_groups
     from tests.harness.megatron_case import megatron_case
 
     world = dist.get_world_size()
@@ -131,7 +129,7 @@ def parallel(ctx, topology: Topology, seed: int = SEED):
             context_parallel_size=topology.cp,
             expert_model_parallel_size=topology.ep,
             num_distributed_optimizer_instances=topology.instances,
-            create_gloo_process_groups=GLOO_TWINS,
+            create_gloo_process_groups=gloo_twin_groups(),
         )
         set_random_seed(seed)
         yield
@@ -377,6 +375,7 @@ def megatron_ddp_run(ctx, topology: Topology, steps: int = STEPS, micro_batches:
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import get_megatron_optimizer, get_standard_config_overrides
+    from megatron.training.initialize import gloo_twin_groups
 
     with parallel(ctx, topology):
         config = tiny_gpt_config(topology)
@@ -388,7 +387,7 @@ def megatron_ddp_run(ctx, topology: Topology, steps: int = STEPS, micro_batches:
                                          disable_bucketing=index > 0)
                  for index, chunk in enumerate(chunks)]
         opt_config = optimizer_config(use_distributed_optimizer)
-        optimizer = get_megatron_optimizer(opt_config, model, use_gloo_process_groups=GLOO_TWINS,
+        optimizer = get_megatron_optimizer(opt_config, model, use_gloo_process_groups=gloo_twin_groups(),
                                            config_overrides=get_standard_config_overrides(opt_config))
         result = train(model, optimizer, config, topology, steps, micro_batches,
                        scheduler=make_scheduler(optimizer))
