@@ -9,6 +9,7 @@ import pytest
 
 from megatron.fsdp import STRATEGIES
 from tests.cases import meta_init as cases
+from tests.harness.pools import pool_of
 
 
 LEVELS = list(STRATEGIES)
@@ -39,10 +40,14 @@ def test_meta_build_equals_eager_bitwise(pool, world_size):
         assert not result["after_training"], result["after_training"]
 
 
-def test_meta_build_peak_memory_is_bounded(pool):
+def test_meta_build_peak_memory_is_bounded():
     """ZeRO-3 at 4 ranks: the meta build's peak is at most this rank's weight shards (gradients come later)
-    + root + two units (+ 4 MiB of allocator slack); the eager build holds the whole model."""
-    for r in pool.run(cases.build_peak, size=4, timeout=180):
+    + root + two units (+ 4 MiB of allocator slack); the eager build holds the whole model.
+
+    On fresh workers of its own: in the engine pool, the heap that hundreds of earlier cases
+    fragmented once added ~3 MiB to the measured peak (one CI run in three); the bound is about
+    the build, not about what earlier cases left behind."""
+    for r in pool_of(4, "build-peak").run(cases.build_peak, size=4, timeout=180):
         bound = r["persistent_bytes"] + r["root_bytes"] + 2 * r["largest_unit_bytes"] + (4 << 20)
         assert r["eager"] >= r["model_bytes"], r  # the instrument sees the full model in the eager build
         assert r["meta"] <= bound, f"meta build peak {r['meta'] / 2**20:.1f} MiB > bound {bound / 2**20:.1f} MiB: {r}"
