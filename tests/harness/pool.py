@@ -98,7 +98,7 @@ def _worker_main(rank: int, world: int, init_file: str, conn) -> None:
             os._exit(0)
         target, size, kwargs = msg
         if rank >= size:
-            conn.send(("idle", None))
+            conn.send(("idle", None, _threads()))
             continue
         modules = len(sys.modules)
         try:
@@ -110,10 +110,54 @@ def _worker_main(rank: int, world: int, init_file: str, conn) -> None:
         # The case's models hold its destroyed process groups in reference cycles, and a
         # gloo group's threads (three per group, polling) end only when it is freed:
         # collect before answering, or hundreds pile up and starve every later case.
-        gc.collect()
+        _release_leftovers()
         if len(sys.modules) > modules:
             _freeze_imports()
-        conn.send(reply)
+        conn.send(reply + (_threads(),))
+
+
+def _threads() -> int:
+    """This process's threads (a group's gloo threads live as long as the group)."""
+    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
+
+
+def _release_leftovers() -> None:
+    """Collect what the case left behind, cutting the autograd graphs that keep it alive.
+
+    Megatron-Core's MoE token dispatchers keep tensors of their last forward (routing
+    probabilities, permutation maps) that still carry their ``grad_fn``. The graph behind
+    them is C++ that the collector cannot see into, and it leads back to the model (its
+    nodes hold parameters with hooks, and the contexts of Megatron's autograd functions
+    hold the process groups): a cycle no ``gc.collect()`` frees. So every MoE case left
+    its model, its optimizer and all of its process groups alive, and each gloo group's
+    threads keep polling: ~50 threads per case, over 800 per worker by the end of the
+    MoE block, where the same cases then ran 3-5 times slower than on a fresh pool.
+    Between cases nothing in a worker needs a graph: every tensor still attached to one
+    is detached (in place; a view, which cannot be, is replaced by a detached copy where
+    it is held), and the model becomes ordinary garbage.
+    """
+    import torch
+
+    gc.collect()
+    views = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.grad_fn is not None:
+            if obj._is_view():
+                views[id(obj)] = obj
+            else:
+                obj.detach_()
+    if views:
+        for holder in gc.get_objects():
+            if isinstance(holder, dict):
+                for key, value in list(holder.items()):
+                    if id(value) in views:
+                        holder[key] = value.detach()
+            elif isinstance(holder, list):
+                for index, value in enumerate(holder):
+                    if id(value) in views:
+                        holder[index] = value.detach()
+        views.clear()
+    gc.collect()
 
 
 def _freeze_imports() -> None:
@@ -149,6 +193,11 @@ def _importable_module(case: Callable[..., Any]) -> str:
 
 class WorkerPool:
     CLOSE_GRACE_S = 3.0  # a worker told to stop exits at once; after this it is killed
+    # A worker past this many threads is holding process groups some case leaked (a group's
+    # gloo threads poll while it lives: ~0.15 of a core per 100 threads): the pool starts
+    # fresh workers before its next case (~5 s) rather than slow every later case down.
+    # A fresh Megatron worker has ~25 threads; one leaked Megatron-Core parallel state is ~45.
+    MAX_WORKER_THREADS = 120
     # Starting takes ~5 s on a quiet 2-core machine, but a shared one under heavy load can
     # take minutes to import torch in N processes: a start is not a case, so wait generously.
 
@@ -159,6 +208,12 @@ class WorkerPool:
         that imported them once; the first pool of the process fixes the list and the
         environment of every later one."""
         self.world_size = world_size
+        self._start_timeout = start_timeout
+        self._start(preload)
+
+    def _start(self, preload: Optional[Sequence[str]]) -> None:
+        self._preload = preload
+        world_size = self.world_size
         self._dir = tempfile.mkdtemp(prefix="mfsdp-pool-")
         if preload is None:
             ctx = mp.get_context("spawn")
@@ -173,8 +228,9 @@ class WorkerPool:
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)
-        self._collect([self._conns[r] for r in range(world_size)], start_timeout, "start")
+        self._collect([self._conns[r] for r in range(world_size)], self._start_timeout, "start")
         self.alive = True
+        self._renew = False
 
     def _collect(self, conns, timeout: float, what: str) -> List[Any]:
         deadline = time.monotonic() + timeout
@@ -208,13 +264,17 @@ class WorkerPool:
         size = self.world_size if size is None else size
         if not 1 <= size <= self.world_size:
             raise ValueError(f"size {size} outside 1..{self.world_size}")
+        if self._renew:
+            self.close()
+            self._start(self._preload)
         for conn in self._conns:
             conn.send((target, size, kwargs))
-        replies = self._collect(self._conns, timeout, target)[:size]
-        errors = [payload if status == "err" else None for status, payload in replies]
+        replies = self._collect(self._conns, timeout, target)
+        self._renew = max(threads for _, _, threads in replies) > self.MAX_WORKER_THREADS
+        errors = [payload if status == "err" else None for status, payload, _ in replies[:size]]
         if any(errors):
             raise RankError(errors)
-        return [payload for _, payload in replies]
+        return [payload for _, payload, _ in replies[:size]]
 
     def close(self, kill: bool = False) -> None:
         if not getattr(self, "alive", True):

@@ -34,6 +34,6 @@ def close(key: Tuple[int, str]) -> None:
         pool.close()
 
 
-def close_all_but(keep: Tuple[int, str]) -> None:
-    for key in [k for k in _pools if k != keep]:
+def close_all() -> None:
+    for key in list(_pools):
         close(key)

@@ -46,16 +46,16 @@ def _check(pool, topology: Topology, strategy: str, **overrides) -> dict:
 
 
 @pytest.mark.parametrize("dispatcher, ep, strategy", EP_CASES)
-def test_expert_parallel_parity(moe_pool, dispatcher, ep, strategy):
-    result = _check(moe_pool, moe_topology(dispatcher, ep), strategy)
+def test_expert_parallel_parity(mcore_pool, dispatcher, ep, strategy):
+    result = _check(mcore_pool, moe_topology(dispatcher, ep), strategy)
     level = f"{strategy} x no_shard"
     assert result["sections"] == {"dense": (level, 4, 1), "expert": (level, 4 // ep, 1)}
 
 
 @pytest.mark.parametrize("name", list(MIXED_CASES))
-def test_expert_levels_of_their_own(moe_pool, name):
+def test_expert_levels_of_their_own(mcore_pool, name):
     topology, strategy, overrides, sections = MIXED_CASES[name]
-    result = _check(moe_pool, topology, strategy, **overrides)
+    result = _check(mcore_pool, topology, strategy, **overrides)
     for section, expected in sections.items():
         assert result["sections"][section] == expected
 

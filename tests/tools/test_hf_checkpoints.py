@@ -42,11 +42,10 @@ LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", 
          "--rotary-base", "500000"]
 MIXTRAL = LLAMA[:-2] + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48"]
 ZERO3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
-MODELS = {  # name -> (pool, model flags, the sharded layout it is trained and saved at, model type)
-    "gpt2": ("mcore", [], ["--tensor-model-parallel-size", "2"], "gpt2"),
-    "llama": ("mcore", LLAMA, ["--pipeline-model-parallel-size", "2"], "llama"),
-    "mixtral": ("moe", MIXTRAL, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
-                "mixtral"),
+MODELS = {  # name -> (model flags, the sharded layout it is trained and saved at, model type)
+    "gpt2": ([], ["--tensor-model-parallel-size", "2"], "gpt2"),
+    "llama": (LLAMA, ["--pipeline-model-parallel-size", "2"], "llama"),
+    "mixtral": (MIXTRAL, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"], "mixtral"),
 }
 
 
@@ -55,20 +54,15 @@ def _tensors(directory):
     return {k: reader.read(k) for k in reader.entries}
 
 
-@pytest.mark.parametrize("name", [name for name, (kind, *_) in MODELS.items() if kind == "mcore"])
+@pytest.mark.parametrize("name", list(MODELS))
 def test_export_from_a_sharded_run_matches_megatron_logits(mcore_pool, tmp_path, name):
     _export_matches_megatron_logits(mcore_pool, tmp_path, name)
-
-
-def test_moe_export_from_a_sharded_run_matches_megatron_logits(moe_pool, tmp_path):
-    """Mixtral on the MoE pool (a fixture, so tests/conftest.py runs it with the other MoE cases)."""
-    _export_matches_megatron_logits(moe_pool, tmp_path, "mixtral")
 
 
 def _export_matches_megatron_logits(pool, tmp_path, name):
     from transformers import AutoModelForCausalLM
 
-    kind, flags, layout, model_type = MODELS[name]
+    flags, layout, model_type = MODELS[name]
     ckpt, hf_dir, back = tmp_path / "ckpt", tmp_path / "hf", tmp_path / "back"
     pool.run(pretrain_in_pool, timeout=300,
              argv=BASE + flags + layout + ZERO3 + ["--save", str(ckpt)])
@@ -257,7 +251,7 @@ def test_qwen2_qkv_biases_and_qwen2_moe_round_trip(tmp_path):
             assert torch.equal(model(tokens).logits, again.eval()(tokens).logits), name
 
 
-def test_qwen2_moe_from_hf_matches_megatron_logits(moe_pool, tmp_path):
+def test_qwen2_moe_from_hf_matches_megatron_logits(mcore_pool, tmp_path):
     """A transformers-made Qwen2-MoE (q/k/v biases, a dense layer, gated shared expert, pre-softmax router)
     -> from-hf: the Megatron model of the printed flags gives the HF logits within 1e-5 (fp32)."""
     model = _qwen2_moe()
@@ -268,8 +262,7 @@ def test_qwen2_moe_from_hf_matches_megatron_logits(moe_pool, tmp_path):
     tokens = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(3))
     argv = BASE + arch.megatron_flags() + ["--make-vocab-size-divisible-by", "1", "--hidden-dropout", "0",
                                            "--attention-dropout", "0"]
-    got = moe_pool.run(megatron_logits, timeout=300, argv=argv, model_file=str(model_file),
-                       tokens=tokens)[0]
+    got = mcore_pool.run(megatron_logits, timeout=300, argv=argv, model_file=str(model_file), tokens=tokens)[0]
     assert got["missing"] == [] and got["unexpected"] == [], got
     with torch.no_grad():
         hf = model(tokens).logits

@@ -24,17 +24,16 @@ LLAMA = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--seed", "11", "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
          "--group-query-attention", "--num-query-groups", "2", "--untie-embeddings-and-output-weights",
          "--disable-bias-linear"]
-TOPOLOGIES = {  # name -> (pool fixture, extra arguments, levels checked in the default suite)
-    "dp4": ("mcore_pool", ["--qk-layernorm"], ["no_shard", "optim_grads_params"]),
-    "tp2-dp2-sp": ("mcore_pool", ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--kv-channels", "24",
-                                  "--calculate-per-token-loss"], ["optim_grads"]),
-    "pp2-dp2": ("mcore_pool", ["--pipeline-model-parallel-size", "2", "--lr-warmup-iters", "0",
-                               "--lr-warmup-fraction", "0.4", "--rotary-percent", "0.5"], ["optim"]),
-    "cp2-dp2-rope": ("mcore_pool", ["--context-parallel-size", "2", "--rotary-base", "500000"],
-                     ["optim_grads_params"]),
-    "moe-ep2-shared": ("moe_pool", ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
-                                    "--moe-token-dispatcher-type", "alltoall", "--moe-shared-expert-intermediate-size",
-                                    "32", "--moe-layer-freq", "([0]*1+[1]*1)", "--moe-aux-loss-coeff", "0.01"],
+TOPOLOGIES = {  # name -> (extra arguments, levels checked in the default suite)
+    "dp4": (["--qk-layernorm"], ["no_shard", "optim_grads_params"]),
+    "tp2-dp2-sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--kv-channels", "24",
+                    "--calculate-per-token-loss"], ["optim_grads"]),
+    "pp2-dp2": (["--pipeline-model-parallel-size", "2", "--lr-warmup-iters", "0",
+                 "--lr-warmup-fraction", "0.4", "--rotary-percent", "0.5"], ["optim"]),
+    "cp2-dp2-rope": (["--context-parallel-size", "2", "--rotary-base", "500000"], ["optim_grads_params"]),
+    "moe-ep2-shared": (["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2",
+                        "--moe-token-dispatcher-type", "alltoall", "--moe-shared-expert-intermediate-size",
+                        "32", "--moe-layer-freq", "([0]*1+[1]*1)", "--moe-aux-loss-coeff", "0.01"],
                        ["optim_grads_params"]),
 }
 
@@ -50,34 +49,24 @@ def _assert_parity(got, base, what):
             assert abs(a - b) <= 1e-5 * abs(b), (what, key, got[key], base[key])
 
 
-def _check_topology(request, name, levels):
-    pool_name, extra, _ = TOPOLOGIES[name]
-    _check(request.getfixturevalue(pool_name), name, extra, levels)
-
-
-def _check(pool, name, extra, levels):
+def _check(pool, name, levels):
+    extra = TOPOLOGIES[name][0]
     base = _run(pool, LLAMA + extra)
     assert base["losses"][-1] < base["losses"][0] * 1.05  # trains, not diverging
     for level in levels:
         _assert_parity(_run(pool, LLAMA + extra + fsdp(level)), base, (name, level))
 
 
-@pytest.mark.parametrize("name", [name for name, (pool, _, _) in TOPOLOGIES.items() if pool != "moe_pool"])
-def test_llama_matches_megatron_ddp(request, name):
-    """One Llama shape per topology at the level(s) of TOPOLOGIES, against Megatron-Core DDP."""
-    _check_topology(request, name, TOPOLOGIES[name][2])
-
-
-def test_llama_moe_matches_megatron_ddp(moe_pool):
-    """The MoE shape (shared expert, dense first layer) on the MoE pool, declared as a fixture so that
-    tests/conftest.py runs it with the other MoE cases."""
-    _, extra, levels = TOPOLOGIES["moe-ep2-shared"]
-    _check(moe_pool, "moe-ep2-shared", extra, levels)
+@pytest.mark.parametrize("name", list(TOPOLOGIES))
+def test_llama_matches_megatron_ddp(mcore_pool, name):
+    """One Llama shape per topology at the level(s) of TOPOLOGIES, against Megatron-Core DDP (the MoE shape:
+    a shared expert, a dense first layer)."""
+    _check(mcore_pool, name, TOPOLOGIES[name][1])
 
 
 @pytest.mark.slow
-def test_llama_dp4_every_level(request):
-    _check_topology(request, "dp4", LEVELS)
+def test_llama_dp4_every_level(mcore_pool):
+    _check(mcore_pool, "dp4", LEVELS)
 
 
 # ------------------------------------------------------------------ start-up checks

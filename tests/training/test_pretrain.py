@@ -104,15 +104,14 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", 
 
 
 @pytest.mark.parametrize("dispatcher, ep, expert_level", [("alltoall", 2, "optim"), ("allgather", 4, None)])
-def test_pretrain_gpt_moe_4_ranks_matches_megatron_ddp(moe_pool, dispatcher, ep, expert_level):
+def test_pretrain_gpt_moe_4_ranks_matches_megatron_ddp(mcore_pool, dispatcher, ep, expert_level):
     """pretrain_gpt.py --num-experts 4 on 4 CPU ranks: dense ZeRO-3, experts at their own level."""
     moe = MOE + ["--moe-token-dispatcher-type", dispatcher, "--expert-model-parallel-size", str(ep),
                  "--train-iters", "4", "--eval-interval", "2"]  # the suite's budget: 4 iterations show the updates
     levels = fsdp("optim_grads_params") + (
         ["--expert-data-parallel-sharding-strategy", expert_level] if expert_level else [])
-    base = moe_pool.run(pretrain_in_pool, timeout=300, argv=MODEL + moe)[0]
-    got = moe_pool.run(pretrain_in_pool, timeout=300, capture_log=True,
-                       argv=MODEL + moe + levels)[0]
+    base = mcore_pool.run(pretrain_in_pool, timeout=300, argv=MODEL + moe)[0]
+    got = mcore_pool.run(pretrain_in_pool, timeout=300, capture_log=True, argv=MODEL + moe + levels)[0]
     # The router's load-balancing loss is logged as Megatron-LM logs it, the same as the baseline's.
     assert len(got["load_balancing_loss"]) == len(got["losses"]) and "load_balancing_loss: " in got["log"]
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got["load_balancing_loss"], base["load_balancing_loss"]))
@@ -122,8 +121,7 @@ def test_pretrain_gpt_moe_4_ranks_matches_megatron_ddp(moe_pool, dispatcher, ep,
         for a, b in zip(got[key], base[key]):
             assert abs(a - b) <= 1e-5 * abs(b), (key, got[key], base[key])
     if ep == 2:  # experts built on the meta device too: the same run, bitwise
-        meta = moe_pool.run(pretrain_in_pool, timeout=300,
-                            argv=MODEL + moe + levels + META)[0]
+        meta = mcore_pool.run(pretrain_in_pool, timeout=300, argv=MODEL + moe + levels + META)[0]
         _same_history(meta, got, "moe ep2 meta")
 
 
