@@ -10,20 +10,32 @@ rank gets the environment torchrun gives it (``RANK``, ``LOCAL_RANK``, ``WORLD_S
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), runs ``pretrain_gpt.py``'s
 ``main`` with the given arguments and ends with a normal interpreter exit. As torchrun
 does, when one rank fails (an exit status other than 0, or a signal) the others are
-stopped (SIGTERM, then SIGKILL after 5 s) and the launcher exits with status 1.
+stopped (SIGTERM, then SIGKILL after 5 s) and the run's status is 1.
+
+One run, printing to this process's output (its status is the launcher's):
 
     python tests/training/fork_launch.py --nproc 2 -- PRETRAIN_GPT_ARGUMENTS...
+
+Several independent runs from the one import (``--parallel`` at a time), each with
+environment variables of its own and its ranks' output in a file of its own; the last
+line printed is a JSON list of their statuses:
+
+    python tests/training/fork_launch.py --runs RUNS.json [--parallel 2]
+    RUNS.json: [{"nproc": 2, "argv": [...], "env": {...}, "log": "/path/run0.log"}, ...]
 
 The one ``torchrun`` launch of the suite (``test_pretrain.py``) proves the command line itself.
 """
 
 import argparse
+import dataclasses
 import gc
+import json
 import os
 import signal
 import socket
 import sys
 import time
+from typing import Dict, List, Optional
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -37,21 +49,50 @@ from megatron.training.training import main as pretrain_main  # noqa: E402
 STOP_GRACE_S = 5.0
 
 
+@dataclasses.dataclass
+class Run:
+    nproc: int
+    argv: List[str]
+    env: Dict[str, str] = dataclasses.field(default_factory=dict)
+    log: Optional[str] = None  # None: the launcher's own stdout and stderr
+    pids: List[int] = dataclasses.field(default_factory=list)
+    running: List[int] = dataclasses.field(default_factory=list)
+    status: Optional[int] = None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _rank(rank: int, nproc: int, port: int, argv) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    sys.argv = ["pretrain_gpt.py"] + list(argv)
-    pretrain_main(list(argv))
+def _rank(run: Run, rank: int, port: int) -> None:
+    if run.log is not None:
+        log = os.open(run.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+    os.environ.update(run.env)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(run.nproc),
+                      LOCAL_WORLD_SIZE=str(run.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.argv = ["pretrain_gpt.py"] + list(run.argv)
+    pretrain_main(list(run.argv))
     sys.exit(0)  # a normal exit: atexit handlers and finalization run, as under torchrun
 
 
-def _stop(pids) -> None:
+def _start(run: Run) -> None:
+    port = _free_port()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for rank in range(run.nproc):
+        pid = os.fork()
+        if pid == 0:
+            _rank(run, rank, port)
+        run.pids.append(pid)
+    run.running = list(run.pids)
+
+
+def _stop(pids: List[int]) -> None:
+    """SIGTERM, then SIGKILL after the grace period; reaps every one of ``pids``."""
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE_S
@@ -63,34 +104,43 @@ def _stop(pids) -> None:
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+    pids.clear()
 
 
-def launch(nproc: int, argv) -> int:
-    port = _free_port()
-    sys.stdout.flush()
-    sys.stderr.flush()
+def launch(runs: List[Run], parallel: int = 1) -> List[int]:
+    """Run every run (``parallel`` at a time); return their statuses (0, or 1 when a rank failed)."""
     gc.freeze()
-    pids = []
-    for rank in range(nproc):
-        pid = os.fork()
-        if pid == 0:
-            _rank(rank, nproc, port, argv)
-        pids.append(pid)
-    running = list(pids)
-    while running:
+    pending, active = list(runs), []
+    while pending or active:
+        while pending and len(active) < parallel:
+            run = pending.pop(0)
+            _start(run)
+            active.append(run)
         pid, status = os.wait()
-        running.remove(pid)
+        run = next(r for r in active if pid in r.running)
+        run.running.remove(pid)
         if os.waitstatus_to_exitcode(status) != 0:
-            print(f"fork_launch: rank {pids.index(pid)} failed (status {os.waitstatus_to_exitcode(status)}); "
+            print(f"fork_launch: rank {run.pids.index(pid)} failed (status {os.waitstatus_to_exitcode(status)}); "
                   f"stopping the others", file=sys.stderr, flush=True)
-            _stop(running)
-            return 1
-    return 0
+            _stop(run.running)
+            run.status = 1
+        if not run.running:
+            run.status = run.status or 0
+            active.remove(run)
+    return [run.status for run in runs]
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, required=True)
+    parser.add_argument("--nproc", type=int, help="one run on this many ranks, with the arguments after --")
+    parser.add_argument("--runs", help="a JSON file of runs (see the module docstring)")
+    parser.add_argument("--parallel", type=int, default=1, help="runs at once (with --runs)")
     parser.add_argument("argv", nargs=argparse.REMAINDER)
     args = parser.parse_args()
-    sys.exit(launch(args.nproc, args.argv[1:] if args.argv[:1] == ["--"] else args.argv))
+    if (args.nproc is None) == (args.runs is None):
+        parser.error("give either --nproc N -- ARGUMENTS... or --runs RUNS.json")
+    if args.runs is None:
+        sys.exit(launch([Run(args.nproc, args.argv[1:] if args.argv[:1] == ["--"] else args.argv)])[0])
+    with open(args.runs) as f:
+        statuses = launch([Run(**spec) for spec in json.load(f)], args.parallel)
+    print(json.dumps(statuses), flush=True)

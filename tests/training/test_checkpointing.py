@@ -6,6 +6,7 @@ pool: ``initialize_model_parallel`` spans the world); only the runs that must be
 killed start processes of their own (torchrun).
 """
 
+import json
 import math
 import os
 import subprocess
@@ -221,36 +222,52 @@ def test_virtual_pipeline_checkpoint_loads_without_pipeline(tmp_path):
 
 
 # ----------------------------------------------------------------------- faults
-def _launch(nproc, argv, env):
-    """pretrain_gpt.py on ``nproc`` fresh processes that can be killed (``fork_launch.py``: torchrun's
-    environment and failure handling, the imports done once)."""
-    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", **env)
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tests", "training", "fork_launch.py"),
-                           "--nproc", str(nproc), "--"] + argv,
-                          capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+KILLS = [("after_write", 1, []), ("before_rename", 0, ["--async-save"]), ("after_rename_before_tracker", 0, []),
+         ("in_background_write", 1, ["--async-save"])]  # (point, rank killed, save mode)
+KILL_PARALLEL = 2  # runs at once: two 2-rank runs keep both cores busy through each other's gloo waits
 
 
-@pytest.mark.parametrize("point, rank, mode", [("after_write", 1, []), ("before_rename", 0, ["--async-save"]),
-                                               ("after_rename_before_tracker", 0, []),
-                                               ("in_background_write", 1, ["--async-save"])])
-def test_kill_during_save_leaves_previous_checkpoint(tmp_path, point, rank, mode):
+def _kill_argv(directory, mode):
+    return MODEL + B8 + fsdp("optim_grads_params") + ["--train-iters", "4", "--eval-interval", "2",
+                                                       "--save", str(directory), "--save-interval", "2"] + mode
+
+
+@pytest.fixture(scope="module")
+def killed_runs(tmp_path_factory):
+    """Every run of ``KILLS``, killed at its point of the save of iteration 4, on fresh processes
+    (``fork_launch.py``: torchrun's environment and failure handling, the job imported once for
+    all of them): point -> (checkpoint directory, launcher status, the ranks' output)."""
+    root = tmp_path_factory.mktemp("kills")
+    runs = [dict(nproc=2, argv=_kill_argv(root / point, mode), env={files.FAULT_ENV: f"{point}:{rank}:4"},
+                 log=str(root / f"{point}.log")) for point, rank, mode in KILLS]
+    (root / "runs.json").write_text(json.dumps(runs))
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "training", "fork_launch.py"),
+                          "--runs", str(root / "runs.json"), "--parallel", str(KILL_PARALLEL)],
+                         capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    statuses = json.loads(out.stdout.strip().splitlines()[-1])
+    return {point: (root / point, status, (root / f"{point}.log").read_text())
+            for (point, _, _), status in zip(KILLS, statuses)}
+
+
+@pytest.mark.parametrize("point, rank, mode", KILLS)
+def test_kill_during_save_leaves_previous_checkpoint(killed_runs, point, rank, mode):
     """SIGKILL of one rank in the save of iteration 4 (sync, or async: in the writer thread while training
     runs, or when publishing): the tracker still names 2, which resumes exactly."""
-    argv = MODEL + B8 + fsdp("optim_grads_params") + ["--train-iters", "4", "--eval-interval", "2",
-                                                       "--save", str(tmp_path), "--save-interval", "2"] + mode
-    out = _launch(2, argv, {files.FAULT_ENV: f"{point}:{rank}:4"})
-    assert out.returncode != 0 and f"killing this process at {point}" in out.stdout, out.stdout[-2000:]
-    logged = [(float(loss), float(norm)) for _, loss, norm in LINE.findall(out.stdout)]
+    directory, status, stdout = killed_runs[point]
+    assert status != 0 and f"[rank {rank}] {files.FAULT_ENV}: killing this process at {point}" in stdout, stdout[-2000:]
+    logged = [(float(loss), float(norm)) for _, loss, norm in LINE.findall(stdout)]
     assert len(logged) == 4
-    assert files.read_tracker(tmp_path) == 2
-    assert (tmp_path / "iter_0000004").exists() == (point == "after_rename_before_tracker")
-    assert any(n.startswith(".tmp_iter_0000004_") for n in _leftovers(tmp_path)) == (point != "after_rename_before_tracker")
-    resumed = pretrain(2, argv + ["--load", str(tmp_path)])
+    assert files.read_tracker(directory) == 2
+    assert (directory / "iter_0000004").exists() == (point == "after_rename_before_tracker")
+    assert any(n.startswith(".tmp_iter_0000004_") for n in _leftovers(directory)) == (point != "after_rename_before_tracker")
+    resumed = pretrain(2, _kill_argv(directory, mode) + ["--load", str(directory)])
     assert resumed["start_iteration"] == 2
     for (loss, norm), got_loss, got_norm in zip(logged[2:], resumed["losses"], resumed["grad_norms"]):
         assert rel(got_loss, loss) <= 1e-6 and abs(got_norm - norm) <= 1e-6  # the log's precision
-    assert files.read_tracker(tmp_path) == 4 and _leftovers(tmp_path) == []
-    assert files.is_complete(tmp_path / "iter_0000004")
+    assert files.read_tracker(directory) == 4 and _leftovers(directory) == []
+    assert files.is_complete(directory / "iter_0000004")
 
 
 # ------------------------------------------------------------------ load errors
