@@ -141,18 +141,20 @@ def _release_leftovers() -> None:
     gc.collect()
     views = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.grad_fn is not None:
+        # type(), not isinstance(): isinstance reads __class__, which some of torch's deprecated
+        # module-level objects answer with a warning
+        if issubclass(type(obj), torch.Tensor) and obj.grad_fn is not None:
             if obj._is_view():
                 views[id(obj)] = obj
             else:
                 obj.detach_()
     if views:
         for holder in gc.get_objects():
-            if isinstance(holder, dict):
+            if issubclass(type(holder), dict):
                 for key, value in list(holder.items()):
                     if id(value) in views:
                         holder[key] = value.detach()
-            elif isinstance(holder, list):
+            elif issubclass(type(holder), list):
                 for index, value in enumerate(holder):
                     if id(value) in views:
                         holder[index] = value.detach()

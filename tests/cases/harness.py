@@ -1,0 +1,13 @@
+"""Cases about the worker pool itself (tests/engine/test_pool_hygiene.py)."""
+
+import os
+import threading
+
+_held = threading.Event()
+
+
+def pid_after_starting_threads(ctx, threads: int = 0) -> int:
+    """Start ``threads`` idle threads that outlive the case (as a leaked group's threads do); return the pid."""
+    for _ in range(threads):
+        threading.Thread(target=_held.wait, daemon=True).start()
+    return os.getpid()

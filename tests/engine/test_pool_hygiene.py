@@ -1,0 +1,59 @@
+"""The worker pool keeps its workers lean between cases (tests/harness/pool.py).
+
+A case's model can outlive it through an autograd graph that leads back to it (C++ the
+collector cannot see into: Megatron-Core's MoE dispatchers keep their last forward's
+tensors, whose graphs hold the model and its process groups), and a worker that still
+holds leaked groups past a thread limit is replaced before the next case.
+"""
+
+import gc
+import weakref
+
+import torch
+
+from tests.cases.harness import pid_after_starting_threads
+from tests.harness.pool import _release_leftovers
+from tests.harness.pools import pool_of
+
+
+class _Keep(torch.autograd.Function):
+    """Its context holds ``owner``: owner -> output -> grad_fn (C++) -> context -> owner."""
+
+    @staticmethod
+    def forward(ctx, x, owner):
+        ctx.owner = owner
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2, None
+
+
+class _Owner(torch.nn.Module):
+    pass
+
+
+def test_a_graph_that_leads_back_to_its_model_is_released():
+    owner = _Owner()
+    x = torch.ones(4, requires_grad=True)
+    owner.last = _Keep.apply(x, owner)
+    owner.view = _Keep.apply(x, owner)[1:]  # a view keeps its graph too; it cannot be detached in place
+    alive = weakref.ref(owner)
+    del owner, x
+    gc.collect()
+    assert alive() is not None  # what the collector alone cannot free
+    _release_leftovers()
+    assert alive() is None
+
+
+def test_a_worker_holding_too_many_threads_is_replaced_before_the_next_case():
+    pool = pool_of(2)
+    first = pool.run(pid_after_starting_threads)
+    pool.MAX_WORKER_THREADS = 50
+    try:
+        assert pool.run(pid_after_starting_threads, threads=60) == first  # the case itself runs where it was
+        renewed = pool.run(pid_after_starting_threads)
+        assert all(a != b for a, b in zip(renewed, first))
+        assert pool.run(pid_after_starting_threads) == renewed  # lean again: kept
+    finally:
+        del pool.MAX_WORKER_THREADS
