@@ -107,9 +107,8 @@ def _worker_main(rank: int, world: int, init_file: str, conn) -> None:
             reply = ("ok", fn(RankContext(rank, size, groups[size], meshes), **kwargs))
         except BaseException as exc:  # noqa: BLE001 - report everything back to the test
             reply = ("err", (type(exc).__name__, str(exc), traceback.format_exc()))
-        # The case's models hold its destroyed process groups in reference cycles, and a
-        # gloo group's threads (three per group, polling) end only when it is freed:
-        # collect before answering, or hundreds pile up and starve every later case.
+        # A gloo group's threads (three per group, polling) end only when it is freed: free
+        # what the case left before answering, or hundreds pile up and starve every later case.
         _release_leftovers()
         if len(sys.modules) > modules:
             _freeze_imports()
@@ -211,11 +210,12 @@ class WorkerPool:
         environment of every later one."""
         self.world_size = world_size
         self._start_timeout = start_timeout
-        self._start(preload)
-
-    def _start(self, preload: Optional[Sequence[str]]) -> None:
         self._preload = preload
-        world_size = self.world_size
+        self._start()
+
+    def _start(self) -> None:
+        """Start the workers (at creation, and again when they must be renewed)."""
+        world_size, preload = self.world_size, self._preload
         self._dir = tempfile.mkdtemp(prefix="mfsdp-pool-")
         if preload is None:
             ctx = mp.get_context("spawn")
@@ -268,7 +268,7 @@ class WorkerPool:
             raise ValueError(f"size {size} outside 1..{self.world_size}")
         if self._renew:
             self.close()
-            self._start(self._preload)
+            self._start()
         for conn in self._conns:
             conn.send((target, size, kwargs))
         replies = self._collect(self._conns, timeout, target)

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc and /proc")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # After a 16 MiB mapped block is freed, glibc's default raises its mmap threshold past 8 MiB, so a
@@ -41,7 +42,6 @@ def _probe(setting: str, env=None):
     return out[0], int(out[1])
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc and /proc")
 def test_freed_block_leaves_the_resident_set_with_the_job_setting():
     fixed, kept = _probe("job")
     assert fixed == "True"
@@ -50,7 +50,6 @@ def test_freed_block_leaves_the_resident_set_with_the_job_setting():
     assert kept_by_default > 6 << 20, kept_by_default
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc and /proc")
 def test_an_explicit_environment_setting_wins():
     fixed, _ = _probe("job", {"MALLOC_MMAP_THRESHOLD_": str(16 << 20)})
     assert fixed == "False"
