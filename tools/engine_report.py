@@ -26,9 +26,9 @@ def _rel(xs, ys):
 
 def main() -> None:
     import megatron.fsdp as mfsdp
-    from tests.cases.engine import grad_traffic, memory
-    from tests.cases.engine_training import RunConfig, reference_run, sharded_run
-    from tests.harness import WorkerPool
+    from megatron.fsdp.testing.engine import grad_traffic, memory
+    from megatron.fsdp.testing.engine_training import RunConfig, reference_run, sharded_run
+    from megatron.fsdp.testing import WorkerPool
 
     pool = WorkerPool(6)
     try:

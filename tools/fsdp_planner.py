@@ -28,7 +28,7 @@ from typing import List, Optional, Sequence, Tuple
 # package shared with megatron-core, so the checkout's ``megatron/fsdp`` must be found first.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.fsdp.strategy import NO_SHARD, STRATEGIES, MeshStrategy, ShardingStrategy, valid_pairs
+from megatron.fsdp.sharding.strategy import NO_SHARD, STRATEGIES, MeshStrategy, ShardingStrategy, valid_pairs
 
 GB = 1e9
 ALIASES = {"no_shard": "DDP", "optim": "ZeRO-1", "optim_grads": "ZeRO-2", "optim_grads_params": "ZeRO-3"}

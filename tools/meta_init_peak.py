@@ -64,7 +64,7 @@ def _measure(args, meta: bool) -> dict:
 
 def main(argv) -> None:
     from megatron.training.arguments import parse_args, validate_args
-    from megatron.training.data import build_tokenizer, padded_vocab_size
+    from megatron.training.data.datasets import build_tokenizer, padded_vocab_size
     from megatron.training.initialize import initialize
 
     args = parse_args(argv + ["--mock-data", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",

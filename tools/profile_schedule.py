@@ -12,7 +12,7 @@ counted from 0) twice over:
 * ``torch.profiler`` writes ``trace_rank<r>.json`` (open it in chrome://tracing or
   Perfetto): every gather, reduction, install and wait is a range named
   ``fsdp.<kind> <unit>`` (NVTX ranges of the same names on CUDA);
-* the engine's timeline (``megatron.fsdp.profiling``) gives the printed table: for each
+* the engine's timeline (``megatron.fsdp.collectives.profiling``) gives the printed table: for each
   unit and each of its collectives, when it was issued, when it had landed, how long the
   compute thread waited for it, which later stages of a multi-stage collective the schedule
   issued at a later compute boundary, and which were only issued inside the final wait
@@ -72,7 +72,7 @@ def profile_case(ctx, model_size: str, level: str, outer: Optional[str], mesh, b
     import torch
 
     import megatron.fsdp as mfsdp
-    from megatron.fsdp import profiling
+    from megatron.fsdp.collectives import profiling
     from tools.bench.spec import SIZES
     from tools.bench.torch_case import SEED, build_model
 
@@ -187,7 +187,7 @@ def format_timeline(rows: List[Dict[str, object]], rank: int) -> str:
 
 def main(argv: Optional[List[str]] = None) -> List[str]:
     args = parse_args(argv)
-    from tests.harness import WorkerPool
+    from megatron.fsdp.testing import WorkerPool
 
     mesh = (args.ranks // args.outer_size, args.outer_size) if args.outer else None
     overlap = dict(forward_prefetch=args.forward_prefetch, backward_prefetch=args.backward_prefetch,

@@ -79,7 +79,7 @@ def arguments_reference() -> str:
 
 def memory_report_fields() -> str:
     """The fields of ``memory_report()``'s dataclass, in order."""
-    from megatron.fsdp.module import PersistentMemory
+    from megatron.fsdp.wrap.module import PersistentMemory
 
     names = ", ".join(f"`{f.name}`" for f in dataclasses.fields(PersistentMemory))
     return (f"`model.memory_report()` returns the persistent bytes per rank as a frozen dataclass with the "

@@ -6,22 +6,22 @@ See docs/engine.md for the design. Public API::
     optimizer = FullyShardedOptimizer(model, torch.optim.AdamW, lr=1e-3, clip_grad=1.0)
 """
 
-from .checkpoint import load_model_state_dict, load_optimizer_state_dict, model_state_dict, optimizer_state_dict
-from .checkpoint_metadata import check_checkpoint_keys
-from .comm import CollectiveError, Ledger, LedgerEvent
-from .experts import ExpertSharding
-from .layout import FlatLayout, ParamSpec, build_layout
-from .matrix_optimizer import TensorShards
-from .mesh import DataParallelMesh, build_mesh
-from .mixed_precision import MixedPrecision
-from .build import fully_shard, megatron_no_weight_decay
-from .module import FullyShardedModule, PersistentMemory
-from .optimizer import FullyShardedOptimizer
-from .precision_optimizer import OptimizerPrecision
-from .runtime import Overlap
-from .strategy import STRATEGIES, MeshStrategy, ShardingStrategy, parse_mesh_strategy, parse_strategy, valid_pairs
-from .teardown import shutdown
-from .unit import FSDPUnit, UnitState
+from .checkpoint.state_dict import load_model_state_dict, load_optimizer_state_dict, model_state_dict, optimizer_state_dict
+from .checkpoint.metadata import check_checkpoint_keys
+from .collectives.comm import CollectiveError, Ledger, LedgerEvent
+from .sharding.experts import ExpertSharding
+from .sharding.layout import FlatLayout, ParamSpec, build_layout
+from .optim.matrix_optimizer import TensorShards
+from .sharding.mesh import DataParallelMesh, build_mesh
+from .precision.mixed_precision import MixedPrecision
+from .wrap.build import fully_shard, megatron_no_weight_decay
+from .wrap.module import FullyShardedModule, PersistentMemory
+from .optim.optimizer import FullyShardedOptimizer
+from .precision.optimizer_state import OptimizerPrecision
+from .schedule.runtime import Overlap
+from .sharding.strategy import STRATEGIES, MeshStrategy, ShardingStrategy, parse_mesh_strategy, parse_strategy, valid_pairs
+from .collectives.teardown import shutdown
+from .schedule.unit import FSDPUnit, UnitState
 
 __all__ = [
     "CollectiveError", "DataParallelMesh", "ExpertSharding", "MeshStrategy", "build_mesh", "parse_mesh_strategy", "valid_pairs",

@@ -14,7 +14,7 @@ import megatron.fsdp as mfsdp
 
 from .architecture import add_architecture_args, validate_architecture
 from .argument_help import DefaultsHelpFormatter, show_every_default
-from .writers import add_writer_args, validate_writers
+from .logs.writers import add_writer_args, validate_writers
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -335,7 +335,7 @@ def _validate_moe(args: argparse.Namespace, world_size: int) -> None:
 
 def _validate_data(args: argparse.Namespace) -> None:
     """Every split the run reads has documents (an empty one would make Megatron-Core loop forever)."""
-    from .data_splits import DataSplitError, check_splits
+    from .data.splits import DataSplitError, check_splits
 
     try:
         check_splits(args)
@@ -411,7 +411,7 @@ def _validate_async_save(args: argparse.Namespace) -> None:
 
 def _validate_fault_tolerance(args: argparse.Namespace, world_size: int) -> None:
     """Timeout, signal handler, fault injection and the --save/--load paths: all before any process group."""
-    from . import checkpoint_files, checkpoint_paths
+    from .checkpointing import files as checkpoint_files, paths as checkpoint_paths
 
     if args.distributed_timeout_minutes < 1:
         _fail(f"--distributed-timeout-minutes={args.distributed_timeout_minutes} must be at least 1")

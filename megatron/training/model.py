@@ -142,7 +142,7 @@ def optimizer_precision(args):
 
     if not getattr(args, "use_precision_aware_optimizer", False):
         return mfsdp.OptimizerPrecision()
-    names = mfsdp.precision_optimizer.DTYPE_NAMES
+    names = mfsdp.precision.optimizer_state.DTYPE_NAMES
     return mfsdp.OptimizerPrecision(names[args.exp_avg_dtype], names[args.exp_avg_sq_dtype],
                                     names[args.main_grads_dtype])
 

@@ -9,17 +9,18 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from . import checkpointing, data, model as model_lib
-from .async_save import CheckpointSaver
-from .checkpoint_files import CheckpointError
+from .checkpointing import save_load as checkpointing
+from .data import datasets as data
+from . import model as model_lib
+from .checkpointing.async_save import CheckpointSaver
+from .checkpointing.files import CheckpointError
 from .initialize import initialize, shutdown
-from .logging_utils import (IntervalLog, end_of_run_line, format_fields, gather_per_rank, insert_field, memory_line,
-                            memory_mib, persistent_line, print_rank_0, reset_peak_memory, summary)
-from .moe_logging import moe_aux_losses
+from .logs.lines import IntervalLog, end_of_run_line, format_fields, gather_per_rank, insert_field, memory_line, memory_mib, persistent_line, print_rank_0, reset_peak_memory, summary
+from .logs.moe_losses import moe_aux_losses
 from .signal_handler import ExitSignalHandler
-from .throughput import throughput
-from .timers import IterationTimers
-from .writers import ScalarWriters
+from .logs.throughput import throughput
+from .logs.timers import IterationTimers
+from .logs.writers import ScalarWriters
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

@@ -14,8 +14,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import megatron.fsdp as mfsdp
-from tests.cases.engine_training import GLOBAL_MICRO_BATCH, RunConfig, train_step, wrap
-from tests.cases.models import make_batches
+from megatron.fsdp.testing.engine_training import GLOBAL_MICRO_BATCH, RunConfig, train_step, wrap
+from megatron.fsdp.testing.models import make_batches
 
 
 BATCHES = 4

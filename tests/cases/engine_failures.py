@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import megatron.fsdp as mfsdp
-from tests.cases.models import Block, TinyLM, make_batches
+from megatron.fsdp.testing.models import Block, TinyLM, make_batches
 
 
 def replicas_built_differently(ctx, strategy: str, steps: int = 3):

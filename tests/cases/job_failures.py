@@ -8,7 +8,7 @@ from typing import Dict, List
 
 import torch.distributed as dist
 
-from tests.harness.megatron_case import megatron_case
+from megatron.training.testing.megatron_case import megatron_case
 
 
 def _damage(directory: Path, how: str) -> None:
@@ -30,7 +30,7 @@ def _damage(directory: Path, how: str) -> None:
 
 def damaged_loads(ctx, argv: List[str], directory: str, damages: List[str]) -> Dict[str, str]:
     """For each kind of damage: apply it to the newest checkpoint (a pristine copy restored first), try --load."""
-    from megatron.training import checkpointing
+    from megatron.training.checkpointing import save_load as checkpointing
     from megatron.training.arguments import parse_args
     from megatron.training.training import setup
 
@@ -63,7 +63,7 @@ def damaged_loads(ctx, argv: List[str], directory: str, damages: List[str]) -> D
 
 def full_disk_saves(ctx, argv: List[str], directory: str) -> Dict[str, object]:
     """Save into a size-limited ``directory``: the size check, then a write that really hits ENOSPC."""
-    from megatron.training import checkpoint_paths, checkpointing
+    from megatron.training.checkpointing import paths as checkpoint_paths, save_load as checkpointing
     from megatron.training.arguments import parse_args
     from megatron.training.training import setup
 
@@ -93,7 +93,7 @@ def sigterm_mid_training(ctx, argv: List[str], at_iteration: int) -> Dict[str, o
     import signal
 
     from megatron.training import training
-    from tests.cases.pretrain import pretrain_in_pool
+    from megatron.training.testing.pretrain import pretrain_in_pool
 
     calls = {"n": 0}
     original = training._mean_loss

@@ -16,7 +16,7 @@ def local_spec_matches_cpu_spec(ctx, argv: List[str]) -> dict:
     from megatron.training import model as model_lib
     from megatron.training.architecture import gpt_model_fields
     from megatron.training.arguments import parse_args, validate_args
-    from tests.harness.megatron_case import megatron_case
+    from megatron.training.testing.megatron_case import megatron_case
 
     with megatron_case():
         args = validate_args(parse_args(argv), ctx.size)

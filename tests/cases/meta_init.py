@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 import megatron.fsdp as mfsdp
-from tests.cases.engine_training import GLOBAL_MICRO_BATCH, OPTIMIZERS, local_slice
-from tests.cases.models import MLP, ResetBlock, ResetLM, make_batches
+from megatron.fsdp.testing.engine_training import GLOBAL_MICRO_BATCH, OPTIMIZERS, local_slice
+from megatron.fsdp.testing.models import MLP, ResetBlock, ResetLM, make_batches
 
 
 SEED = 5

@@ -9,8 +9,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import megatron.fsdp as mfsdp
-from tests.cases.engine_training import GLOBAL_MICRO_BATCH, OPTIMIZERS, RunConfig, train_step, wrap
-from tests.cases.models import make_batches
+from megatron.fsdp.testing.engine_training import GLOBAL_MICRO_BATCH, OPTIMIZERS, RunConfig, train_step, wrap
+from megatron.fsdp.testing.models import make_batches
 from tests.cases.muon_training import MUON, muon_wrap
 
 

@@ -13,14 +13,13 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 import megatron.fsdp as mfsdp
-from tests.cases.engine_training import (GLOBAL_MICRO_BATCH, OPTIMIZERS, RunConfig, build_model, reference_training,
-                                         train_step, wrap)
-from tests.cases.models import make_batches
+from megatron.fsdp.testing.engine_training import GLOBAL_MICRO_BATCH, OPTIMIZERS, RunConfig, build_model, reference_training, train_step, wrap
+from megatron.fsdp.testing.models import make_batches
 
 
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5)
 # A second per-matrix optimizer (factored second moment: needs whole rows and columns), run whole
-# on each matrix's owner (megatron/fsdp/matrix_whole.py).
+# on each matrix's owner (megatron/fsdp/optim/matrix_whole.py).
 ADAFACTOR = dict(lr=0.02, weight_decay=0.1)
 
 

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 import megatron.fsdp as mfsdp
-from megatron.fsdp import profiling
-from tests.cases.engine_training import GLOBAL_MICRO_BATCH, RunConfig, train_step, wrap
-from tests.cases.models import make_batches
+from megatron.fsdp.collectives import profiling
+from megatron.fsdp.testing.engine_training import GLOBAL_MICRO_BATCH, RunConfig, train_step, wrap
+from megatron.fsdp.testing.models import make_batches
 
 
 HIDDEN = 24

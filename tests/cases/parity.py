@@ -2,8 +2,8 @@
 
 import functools
 
-from tests.cases.common import rel
-from tests.cases.engine_training import RunConfig, reference_run, sharded_run
+from megatron.fsdp.testing.common import rel
+from megatron.fsdp.testing.engine_training import RunConfig, reference_run, sharded_run
 
 
 FP32_RTOL = 1e-5

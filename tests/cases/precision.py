@@ -8,8 +8,8 @@ from typing import Dict
 import torch
 
 from tests.cases.engine_checkpoint import BATCHES, _config, _load, _save, _train
-from tests.cases.engine_training import GLOBAL_MICRO_BATCH, local_slice, wrap
-from tests.cases.models import make_batches
+from megatron.fsdp.testing.engine_training import GLOBAL_MICRO_BATCH, local_slice, wrap
+from megatron.fsdp.testing.models import make_batches
 
 
 def _moments(opt):

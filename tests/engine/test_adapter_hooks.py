@@ -2,8 +2,8 @@
 
 import pytest
 
-from tests.cases import engine as cases
-from tests.cases.common import LEVELS
+from megatron.fsdp.testing import engine as cases
+from megatron.fsdp.testing.common import LEVELS
 
 
 @pytest.mark.parametrize("strategy", LEVELS)

@@ -6,9 +6,9 @@ import random
 import pytest
 import torch
 
-from megatron.fsdp.dcp_pieces import flat_boxes
+from megatron.fsdp.checkpoint.pieces import flat_boxes
 from tests.cases import engine_checkpoint as cases
-from tests.cases.common import LEVELS, rel
+from megatron.fsdp.testing.common import LEVELS, rel
 from tests.cases.parity import assert_exact_resume
 
 

@@ -13,8 +13,9 @@ import time
 import pytest
 import torch
 
-from megatron.fsdp import Ledger, gloo_ring
-from megatron.fsdp.comm import GLOO_REDUCE_SCATTER_ENV, CommAxis
+from megatron.fsdp import Ledger
+from megatron.fsdp.collectives import gloo_ring
+from megatron.fsdp.collectives.comm import GLOO_REDUCE_SCATTER_ENV, CommAxis
 
 
 TIMEOUT = 120
@@ -196,8 +197,8 @@ def engine_both_paths(ctx, cfg):
     """Train the same model with the ring and with the native path; count the rings the engine started."""
     import os
 
-    from megatron.fsdp import comm
-    from tests.cases.engine_training import sharded_run
+    from megatron.fsdp.collectives import comm
+    from megatron.fsdp.testing.engine_training import sharded_run
 
     started = []
     ring = comm.ring_reduce_scatter
@@ -361,7 +362,7 @@ def test_one_long_lived_worker_per_group_not_a_thread_per_call():
     (6, dict(strategy="optim_grads", outer_strategy="optim", mesh=(3, 2), bf16=True)),
 ], ids=["zero3-flat", "zero3-2x2", "zero2-hfsdp-3x2-bf16"])
 def test_engine_trains_the_same_on_both_paths(pool, size, overrides):
-    from tests.cases.engine_training import RunConfig
+    from megatron.fsdp.testing.engine_training import RunConfig
 
     cfg = RunConfig(steps=3, **overrides)
     result = pool.run(engine_both_paths, size=size, timeout=TIMEOUT, cfg=cfg)[0]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import megatron.fsdp as mfsdp
-from tests.cases import engine as cases
+from megatron.fsdp.testing import engine as cases
 from tests.cases.engine_failures import collective_on_one_rank, replicas_built_differently, submodule_called_alone
 
 
@@ -63,7 +63,7 @@ def test_replicas_built_with_different_seeds_become_rank0s(pool, strategy):
 
 def test_collective_called_on_one_rank_names_itself_instead_of_hanging():
     """Issue 18.2: ``full_state_dict`` on rank 0 alone waited gloo's 30 minutes, silently."""
-    from tests.harness.pools import pool_of
+    from megatron.training.testing.pools import pool_of
 
     message = pool_of(2).run(collective_on_one_rank, timeout=HANG_TIMEOUT)[0]
     assert message.startswith("full_state_dict is a collective: every rank of dp_shard must call it; "
@@ -74,7 +74,7 @@ def test_state_dict_pieces_pickle_and_submodules_called_alone_say_why():
     """Issue 18.8: torch.save(model.state_dict()) works; a non-unit submodule called alone under ZeRO-3 says why."""
     import io
 
-    from tests.cases.models import Block, TinyLM
+    from megatron.fsdp.testing.models import Block, TinyLM
 
     model = mfsdp.fully_shard(TinyLM(), unit_modules=(Block,))
     sd = model.state_dict()
@@ -84,6 +84,6 @@ def test_state_dict_pieces_pickle_and_submodules_called_alone_say_why():
     back = torch.load(buf, weights_only=False)
     assert all(torch.equal(back[k].full_tensor(), v.full_tensor()) for k, v in sd.items() if hasattr(v, "full_tensor"))
     # one rank: ZeRO-3 keeps everything resident, nothing to guard; the guard is exercised on 2 ranks below
-    from tests.harness.pools import pool_of
+    from megatron.training.testing.pools import pool_of
     message = pool_of(2).run(submodule_called_alone, timeout=HANG_TIMEOUT)[0]
     assert "'blocks.0.mlp.up' was called outside the forward of its FSDP unit blocks.0" in message, message

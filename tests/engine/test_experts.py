@@ -11,8 +11,8 @@ import dataclasses
 import pytest
 
 import megatron.fsdp as mfsdp
-from tests.cases.engine import expert_layout, expert_outside_unit
-from tests.cases.engine_training import RunConfig
+from megatron.fsdp.testing.engine import expert_layout, expert_outside_unit
+from megatron.fsdp.testing.engine_training import RunConfig
 from tests.cases.parity import FP32_RTOL, assert_parity, reference, run
 
 

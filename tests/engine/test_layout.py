@@ -5,8 +5,8 @@ import itertools
 import pytest
 
 from megatron.fsdp import ParamSpec, build_layout
-from megatron.fsdp.regions import unit_regions
-from megatron.fsdp.strategy import parse_mesh_strategy
+from megatron.fsdp.sharding.regions import unit_regions
+from megatron.fsdp.sharding.strategy import parse_mesh_strategy
 
 
 def _specs():

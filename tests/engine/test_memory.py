@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from tests.cases import engine as cases
-from tests.cases.common import LEVELS
+from megatron.fsdp.testing import engine as cases
+from megatron.fsdp.testing.common import LEVELS
 from tests.cases.parity import assert_memory_matches_theory
-from tests.harness.matrix import covering
+from megatron.fsdp.testing.matrix import covering
 
 
 # Every level on 2 and 4 ranks; fp32 and bf16 alternate so each level and world size meets both.
@@ -33,7 +33,7 @@ def widened_gradients(ctx):
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
-    from tests.cases.engine_training import GLOBAL_MICRO_BATCH, RunConfig, local_slice, make_batches, wrap
+    from megatron.fsdp.testing.engine_training import GLOBAL_MICRO_BATCH, RunConfig, local_slice, make_batches, wrap
 
     cfg = RunConfig(bf16=True, steps=2)
     fsdp, opt = wrap(ctx, cfg)

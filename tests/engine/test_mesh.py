@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 
 import megatron.fsdp as mfsdp
-from tests.cases import engine as cases
-from tests.cases.engine_training import RunConfig
+from megatron.fsdp.testing import engine as cases
+from megatron.fsdp.testing.engine_training import RunConfig
 from tests.cases.parity import FP32_RTOL, assert_memory_matches_theory, assert_parity, reference, run
-from tests.harness.matrix import covering
+from megatron.fsdp.testing.matrix import covering
 
 
 SHAPES = [(2, 2), (3, 2), (2, 3)]

@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 
-from tests.cases.engine_training import RunConfig
+from megatron.fsdp.testing.engine_training import RunConfig
 from tests.cases.muon import load_and_continue, resume, save_then_continue, selector_errors
 from tests.cases.muon_training import grouped_blocks, muon_reference, muon_run
 
@@ -167,9 +167,9 @@ def test_muon_selector_errors(pool):
 
 
 def test_owner_plan_is_balanced_and_pure():
-    from megatron.fsdp.layout import ParamSpec, build_layout
-    from megatron.fsdp.matrix_plan import assign_owners, exchange_stages
-    from megatron.fsdp.strategy import STRATEGIES, MeshStrategy
+    from megatron.fsdp.sharding.layout import ParamSpec, build_layout
+    from megatron.fsdp.optim.matrix_plan import assign_owners, exchange_stages
+    from megatron.fsdp.sharding.strategy import STRATEGIES, MeshStrategy
 
     assert assign_owners([1, 9, 4, 4, 9], 2) == [0, 0, 0, 1, 1]  # largest first, least loaded, ties low
     layout = build_layout([ParamSpec("w", (6, 5))], 4, sub_shards=2)

@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 import torch
 
-from tests.cases.common import LEVELS, rel
-from tests.cases.engine_training import RunConfig
+from megatron.fsdp.testing.common import LEVELS, rel
+from megatron.fsdp.testing.engine_training import RunConfig
 from tests.cases.parity import FP32_RTOL, assert_parity, reference, run
-from tests.harness.matrix import covering
+from megatron.fsdp.testing.matrix import covering
 
 
 @pytest.mark.slow

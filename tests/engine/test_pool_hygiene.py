@@ -1,4 +1,4 @@
-"""The worker pool keeps its workers lean between cases (tests/harness/pool.py).
+"""The worker pool keeps its workers lean between cases (megatron/fsdp/testing/pool.py).
 
 A case's model can outlive it through an autograd graph that leads back to it (C++ the
 collector cannot see into: Megatron-Core's MoE dispatchers keep their last forward's
@@ -12,8 +12,8 @@ import weakref
 import torch
 
 from tests.cases.harness import pid_after_starting_threads
-from tests.harness.pool import _release_leftovers
-from tests.harness.pools import pool_of
+from megatron.fsdp.testing.pool import _release_leftovers
+from megatron.training.testing.pools import pool_of
 
 
 class _Keep(torch.autograd.Function):

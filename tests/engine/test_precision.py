@@ -3,16 +3,16 @@
 import pytest
 import torch
 
-from megatron.fsdp.precision_optimizer import OptimizerPrecision, converts_on_load, precision_aware_adam
+from megatron.fsdp.precision.optimizer_state import OptimizerPrecision, converts_on_load, precision_aware_adam
 from tests.cases import precision as cases
-from tests.cases.common import rel
+from megatron.fsdp.testing.common import rel
 from tests.cases.engine_checkpoint import resume_exact
 from tests.cases.parity import assert_exact_resume
 
 
 def test_precision_aware_adam_is_torch_adam_at_fp32_and_close_at_bf16(monkeypatch):
     """fp32 moments: bitwise torch.optim.Adam / AdamW (same ops, chunked); bf16 moments: within bf16 rounding."""
-    import megatron.fsdp.precision_optimizer as po
+    import megatron.fsdp.precision.optimizer_state as po
 
     monkeypatch.setattr(po, "CHUNK_ELEMENTS", 4096)
     torch.manual_seed(0)

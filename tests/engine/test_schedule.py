@@ -2,9 +2,9 @@
 
 import pytest
 
-from tests.cases import engine as cases
-from tests.cases.common import LEVELS
-from tests.cases.engine_training import RunConfig
+from megatron.fsdp.testing import engine as cases
+from megatron.fsdp.testing.common import LEVELS
+from megatron.fsdp.testing.engine_training import RunConfig
 from tests.cases.parity import assert_parity, reference
 
 

@@ -1,9 +1,9 @@
-"""Host staging buffers of ``--async-save`` (megatron/fsdp/staging.py): reused between saves, never shared
+"""Host staging buffers of ``--async-save`` (megatron/fsdp/checkpoint/staging.py): reused between saves, never shared
 between values of one save, and invisible outside ``staging_into``."""
 
 import torch
 
-from megatron.fsdp.staging import StagingArena, staged_copy, staged_zeros, staging_into
+from megatron.fsdp.checkpoint.staging import StagingArena, staged_copy, staged_zeros, staging_into
 
 
 def _round(arena, values):
@@ -34,7 +34,7 @@ def test_arena_reuses_its_buffers_from_one_save_to_the_next():
 def test_pieces_are_kept_with_their_slots():
     """A DTensor piece built over a slot is handed out again while its slot and description stay, with the
     new values; outside an arena every call builds a new one."""
-    from megatron.fsdp.staging import staged_piece
+    from megatron.fsdp.checkpoint.staging import staged_piece
 
     arena, value = StagingArena(), torch.arange(6, dtype=torch.float32)
     pieces = []
@@ -47,7 +47,7 @@ def test_pieces_are_kept_with_their_slots():
         moved = staged_piece(value[2:], (2, 3), 1)  # another description: built anew
     assert moved is not pieces[0] and staged_piece(value[2:], (2, 3), 2) is not pieces[0]
     # Optimizer state before the first step (zeros) leaves its piece for the first save after the step.
-    from megatron.fsdp.staging import staged_zeros_piece
+    from megatron.fsdp.checkpoint.staging import staged_zeros_piece
 
     arena = StagingArena()
     with staging_into(arena):
@@ -60,7 +60,7 @@ def test_pieces_are_kept_with_their_slots():
 def test_deferred_copies_wait_for_copy_deferred():
     """In a deferring round a stable value's slot is filled only by ``copy_deferred`` (with the value as it is
     then); other values are copied at once."""
-    from megatron.fsdp.staging import staged_piece
+    from megatron.fsdp.checkpoint.staging import staged_piece
 
     arena, stable, other = StagingArena(), torch.arange(6, dtype=torch.float32), torch.ones(3)
     with staging_into(arena):  # the first round (start-up): everything copied at once

@@ -7,11 +7,11 @@ schedule hooks differ. Losses and grad norms must agree within 1e-5 relative.
 
 import pytest
 
-from tests.cases.adapter import eval_leaves_nothing_gathered, fsdp_run
+from megatron.training.testing.adapter import eval_leaves_nothing_gathered, fsdp_run
 from tests.cases.baselines import megatron_ddp
-from tests.cases.common import LEVELS, rel
-from tests.cases.gpt import STEPS, TOPOLOGIES, Topology
-from tests.harness.matrix import covering
+from megatron.fsdp.testing.common import LEVELS, rel
+from megatron.training.testing.gpt import STEPS, TOPOLOGIES, Topology
+from megatron.fsdp.testing.matrix import covering
 
 
 RTOL = 1e-5

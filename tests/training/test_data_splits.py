@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
-from tests.cases.pretrain import pretrain_in_pool
+from megatron.training.testing.pretrain import pretrain_in_pool
 
 
 SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
@@ -75,7 +75,7 @@ def test_small_corpus_errors_name_the_split_and_a_working_split(corpora, capsys)
 
 def test_default_split_builds_only_used_splits(corpora):
     """40 documents at 969,30,1: the test split has none; it is unused, so it is not built (no hang)."""
-    from megatron.training import data
+    from megatron.training.data import datasets as data
 
     args = validate_args(parse_args(SMALL + ["--data-path", corpora[40]]), 1)
     with _no_hang():

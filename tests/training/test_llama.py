@@ -12,10 +12,10 @@ import pytest
 
 from megatron.training.architecture import moe_layer_freq_type, swiglu_ffn_hidden_size
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
-from tests.cases.common import LEVELS
-from tests.cases.job import fsdp
+from megatron.fsdp.testing.common import LEVELS
+from megatron.training.testing.job import fsdp
 from tests.cases.llama import local_spec_matches_cpu_spec
-from tests.cases.pretrain import pretrain_in_pool
+from megatron.training.testing.pretrain import pretrain_in_pool
 
 
 LLAMA = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

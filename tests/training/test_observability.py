@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
-from megatron.training.throughput import num_floating_point_operations, throughput
-from tests.cases.pretrain import pretrain_in_pool
+from megatron.training.logs.throughput import num_floating_point_operations, throughput
+from megatron.training.testing.pretrain import pretrain_in_pool
 from tools.train_hf_tokenizer import train_tokenizer
 
 
@@ -89,7 +89,7 @@ def test_missing_package_stops_the_job_once(monkeypatch, capsys):
 
 
 def test_hf_tokenizer_error_without_transformers(monkeypatch):
-    from megatron.training.tokenizer import build_tokenizer
+    from megatron.training.data.tokenizer import build_tokenizer
 
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ImportError, match=r"pip install transformers.*ByteLevelTokenizer"):
@@ -149,7 +149,7 @@ def test_hf_tokenizer_preprocess_train_and_scalars(mcore_pool, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from megatron.core.datasets.indexed_dataset import IndexedDataset
-    from megatron.training.tokenizer import build_tokenizer
+    from megatron.training.data.tokenizer import build_tokenizer
 
     docs = _corpus()
     corpus = tmp_path / "corpus.jsonl"

@@ -3,13 +3,13 @@
 import pytest
 
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
-from tests.cases.common import LEVELS
-from tests.cases.job import LINE
-from tests.cases.job import PRETRAIN_MODEL as MODEL
-from tests.cases.job import fsdp, torchrun
-from tests.cases.pretrain import pretrain_in_pool
-from tests.harness.matrix import full_matrix
-from tests.harness.pools import pool_of
+from megatron.fsdp.testing.common import LEVELS
+from megatron.training.testing.job import LINE
+from megatron.training.testing.job import PRETRAIN_MODEL as MODEL
+from megatron.training.testing.job import fsdp, torchrun
+from megatron.training.testing.pretrain import pretrain_in_pool
+from megatron.fsdp.testing.matrix import full_matrix
+from megatron.training.testing.pools import pool_of
 
 
 def _in_pool(ranks, extra):

@@ -11,10 +11,10 @@ import json
 
 import pytest
 
-from megatron.training import checkpoint_files as files
+from megatron.training.checkpointing import files
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
-from tests.cases.common import rel
-from tests.cases.job import B8, MODEL, assert_exact_resume, fsdp, pretrain
+from megatron.fsdp.testing.common import rel
+from megatron.training.testing.job import B8, MODEL, assert_exact_resume, fsdp, pretrain
 from tools.checkpoint import convert
 
 

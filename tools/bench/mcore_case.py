@@ -11,7 +11,7 @@ is wrapped as Megatron-LM does under ``--use-megatron-fsdp``.
 
 Every system runs under Megatron-Core's CPU mode (``megatron.fsdp.mcore.cpu_mode``): its
 CUDA-to-CPU redirection costs every system the same per torch call. ``run`` is a
-worker-pool case (``tests/harness/pool.py``) on every rank of the pool.
+worker-pool case (``megatron/fsdp/testing/pool.py``) on every rank of the pool.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tools.bench.spec import BETAS, CLIP_GRAD, EPS, LR, SIZES, WEIGHT_DECAY
 
 
 def _config(size_name: str, bf16: bool):
-    from tests.cases.gpt import Topology, tiny_gpt_config
+    from megatron.training.testing.gpt import Topology, tiny_gpt_config
 
     s = SIZES[size_name]
     return tiny_gpt_config(Topology(), num_layers=s.layers, hidden_size=s.hidden, num_attention_heads=s.heads,
@@ -123,7 +123,7 @@ def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, t
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.fsdp.mcore.cpu_mode import cpu_layer_spec
     from megatron.training.model import gpt_chunks
-    from tests.cases.gpt import Topology, forward_step, parallel, set_random_seed
+    from megatron.training.testing.gpt import Topology, forward_step, parallel, set_random_seed
 
     s = SIZES[size_name]
     with parallel(ctx, Topology()):

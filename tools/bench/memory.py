@@ -109,7 +109,7 @@ def _median(values: List[float]) -> float:
 
 
 def run_all(args, log=print) -> List[Dict]:
-    from tests.harness import WorkerPool
+    from megatron.fsdp.testing import WorkerPool
 
     records = []
     for ranks in args.ranks:

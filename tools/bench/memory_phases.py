@@ -163,7 +163,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     p.add_argument("--allocator", choices=("default", "glibc"), default="default",
                    help="'default': glibc's mmap threshold fixed as the training job fixes it; 'glibc': its defaults")
     args = p.parse_args(argv)
-    from tests.harness import WorkerPool
+    from megatron.fsdp.testing import WorkerPool
 
     pool = WorkerPool(args.ranks, start_timeout=900.0)
     threads = max(1, (os.cpu_count() or 1) // args.ranks)

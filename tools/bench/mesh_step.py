@@ -67,7 +67,7 @@ def step_times(ctx, model_size: str, inner: str, outer: str, warmup: int, steps:
 def _one_tree(args) -> Dict[str, List[float]]:
     """Child process: every config once in one pool; per config, the slowest rank's time of each step."""
     import megatron.fsdp
-    from tests.harness import WorkerPool
+    from megatron.fsdp.testing import WorkerPool
     pool = WorkerPool(4, start_timeout=600.0)
     try:
         result = {"engine": os.path.dirname(megatron.fsdp.__file__)}

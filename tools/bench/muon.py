@@ -73,8 +73,8 @@ def case(ctx, system: str, hidden: int, layers: int, warmup: int, steps: int, th
     import torch.distributed as dist
 
     import megatron.fsdp as mfsdp
-    from tests.cases.engine_training import RunConfig, train_step
-    from tests.cases.models import MLP, Block, TinyLM, make_batches
+    from megatron.fsdp.testing.engine_training import RunConfig, train_step
+    from megatron.fsdp.testing.models import MLP, Block, TinyLM, make_batches
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -116,7 +116,7 @@ def case(ctx, system: str, hidden: int, layers: int, warmup: int, steps: int, th
 def main(argv=None) -> int:
     import torch
 
-    from tests.harness import WorkerPool
+    from megatron.fsdp.testing import WorkerPool
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", nargs="+", type=int, default=[2, 4])

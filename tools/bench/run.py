@@ -9,7 +9,7 @@ peer, persistent and peak memory per rank, and bytes per collective kind per ste
 against the theoretical minimum; then the issue's targets with a verdict each. Systems
 run round-robin (the starting system rotates every round) for several rounds, so slow
 drift of the machine lands on every system alike. Each (workload, ranks) pair gets one
-pool of gloo worker processes (``tests/harness/pool.py``) reused by every size, system
+pool of gloo worker processes (``megatron/fsdp/testing/pool.py``) reused by every size, system
 and round: ``import megatron.core`` costs seconds per process.
 
 A system that crashes or hangs is reported as ``crashed (reason)`` in its row, never
@@ -28,7 +28,7 @@ import sys
 import time
 from typing import List, Optional
 
-from tests.harness import RankError, WorkerTimeout  # noqa: E402
+from megatron.fsdp.testing import RankError, WorkerTimeout  # noqa: E402
 from tools.bench import report  # noqa: E402
 from tools.bench import mcore_case, torch_case  # noqa: E402
 from tools.bench.spec import SIZES, SYSTEMS  # noqa: E402
@@ -129,7 +129,7 @@ class _Pool:
         self.pool = None
 
     def run(self, system: str, size: str, warmup: int, steps: int) -> List[dict]:
-        from tests.harness import RankError, WorkerPool
+        from megatron.fsdp.testing import RankError, WorkerPool
 
         if self.pool is None or not self.pool.alive:
             self.pool = WorkerPool(self.ranks, start_timeout=600.0)
@@ -197,7 +197,7 @@ def meta(args) -> dict:
     import torch
 
     try:
-        from megatron.fsdp import comm
+        from megatron.fsdp.collectives import comm
         path = os.environ.get(comm.GLOO_REDUCE_SCATTER_ENV) or "ring"
     except (ImportError, AttributeError):
         path = "allreduce (no ring path in this checkout)"

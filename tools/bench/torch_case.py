@@ -5,7 +5,7 @@ position embeddings, pre-norm blocks, tied output head) at the sizes of ``spec.S
 so the benchmark measures the model users are shown. Every system trains it with AdamW
 (Megatron's no-decay rule for biases and norms), gradient clipping at 1.0 and, for bf16,
 the same mixed-precision policy: bf16 compute, fp32 main weights, fp32 gradient
-reduction. ``run`` is a worker-pool case (``tests/harness/pool.py``).
+reduction. ``run`` is a worker-pool case (``megatron/fsdp/testing/pool.py``).
 """
 
 from __future__ import annotations

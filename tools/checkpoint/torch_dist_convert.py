@@ -117,14 +117,14 @@ def _write(tmp: Path, shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], pr
 
 
 def _publish(tmp: Path, root: Path, iteration: int) -> Path:
-    from megatron.training import checkpoint_files as files
+    from megatron.training.checkpointing import files
 
     files.fsync_dir(tmp)
     return files.publish(tmp, root, iteration)
 
 
 def _new_tmp(out: str, iteration: int) -> Tuple[Path, Path]:
-    from megatron.training import checkpoint_files as files
+    from megatron.training.checkpointing import files
 
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
@@ -168,9 +168,9 @@ def _torch_dist_groups_and_step(optimizer: Dict[str, Any]) -> Tuple[list, int]:
 
 def from_torch_dist(source: str, out: str, iteration: Optional[int] = None) -> Path:
     """A torch_dist checkpoint (the baseline's, or Megatron-LM's) as an fsdp_dtensor one under ``out``."""
-    from megatron.training import checkpoint_files as files
-    from megatron.training import checkpointing
-    from megatron.training.torch_dist_checkpoint import is_torch_dist, read_common
+    from megatron.training.checkpointing import files
+    from megatron.training.checkpointing import save_load as checkpointing
+    from megatron.training.checkpointing.torch_dist import is_torch_dist, read_common
     from tools.checkpoint.inspect import resolve
 
     directory = resolve(source, iteration)
@@ -258,9 +258,9 @@ def to_torch_dist(source: str, out: str, iteration: Optional[int] = None) -> Pat
     """An fsdp_dtensor checkpoint as a torch_dist one under ``out`` (the baseline loads it with its optimizer)."""
     from megatron.fsdp.mcore.checkpoint_keys import tp1_shape
 
-    from megatron.training import checkpoint_files as files
-    from megatron.training.checkpointing import tp_global
-    from megatron.training.torch_dist_checkpoint import CHECKPOINT_VERSION, SHARDED_METADATA
+    from megatron.training.checkpointing import files
+    from megatron.training.checkpointing.save_load import tp_global
+    from megatron.training.checkpointing.torch_dist import CHECKPOINT_VERSION, SHARDED_METADATA
     from tools.checkpoint.inspect import resolve
 
     directory = resolve(source, iteration)

@@ -27,8 +27,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 import megatron.fsdp as mfsdp
-from megatron.fsdp.checkpoint import expected_model_keys
-from megatron.fsdp.meta_init import is_on_meta
+from megatron.fsdp.checkpoint.state_dict import expected_model_keys
+from megatron.fsdp.init.meta_init import is_on_meta
 
 from .checkpoint_keys import CheckpointKeys, ParallelRanks, chunk_keys, split_rules, tp_placements
 from .distributed_index import FSDPDistributedIndex

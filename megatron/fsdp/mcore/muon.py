@@ -4,7 +4,7 @@ Megatron-Core 0.16.1's own Muon (``TensorParallelMuon``) subclasses
 ``emerging_optimizers``' ``OrthogonalizedOptimizer``; that package cannot be
 installed for Python 3.11 here, and Megatron-Core refuses Muon with its
 distributed optimizer anyway. This module maps Megatron-LM's flags onto
-``torch.optim.Muon`` semantics run by the engine (``megatron/fsdp/matrix_optimizer.py``):
+``torch.optim.Muon`` semantics run by the engine (``megatron/fsdp/optim/matrix_optimizer.py``):
 
 * which parameters: Megatron's rule, trainable 2-D parameters that are not the
   embedding or output layer (``is_embedding_or_output_parameter``); AdamW (Megatron's
@@ -32,8 +32,8 @@ from typing import Optional
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
-from megatron.fsdp.comm import CommAxis
-from megatron.fsdp.matrix_optimizer import TensorShards
+from megatron.fsdp.collectives.comm import CommAxis
+from megatron.fsdp.optim.matrix_optimizer import TensorShards
 
 SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
 TP_MODES = ("blockwise", "duplicated")

@@ -1,0 +1,8 @@
+"""Collectives: every byte the engine moves between ranks, and the ledger that counts it.
+
+Owns the per-axis collectives (``comm``), gloo's scattering reduce-scatter ring
+(``gloo_ring``), shutting down with nothing in flight (``teardown``) and the named ranges
+and timeline of every collective (``profiling``).
+
+May import: torch only. Every other engine package may import this one.
+"""

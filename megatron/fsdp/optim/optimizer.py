@@ -1,0 +1,277 @@
+"""``FullyShardedOptimizer``: any elementwise torch optimizer over the local fp32 shards.
+
+The inner optimizer sees a few long flat tensors (one run per unit and weight
+decay class), not one tensor per parameter, so its per-tensor overhead does not
+grow with the parameter count. Gradient norm and clipping use the true global
+norm: every gradient element is owned by exactly one rank of each axis whose
+level shards optimizer state (or by every rank of an axis that does not, where
+it is counted once) and is counted once.
+
+One optimizer may drive several wrapped models that share a mesh (the model
+chunks of virtual pipeline parallelism).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint.state_dict import load_optimizer_state_dict, optimizer_state_dict
+from ..collectives.comm import CommAxis, collective
+from ..sharding.experts import EXPERT
+from .matrix_checkpoint import check_matrix_state_dict, matrix_state_dict, split_state_dict, write_matrix_state
+from .matrix_whole import make_matrix_optimizer
+from ..wrap.module import FullyShardedModule
+from ..precision.optimizer_state import OptimizerPrecision, attach_grad, detach_grad
+
+Models = Union[FullyShardedModule, Sequence[FullyShardedModule]]
+MATRIX = "matrix"  # the decay-class flag of matrix parameters: kept out of the elementwise optimizer
+
+
+def _real_groups(groups: Sequence) -> list:
+    return [g for g in groups if g is not None and dist.get_world_size(g) > 1]
+
+
+def _mesh_key(model: FullyShardedModule):
+    return [(name, s.levels, s.inner.size, s.outer.size) for name, s in model.sections.items()]
+
+
+class FullyShardedOptimizer:
+    """Wraps ``optimizer_cls`` over the main-weight shards of ``models``.
+
+    ``counts_in_norm(name, param)`` says whether a parameter's gradient counts in the
+    global norm on this rank (default: all); ``norm_groups`` are further
+    process groups the squared norm is summed over (e.g. tensor and pipeline
+    model parallel groups, whose ranks hold different parameters), and
+    ``expert_norm_groups`` the same for the expert section (default: ``norm_groups``).
+
+    ``matrix_optimizer`` (Muon, or another per-matrix optimizer) steps the
+    parameters ``matrix_params(name, param)`` selects, each matrix on one owner
+    rank (docs/muon.md); ``matrix_split(name, param)`` may return the
+    ``(rows, cols)`` of the consecutive row-major matrices one parameter's
+    storage holds (grouped-GEMM expert weights: one matrix per expert), and
+    ``matrix_shards`` the tensor-parallel shards of a matrix (``duplicated`` mode).
+
+    ``state_dtype`` (a dtype, or ``{"exp_avg": ..., "exp_avg_sq": ...}``) and
+    ``main_grads_dtype`` (the gradient accumulators' dtype) other than fp32 keep Adam/AdamW
+    state or gradients in bf16 and update in fp32 (``precision/optimizer_state.py``); the default
+    runs ``optimizer_cls`` unchanged.
+    """
+
+    def __init__(self, models: Models, optimizer_cls: Callable = torch.optim.AdamW, clip_grad: float = 0.0,
+                 no_weight_decay: Optional[Callable] = None, counts_in_norm: Optional[Callable] = None,
+                 norm_groups: Sequence = (), expert_norm_groups: Optional[Sequence] = None,
+                 matrix_optimizer: Optional[Callable] = None, matrix_kwargs: Optional[dict] = None,
+                 matrix_params: Optional[Callable] = None, matrix_shards: Optional[Callable] = None,
+                 matrix_split: Optional[Callable] = None, state_dtype=None, main_grads_dtype: Optional[torch.dtype] = None, **optimizer_kwargs):
+        self.models: List[FullyShardedModule] = [models] if isinstance(models, FullyShardedModule) else list(models)
+        if not self.models or not all(isinstance(m, FullyShardedModule) for m in self.models):
+            raise TypeError("FullyShardedOptimizer needs the model(s) returned by megatron.fsdp.fully_shard")
+        first = self.models[0]
+        for m in self.models[1:]:
+            if _mesh_key(m) != _mesh_key(first):
+                raise ValueError("all models of one FullyShardedOptimizer must share the same meshes and levels")
+        self.model = first
+        self.precision = OptimizerPrecision.of(state_dtype, main_grads_dtype)
+        main_dtype = first.mixed_precision.main_dtype
+        optimizer_cls = self.precision.optimizer_class(optimizer_cls, main_dtype)
+        for model in self.models:
+            for unit in model.units:
+                unit.storage.set_main_grads_dtype(self.precision.main_grads_dtype or main_dtype)
+        self.clip_grad = float(clip_grad)
+        self.norm_groups = _real_groups(norm_groups)
+        self.expert_norm_groups = self.norm_groups if expert_norm_groups is None else _real_groups(expert_norm_groups)
+        # The model-parallel groups the squared norm is also summed over, as ledger axes.
+        self._norm_axes = {section: [CommAxis(f"{section}_norm_group{k}", group, first.ledger)
+                                     for k, group in enumerate(self.expert_norm_groups if section == EXPERT
+                                                               else self.norm_groups)]
+                           for section in first.sections}
+        weight_decay = optimizer_kwargs.get("weight_decay", 0.0)
+        groups = {False: [], True: [], MATRIX: []}
+        self._grads: List[torch.Tensor] = []
+        # (optimizer tensor, its gradient view): attached by ``finish_grad_sync`` (after the
+        # models' own ``finish_grad_sync`` has allocated every accumulator), detached when
+        # ``zero_grad`` releases them.
+        self._grad_of: List[tuple] = []
+        self._grads_attached = False
+        self._norm_grads: Dict[str, List[torch.Tensor]] = {name: [] for name in first.sections}
+        # Matrix parameters (Muon): stepped by matrix_optimizer.py, outside the elementwise runs.
+        self.matrix = None if matrix_optimizer is None else make_matrix_optimizer(
+            self.models, matrix_optimizer, matrix_kwargs, matrix_params, matrix_shards, matrix_split)
+        for k, model in enumerate(self.models):
+            for unit in model.units:
+                s = unit.storage
+                flags = [MATRIX if self.matrix is not None and self.matrix.is_matrix(k, name)
+                         else self._no_decay(no_weight_decay, slot.spec)
+                         for name, slot in zip(unit.param_names, s.layout.slots)]
+                lo, hi = s.regions.main
+                for a, b, nwd in s.layout.runs(lo, hi, flags):
+                    weight = s.main[a - lo:b - lo]
+                    grad = s.grad_slice(a - lo, b - lo)
+                    self._grad_of.append((weight, grad))
+                    groups[nwd].append(weight)
+                    self._grads.append(grad)
+                    if counts_in_norm is None:
+                        self._norm_grads[s.section].append(grad)
+                if counts_in_norm is not None:
+                    for name, slot, param in zip(unit.param_names, s.layout.slots, s.params):
+                        if slot.spec.trainable and counts_in_norm(name, param):
+                            piece = model.main_grad_piece(name)
+                            if piece.numel():
+                                self._norm_grads[s.section].append(piece)
+        device = first.units[0].storage.full.device if first.units else torch.device("cpu")
+        param_groups = []
+        for nwd in (False, True):
+            params = groups[nwd]
+            if not params:  # keep the same groups on every rank, even one that owns nothing
+                empty = torch.zeros(0, device=device)
+                empty.grad = torch.zeros(0, device=device)
+                params = [empty]
+            param_groups.append({"params": params, "weight_decay": 0.0 if nwd else weight_decay})
+        self.optimizer = optimizer_cls(param_groups, **optimizer_kwargs)
+
+    @staticmethod
+    def _no_decay(rule: Optional[Callable], spec) -> bool:
+        """The decay class of one parameter; a custom rule sees a meta tensor of the true shape
+        (a ZeRO-3 parameter is an empty placeholder between uses)."""
+        if rule is None:
+            return spec.no_weight_decay
+        return bool(rule(spec.name, torch.nn.Parameter(torch.empty(spec.shape, device="meta"), spec.trainable)))
+
+    @property
+    def norm_grads(self) -> Dict[str, List[torch.Tensor]]:
+        """Per section, the gradient pieces that count in the global norm on this rank."""
+        return self._norm_grads
+
+    @property
+    def param_groups(self):
+        """The elementwise optimizer's groups, then the matrix optimizer's one (an LR scheduler edits both)."""
+        return self.optimizer.param_groups + (self.matrix.param_groups if self.matrix is not None else [])
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def state_dict(self, main_weights: bool = True) -> Dict[str, object]:
+        """Main weights and optimizer state per parameter, for ``torch.distributed.checkpoint`` (see checkpoint/state_dict.py)."""
+        out = optimizer_state_dict(self, main_weights)
+        if self.matrix is not None:
+            out.update(matrix_state_dict(self))
+        return out
+
+    def load_state_dict(self, state_dict) -> None:
+        """Load a ``state_dict()`` filled by ``dcp.load`` at any world size, level or mesh (a collective)."""
+        if self.matrix is None:
+            load_optimizer_state_dict(self, state_dict)
+            return
+        elementwise, matrix = split_state_dict(self, state_dict)
+        writes = check_matrix_state_dict(self, matrix)  # every check before anything is written
+        load_optimizer_state_dict(self, elementwise)
+        write_matrix_state(self, matrix, writes)
+
+    def state_bytes(self) -> int:
+        matrix = self.matrix.state_bytes() if self.matrix is not None else 0
+        return matrix + sum(v.untyped_storage().nbytes() for st in self.optimizer.state.values()
+                            for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+    def reduce_over_section(self, value: torch.Tensor, section: str) -> torch.Tensor:
+        """Sum a per-rank statistic of one section's gradients over every rank holding a distinct part.
+
+        That is the section's axes whose level shards optimizer state (replicas
+        along the other axes hold identical gradients and must not be counted
+        twice) and its model-parallel groups.
+        """
+        s = self.model.sections[section]
+        if s.levels.inner.shard_optim:
+            s.inner.all_reduce(value, tag="grad_norm").wait()
+        if s.levels.outer.shard_optim:
+            s.outer.all_reduce(value, tag="grad_norm").wait()
+        for axis in self._norm_axes[section]:
+            axis.all_reduce(value, tag="grad_norm").wait()
+        return value
+
+    def _attach_grads(self) -> None:
+        """Point every optimizer tensor's gradient at its accumulator view (once per step).
+
+        The accumulators exist by now: each model's ``finish_grad_sync`` allocates the
+        ones no gradient reached (zeros), the one place that rule lives (``runtime.py``).
+        """
+        if not self._grads_attached:
+            for weight, grad in self._grad_of:
+                attach_grad(weight, grad)
+            self._grads_attached = True
+
+    def _require_synced_grads(self, call: str) -> None:
+        """``call`` reads the reduced gradients: refuse before ``finish_grad_sync`` instead of
+        reading unreduced or released accumulators."""
+        if not self._grads_attached:
+            raise RuntimeError(f"FullyShardedOptimizer.{call}() needs the reduced gradients: call "
+                               "finish_grad_sync() first (step() does)")
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the gradients: every element of every section counted exactly once."""
+        self._require_synced_grads("grad_norm")
+        total = 0.0
+        for section, grads in self._norm_grads.items():
+            device = self._grads[0].device if self._grads else torch.device("cpu")
+            sq = torch.zeros(1, dtype=torch.float32, device=device)
+            if grads:
+                sq += torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+            total += float(self.reduce_over_section(sq, section).item())
+        return math.sqrt(total)
+
+    def finish_grad_sync(self) -> None:
+        """Complete every gradient reduction of this step; raise if no backward ran."""
+        for model in self.models:
+            if model.backwards_since_step == 0:
+                raise RuntimeError("optimizer.step() called without a backward pass since the last step; "
+                                   "run loss.backward() on the wrapped model first")
+        for model in self.models:
+            model.finish_grad_sync()
+        self._attach_grads()
+
+    def clip_grads(self, norm: float) -> None:
+        self._require_synced_grads("clip_grads")
+        if self.clip_grad > 0.0 and math.isfinite(norm):
+            coef = self.clip_grad / (norm + 1.0e-6)
+            if coef < 1.0:
+                torch._foreach_mul_(self._grads, coef)
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> None:
+        """Update the shards and install the new weights (gathers overlap the next forward)."""
+        self._require_synced_grads("step_with_ready_grads")
+        if self.matrix is None:
+            self.optimizer.step()
+        else:  # the elementwise step runs while the first unit's matrix pieces travel
+            self.matrix.step(overlap_with=self.optimizer.step)
+        for model in self.models:
+            model.install_updated_weights()
+
+    @torch.no_grad()
+    @collective("optimizer.step")
+    def step(self) -> float:
+        """Finish gradient sync, clip, update the shards, install the new weights.
+
+        Returns the global gradient norm before clipping.
+        """
+        self.finish_grad_sync()
+        norm = self.grad_norm()
+        self.clip_grads(norm)
+        self.step_with_ready_grads()
+        return norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients. ``set_to_none`` (the default, as torch optimizers and FSDP2):
+        release the flat gradient accumulators until the next backward's first reduction
+        allocates them zeroed, so between steps a rank keeps weights and optimizer state only;
+        ``False``: zero them in place and keep them."""
+        if set_to_none:
+            for weight, _ in self._grad_of:
+                detach_grad(weight)
+            self._grads_attached = False
+        for model in self.models:
+            model.zero_grad_buffers(set_to_none)

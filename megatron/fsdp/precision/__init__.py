@@ -1,0 +1,7 @@
+"""Precision: which dtype each piece of state has (compute weights, main weights, gradients, optimizer moments).
+
+Owns the mixed-precision policy (``mixed_precision``) and the lower-precision optimizer state with
+its load-time dtype rule (``optimizer_state``).
+
+May import: torch only.
+"""

@@ -1,0 +1,405 @@
+"""The schedule: hooks that gather, release and reduce units around forward and backward.
+
+Order of collectives is a pure function of the order in which units run, which
+is the same on every rank for the same model code; no set or dict with
+unstable order decides it. How far the schedule runs ahead is an
+:class:`Overlap` (``fully_shard``'s ``forward_prefetch``, ``backward_prefetch``
+and ``reductions_in_flight``): with the defaults, one unit is gathered ahead in
+each direction, so at most the running unit, its enclosing units, the root and
+one prefetched unit hold full weights at once, and two gradient reductions are
+in flight.
+
+The order a pass prefetches in is the order of the previous pass; the first
+forward uses the registration order (the order of ``module.named_modules()``,
+which is the call order of a sequential stack), the first backward the
+reverse of the order in which the forward's units ended. The root, which runs first, prefetches
+the first units of each direction, so in steady state no unit waits for a
+gather it could have had earlier. Every gather, reduction, install and wait runs
+inside a named range (``profiling.py``).
+
+Multi-stage collectives (a :class:`~.comm.StagedHandle`: the outer then the inner all-gather
+of two-axis ZeRO-3 and of the HFSDP install; the inner reduce-scatter then the outer
+reduction of HSDP, HFSDP and two-axis ZeRO-3) advance at fixed points of the hook
+sequence, never from another thread and never on a timing decision (``is_completed``
+differs between ranks). The hook sequence is the same on every rank, so the order of
+collectives on every process group is too. The points, each a compute boundary:
+
+* each time a unit's compute ends (its post-forward, its post-backward), every multi-stage
+  collective issued before that point, in issue order, waits for its current stage and
+  issues its next one (``_advance_staged``): the second stage of unit k+1's gather is
+  issued at the end of unit k's forward, the outer reduction of unit k at the end of unit
+  k-1's backward;
+* the root's pre-forward, when the root waits for a multi-stage gather of its own: the same
+  advance, so the first unit's second stage lands during the root's compute;
+* a unit's pre-hook (forward or backward), before it prefetches the next unit and waits:
+  its own stages still unissued (only the first unit of a pass has any: the root prefetched
+  it and no unit's compute has ended since) are issued, so they travel while the prefetch
+  is issued instead of inside the wait (``_gather_then_prefetch``);
+* the end of the backward and ``finish_grad_sync``, where no compute follows: every stage
+  still unissued, one round per stage, before the first reduction is waited
+  (``_issue_every_stage``), so the last reductions' outer stages travel together.
+
+Only ``reductions_in_flight=0`` issues a later stage inside a wait (each reduction is
+waited as soon as it is issued). A stage's completion work (the gradient addition into
+the accumulator, the averaging, attaching the gathered parameters) runs right where the
+stage is waited, before the next stage is issued, or in the final wait (``Handle.wait``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Deque, Dict, List, Optional, Tuple
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ..collectives import profiling
+from ..collectives.comm import Handle, StagedHandle
+from .unit import FSDPUnit, UnitState
+
+
+@dataclasses.dataclass(frozen=True)
+class Overlap:
+    """How far communication runs ahead of compute.
+
+    ``forward_prefetch`` / ``backward_prefetch``: units whose all-gather is issued
+    ahead of their use (0: every gather on demand); each one more costs one unit's
+    full weights in memory. ``reductions_in_flight``: gradient reductions issued and
+    not yet waited (0: each is waited as soon as it is issued); each one more keeps
+    one unit's reduction buffers alive a little longer.
+    """
+
+    forward_prefetch: int = 1
+    backward_prefetch: int = 1
+    reductions_in_flight: int = 2
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{field.name} must be an integer >= 0, got {value!r}")
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _stages_left(handle: Optional[Handle]) -> bool:
+    """``handle`` is a multi-stage collective with stages not yet issued."""
+    return isinstance(handle, StagedHandle) and handle.stages_left > 0
+
+
+class Schedule:
+    """The hooks' side of the schedule: what each forward/backward hook gathers, releases, reduces and
+    advances, and the step hooks (``start_grad_sync``, ``finish_grad_sync``, ``after_step``)."""
+
+    def __init__(self, units: List[FSDPUnit], root: Optional[FSDPUnit], overlap: Overlap = Overlap()):
+        self.units = units          # registration order; root first when it has parameters
+        self.root = root            # None when every parameter sits in some unit
+        self.overlap = overlap
+        self.sync_grads = True
+        self._scaled_this_step = False  # per-section gradient scales applied (once per step)
+        self.backwards_since_step = 0
+        self._order: List[FSDPUnit] = []           # forward order of this pass
+        self._fwd_ends: List[FSDPUnit] = []        # order in which this pass's forwards ended
+        self._bwd_order: List[FSDPUnit] = []       # backward order of this pass
+        # Prefetch plans: the order of the previous pass (registration order before the first).
+        self._fwd_plan = _Plan([u for u in units if u is not root])
+        self._last_bwd_plan: Optional[_Plan] = None
+        self._bwd_plan: Optional[_Plan] = None     # this backward's plan, fixed at its first unit
+        # How each gather was satisfied, per phase: "prefetched" (issued before the
+        # unit was needed) or "on_demand" (the unit had to wait for its own gather).
+        self.gather_stats = {p: {"prefetched": 0, "on_demand": 0} for p in ("forward", "backward")}
+        self._reductions: Deque[Tuple[str, Handle]] = collections.deque()
+        # Multi-stage collectives with stages not yet issued, in issue order: (kind, unit, handle).
+        self._staged: List[Tuple[str, str, StagedHandle]] = []
+        self._callback_queued = False
+
+    # ---------------------------------------------------------------- forward
+    def root_pre_forward(self) -> None:
+        if self._order:
+            self._fwd_plan = _Plan(self._order)
+        self._order = []
+        self._fwd_ends = []
+        self._bwd_plan = None
+        root = self.root
+        if root is not None and root.state is UnitState.IDLE and not root.storage.resident:
+            self._track_staged("all_gather", root, root.start_unshard())
+        self._prefetch(self._fwd_plan.first(self.overlap.forward_prefetch))
+        if root is not None and _stages_left(root.pending[1]):
+            # The root is about to wait for a multi-stage gather (or install) of its own, so
+            # this is a compute boundary: every multi-stage collective in flight moves one
+            # stage on first, and the first units' next stages land during the root's compute
+            # instead of being issued inside their waits.
+            self._advance_staged()
+        if root is not None and root.state in (UnitState.IDLE, UnitState.UNSHARDING):
+            root.begin_use(UnitState.FORWARD)
+        if root is not None:
+            profiling.mark("forward", "begin", root.name)
+
+    def root_post_forward(self, output):
+        if self.root is not None:
+            profiling.mark("forward", "end", self.root.name)
+        if torch.is_grad_enabled():
+            self._register_pre_backward(self.root, output)
+        else:
+            self._release_all()
+        return output
+
+    def pre_forward(self, unit: FSDPUnit) -> None:
+        if unit.state in (UnitState.FORWARD, UnitState.BACKWARD):
+            return  # re-entry, or activation recompute inside backward: already resident
+        if _in_backward():
+            self._enter_backward(unit)
+            return
+        self._count_gather(unit, "forward")
+        self._order.append(unit)
+        self._gather_then_prefetch(unit, self._fwd_plan.after(unit, self.overlap.forward_prefetch))
+        unit.begin_use(UnitState.FORWARD)
+        profiling.mark("forward", "begin", unit.name)
+
+    def post_forward(self, unit: FSDPUnit, output):
+        if unit.state is not UnitState.FORWARD:
+            return output  # recompute during backward: keep the weights for backward
+        self._advance_staged()
+        profiling.mark("forward", "end", unit.name)
+        self._fwd_ends.append(unit)
+        unit.release()
+        if torch.is_grad_enabled():
+            self._register_pre_backward(unit, output)
+        return output
+
+    def _count_gather(self, unit: FSDPUnit, phase: str) -> None:
+        if unit.state is UnitState.UNSHARDING:
+            self.gather_stats[phase]["prefetched"] += 1
+        elif not unit.storage.resident:
+            self.gather_stats[phase]["on_demand"] += 1
+
+    def _prefetch(self, units: List[FSDPUnit]) -> None:
+        for unit in units:
+            if unit.state is UnitState.IDLE and not unit.storage.resident:
+                self._track_staged("all_gather", unit, unit.start_unshard())
+
+    def _gather_then_prefetch(self, unit: FSDPUnit, ahead: List[FSDPUnit]) -> None:
+        """A unit's pre-hook, before it waits for its weights: its gather issued (on demand, if no
+        prefetch did), every stage of it still unissued issued now (its input has had the compute
+        before this hook to land), then the prefetch of the units ``ahead``, so the last stage
+        lands while those are issued. Only the first unit of a pass has stages left here (later
+        ones were advanced at the previous unit's compute end)."""
+        self._prefetch([unit])
+        kind, handle = unit.pending
+        while _stages_left(handle):
+            self._advance_one(kind, unit.name, handle)
+        self._prefetch(ahead)
+
+    # ------------------------------------------------------ multi-stage collectives
+    def _track_staged(self, kind: str, unit: FSDPUnit, handle: Handle) -> None:
+        if _stages_left(handle):
+            self._staged.append((kind, unit.name, handle))
+
+    def _advance_staged(self) -> None:
+        """A compute boundary: every multi-stage collective issued before now moves one stage on.
+
+        In issue order, on this thread: the same collectives in the same order on every rank.
+        """
+        staged, self._staged = self._staged, []
+        for kind, name, handle in staged:
+            if not handle.stages_left:
+                continue  # waited (all stages issued) since
+            self._advance_one(kind, name, handle)
+            if handle.stages_left:
+                self._staged.append((kind, name, handle))
+
+    def _issue_every_stage(self) -> None:
+        """No more compute follows (the end of the backward, ``finish_grad_sync``): issue every
+        stage still unissued, one round per stage in issue order, before anything is waited, so
+        the last stages of the last reductions travel together instead of one wait at a time."""
+        while self._staged:
+            self._advance_staged()
+
+    @staticmethod
+    def _advance_one(kind: str, name: str, handle: StagedHandle) -> None:
+        with profiling.span("stage." + kind, name, waiting_on=handle.current):
+            handle.advance()
+
+    # --------------------------------------------------------------- backward
+    def _register_pre_backward(self, unit: FSDPUnit, output) -> None:
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, lambda _grads: self._pre_backward(unit), mode="any")
+
+    def _backward_plan(self) -> "_Plan":
+        """The previous backward's order; at first, the reverse of the order in which forwards ended
+        (a unit's backward begins when the gradient of its output arrives: an enclosing unit first)."""
+        if self._bwd_plan is None:
+            self._bwd_plan = self._last_bwd_plan or _Plan(self._fwd_ends[::-1])
+            self._bwd_order = []
+        return self._bwd_plan
+
+    def _pre_backward(self, unit: Optional[FSDPUnit]) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if unit is None or unit.state is UnitState.BACKWARD:
+            return
+        depth = self.overlap.backward_prefetch
+        if unit is self.root:  # the backward starts in the root: prefetch the first units of its plan
+            self._enter_backward(unit)
+            self._prefetch(self._backward_plan().first(depth))
+            return
+        self._count_gather(unit, "backward")
+        plan = self._backward_plan()
+        self._bwd_order.append(unit)
+        self._gather_then_prefetch(unit, plan.after(unit, depth))
+        self._enter_backward(unit)
+
+    def _enter_backward(self, unit: FSDPUnit) -> None:
+        if unit.state is UnitState.FORWARD:
+            unit.transition(UnitState.BACKWARD)
+        else:
+            unit.begin_use(UnitState.BACKWARD)
+        unit.begin_backward()
+        profiling.mark("backward", "begin", unit.name)
+
+    def on_grad(self, unit: FSDPUnit, param_index: int) -> None:
+        if unit.state is not UnitState.BACKWARD:
+            raise RuntimeError(
+                f"parameter {unit.param_names[param_index]!r} of FSDP unit {unit.name} received a gradient "
+                "outside that unit's backward; call the unit module itself (its forward hooks gather and "
+                "reduce it) instead of calling its submodules or parameters directly")
+        if unit.mark_ready(param_index):
+            self._post_backward(unit)
+
+    def _post_backward(self, unit: FSDPUnit) -> None:
+        self._advance_staged()
+        storage = unit.storage
+        if unit.num_trainable:
+            if storage.levels.inner.keeps_full_grads:
+                storage.accumulate_local()
+                if self.sync_grads:
+                    self._reduce_step(unit)
+            else:
+                with_step = self.sync_grads and storage.has_step_stage
+                with profiling.span("reduce", unit.name):
+                    handle = storage.reduce_microbatch(tag=unit.name, then_step=with_step)
+                self._enqueue(unit, handle)
+                unit.reduced_this_step |= with_step
+        storage.end_grads()
+        profiling.mark("backward", "end", unit.name)
+        unit.release()
+
+    def _reduce_step(self, unit: FSDPUnit) -> None:
+        with profiling.span("reduce", unit.name):
+            handle = unit.storage.reduce_step(tag=unit.name)
+        self._enqueue(unit, handle)
+        unit.reduced_this_step = True
+
+    def _enqueue(self, unit: FSDPUnit, handle: Handle) -> None:
+        self._track_staged("reduce", unit, handle)
+        self._reductions.append((unit.name, handle))
+        while len(self._reductions) > self.overlap.reductions_in_flight:
+            self._wait_oldest_reduction()
+
+    def _wait_oldest_reduction(self) -> None:
+        name, handle = self._reductions.popleft()
+        with profiling.span("wait.reduce", name, waiting_on=handle):
+            handle.wait()
+
+    def _drain(self) -> None:
+        while self._reductions:
+            self._wait_oldest_reduction()
+
+    def _end_of_backward(self) -> None:
+        """Runs once after the whole backward pass: flush units whose params got no grad."""
+        self._callback_queued = False
+        for unit in self._order[::-1] + [u for u in self.units if u not in self._order]:
+            if unit.state is UnitState.BACKWARD:
+                self._post_backward(unit)
+        self._release_all()
+        if self.sync_grads:
+            self._reduce_unreduced()
+        self._issue_every_stage()
+        self._drain()
+        if self._bwd_order:
+            self._last_bwd_plan = _Plan(self._bwd_order)
+        self.backwards_since_step += 1
+
+    def _release_all(self) -> None:
+        for unit in self.units:
+            if unit.state is not UnitState.IDLE:
+                unit.release()
+
+    def _reduce_unreduced(self) -> None:
+        """Run the once-per-step stage of every unit the last micro-batch did not (deterministic order)."""
+        for unit in self.units:
+            if unit.num_trainable and unit.storage.has_step_stage and not unit.reduced_this_step:
+                self._reduce_step(unit)
+
+    # ------------------------------------------------------------ step hooks
+    def start_grad_sync(self) -> None:
+        """Issue the once-per-step reductions not yet issued; they complete in ``finish_grad_sync``."""
+        self._reduce_unreduced()
+
+    def finish_grad_sync(self) -> None:
+        """Complete all gradient reductions of this step (also after a forgotten no_sync).
+
+        Idempotent within a step: Megatron's schedule finishes the sync in
+        ``finalize_model_grads`` and the optimizer finishes it again.
+        """
+        self._reduce_unreduced()
+        self._issue_every_stage()
+        self._drain()
+        for unit in self.units:  # a unit that got no gradient this step has a zero one
+            unit.storage.ensure_grads()
+        if not self._scaled_this_step:
+            self._scaled_this_step = True
+            for unit in self.units:
+                if unit.storage.grad_scale != 1.0 and unit.num_trainable:
+                    unit.storage.grad_accum.mul_(unit.storage.grad_scale)
+
+    def after_step(self) -> None:
+        """Install updated weights; the gathers overlap with the next forward."""
+        self.backwards_since_step = 0
+        self._scaled_this_step = False
+        first = [self.root] if self.root is not None else []
+        order = first + self._order + [u for u in self.units if u is not self.root and u not in self._order]
+        for unit in order:
+            unit.reduced_this_step = False
+            with profiling.span("install", unit.name):
+                handle = unit.storage.install_main_weights(tag=unit.name)
+            unit.set_pending(handle)
+            self._track_staged("install", unit, handle)
+
+    def zero_grads(self, set_to_none: bool = False) -> None:
+        self._scaled_this_step = False
+        for unit in self.units:
+            unit.storage.zero_grads(set_to_none)
+
+    def wait_weights(self) -> None:
+        for unit in self.units:
+            unit.wait_weights()
+
+    def wait_all(self) -> None:
+        """Nothing of this model in flight afterwards: reductions drained, install gathers landed."""
+        self._drain()
+        self.wait_weights()
+
+class _Plan:
+    """An order of units to prefetch in: who comes first, who comes after a given unit."""
+
+    __slots__ = ("units", "_position")
+
+    def __init__(self, units: List[FSDPUnit]):
+        self.units = list(units)
+        self._position: Dict[int, int] = {}
+        for k, unit in enumerate(self.units):
+            self._position.setdefault(unit.index, k)
+
+    def first(self, depth: int) -> List[FSDPUnit]:
+        return self.units[:depth]
+
+    def after(self, unit: FSDPUnit, depth: int) -> List[FSDPUnit]:
+        k = self._position.get(unit.index)
+        return [] if k is None or depth == 0 else self.units[k + 1:k + 1 + depth]
+

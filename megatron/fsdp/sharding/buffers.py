@@ -1,0 +1,440 @@
+"""Flat storage of one unit on a two-axis mesh, and the data movement on it.
+
+Parameters are views into ``full`` (the unit's compute buffer), so collectives
+read and write parameters in place. ``regions.py`` decides which buffer range
+each kind of state covers on this rank; this module owns the tensors and the
+collectives that move data between the ranges:
+
+* gather (ZeRO-3): compute piece --outer all-gather--> inner shard --inner all-gather--> full.
+  Under mixed precision the compute piece is not kept between uses: each gather
+  casts this rank's main shard into its own slice of ``full`` (1/N of the unit,
+  as FSDP2 does) and gathers in place, so persistent memory is main weights,
+  gradients and optimizer state only. Frozen parameters, which have no main
+  weights, keep their compute-dtype piece. Exception: an outer level that shards
+  optimizer state but not parameters (HFSDP) keeps the inner compute shard, so a
+  gather never needs the outer axis (the outer all-gather runs once per step);
+* reduce: full gradient --inner reduce-scatter or all-reduce--> inner shard
+  --outer reduce-scatter or all-reduce--> piece. Stages whose level shards
+  gradients run every micro-batch; the others run once per step;
+* install (after the optimizer step): main weights --cast--> compute storage,
+  then the gathers that rebuild persistent compute weights from the shards the
+  optimizer updated.
+
+When the compute dtype equals the main dtype (an fp32 model), main weights are
+views into the compute storage: the optimizer updates the parameters in place
+and no second copy exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from typing import List, Optional
+
+import torch
+
+from ..collectives.comm import CommAxis, Handle, staged
+from .layout import FlatLayout
+from .regions import UnitRegions, trainable_part, unit_regions
+from .strategy import MeshStrategy
+
+
+def _free(tensor: torch.Tensor) -> None:
+    tensor.untyped_storage().resize_(0)
+
+
+def _alloc(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    nbytes = tensor.numel() * tensor.element_size()
+    if storage.nbytes() != nbytes:
+        storage.resize_(nbytes)
+
+
+def _freed(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``numel`` elements whose storage is released (``_alloc`` brings it back)."""
+    tensor = torch.empty(numel, dtype=dtype, device=device)  # pages never touched: not resident
+    _free(tensor)
+    return tensor
+
+
+@contextlib.contextmanager
+def _addressable(tensor: torch.Tensor):
+    """Let views of a released ``tensor`` be taken (torch checks a view against its storage's size).
+
+    The storage is re-allocated uninitialised for the duration and released again; views
+    taken inside stay valid for every later allocation of the same storage (they point into
+    the storage, not at its memory) and must not be read while it is released.
+    """
+    released = tensor.untyped_storage().nbytes() == 0 and tensor.numel() > 0
+    if released:
+        _alloc(tensor)
+    try:
+        yield tensor
+    finally:
+        if released:
+            _free(tensor)
+
+
+class Residency(enum.Enum):
+    """Where a unit's compute weights are: the one source of truth for ZeRO-3 residency.
+
+    Levels that do not shard parameters (and a mesh of one rank) are always ``FULL``.
+    """
+
+    SHARDED = "sharded"      # ZeRO-3 between uses: only the shard; full buffer freed, parameters empty
+    GATHERING = "gathering"  # full buffer allocated, its all-gather in flight; parameters still empty
+    FULL = "full"            # full weights in place, parameters are views of them
+
+
+class UnitStorage:
+    def __init__(self, layout: FlatLayout, params: List[torch.nn.Parameter], levels: MeshStrategy,
+                 inner: CommAxis, outer: CommAxis, compute_dtype: torch.dtype, main_dtype: torch.dtype,
+                 reduce_dtype: torch.dtype, device: torch.device, average_grads: bool = True,
+                 section: str = "dense", grad_scale: float = 1.0):
+        assert len(params) == len(layout.slots)
+        self.layout, self.params, self.levels = layout, params, levels
+        self.inner, self.outer = inner, outer
+        self.compute_dtype, self.main_dtype, self.reduce_dtype = compute_dtype, main_dtype, reduce_dtype
+        self.average_grads = average_grads
+        self.section = section          # "dense" or "expert": which mesh and norm groups it belongs to
+        self.grad_scale = grad_scale    # applied once per step after the reductions (experts.py)
+        self.shares_main = compute_dtype == main_dtype
+        self.regions: UnitRegions = unit_regions(layout, levels, inner.rank, outer.rank, outer.size)
+        regions = self.regions
+        originals = [p.detach() for p in params]
+        self.trainable_params = [(i, p) for i, p in enumerate(params) if layout.slots[i].spec.trainable]
+
+        self.full = torch.zeros(layout.padded_size, dtype=compute_dtype, device=device)
+        self.views = self._views_of(self.full)
+        # ``full.data`` has its own version counter: gathers write through it so
+        # autograd never sees the refill of a released buffer as an in-place edit.
+        self._full_out = self.full.data
+        # Persistent compute weights: the full buffer, or (ZeRO-3, where the full
+        # buffer is released between uses) a shard of it. On a mesh of one rank the
+        # shard is the whole buffer: keep it resident and never gather or release.
+        self.releases = levels.inner.shard_params and (inner.size > 1 or outer.size > 1)
+        # ZeRO-3 under mixed precision where the main shard covers the trainable part of
+        # the compute range: gathers cast main weights; only frozen elements keep a shard.
+        self.casts_main = (self.releases and not self.shares_main
+                           and regions.main == trainable_part(regions.compute, layout.trainable_end))
+        self.kept = self._kept_range() if self.releases else (0, layout.padded_size)
+        self.shard: Optional[torch.Tensor] = None
+        if self.releases:
+            self.shard = torch.zeros(regions.size(self.kept), dtype=compute_dtype, device=device)
+            for piece in layout.pieces_in(*self.kept):
+                src = originals[piece.slot_index].reshape(-1)
+                self.shard[piece.shard_offset:piece.shard_offset + piece.length].copy_(
+                    src[piece.param_offset:piece.param_offset + piece.length])
+        else:
+            for view, src in zip(self.views, originals):
+                view.copy_(src)
+
+        a, b = regions.main
+        if self.shares_main:
+            self.main = self.compute_slice(a, b)
+        else:
+            self.main = torch.zeros(b - a, dtype=main_dtype, device=device)
+            for piece in layout.pieces_in(a, b):
+                src = originals[piece.slot_index].reshape(-1)
+                self.main[piece.shard_offset:piece.shard_offset + piece.length].copy_(
+                    src[piece.param_offset:piece.param_offset + piece.length])
+
+        accum_size = regions.size(regions.accum) if self.trainable_params else 0
+        # Allocated at the first reduction into it, freed by ``zero_grads(set_to_none=True)``.
+        self._bind_grads(_freed(accum_size, main_dtype, device))
+        self.residency = Residency.SHARDED if self.releases else Residency.FULL
+        if self.releases:
+            _free(self.full)
+            self._detach_params()
+        else:
+            self._attach_params()
+
+    def _bind_grads(self, accum: torch.Tensor) -> None:
+        """Make ``accum`` the gradient accumulator, ``main_grad`` its optimizer range, and decide
+        where autograd writes: straight into the accumulator when it is the full buffer in
+        compute dtype, otherwise into a transient buffer per backward."""
+        regions = self.regions
+        a, b = regions.main
+        self.grad_accum = accum
+        self.grads_in_place = self.levels.inner.keeps_full_grads and self.compute_dtype == accum.dtype
+        self.grad_full: Optional[torch.Tensor] = None
+        self.grad_views: Optional[List[torch.Tensor]] = None
+        with _addressable(accum):
+            self.main_grad = accum[a - regions.accum[0]:b - regions.accum[0]] if self.trainable_params else accum
+            if self.grads_in_place and self.trainable_params:
+                self.grad_full = accum
+                self.grad_views = self._views_of(accum)
+
+    def set_main_grads_dtype(self, dtype: torch.dtype) -> None:
+        """Keep the gradient accumulator in ``dtype`` (e.g. bf16 main grads); its values are kept (cast)."""
+        if dtype == self.grad_accum.dtype:
+            return
+        if self.grad_full is not None and not self.grads_in_place:
+            raise RuntimeError("the gradient dtype cannot change during a backward pass")
+        for _, p in self.trainable_params:
+            p.grad = None
+        accum = self.grad_accum
+        self._bind_grads(accum.to(dtype) if self.grads_allocated
+                         else _freed(accum.numel(), dtype, accum.device))
+
+    # ------------------------------------------------------ gradient lifetime
+    # The accumulator exists from the first gradient reduced (or written) into it until
+    # ``zero_grads(set_to_none=True)`` after the optimizer step, as FSDP2's sharded
+    # gradients and torch optimizers' ``zero_grad()`` do: between steps a rank keeps
+    # main weights and optimizer state only. A released accumulator reads as zeros: it is
+    # allocated zeroed, so accumulation over micro-batches and the reduction arithmetic
+    # are those of an accumulator zeroed in place.
+    @property
+    def grads_allocated(self) -> bool:
+        return self.grad_accum.numel() == 0 or self.grad_accum.untyped_storage().nbytes() > 0
+
+    def ensure_grads(self) -> torch.Tensor:
+        """The accumulator, allocated and zeroed if it was released; returns it."""
+        accum = self.grad_accum
+        if not self.grads_allocated:
+            _alloc(accum)
+            accum.zero_()
+        return accum
+
+    def grad_slice(self, lo: int, hi: int) -> torch.Tensor:
+        """A view of ``main_grad[lo:hi]``, valid whenever the accumulator is allocated
+        (it may be taken while it is released)."""
+        with _addressable(self.grad_accum):
+            return self.main_grad[lo:hi]
+
+    # ----------------------------------------------------------------- helpers
+    @property
+    def has_step_stage(self) -> bool:
+        """Some reduction runs once per step (not every micro-batch)."""
+        return self.levels.inner.keeps_full_grads or not self.levels.outer.shard_grads
+
+    def _kept_range(self) -> tuple:
+        """ZeRO-3: the buffer range whose compute weights persist between uses.
+
+        The whole compute range, or under ``casts_main`` only the part holding frozen
+        parameters (from the first frozen parameter on; empty when there is none).
+        """
+        lo, hi = self.regions.compute
+        if not self.casts_main:
+            return lo, hi
+        frozen = [slot for slot in self.layout.slots if not slot.spec.trainable]
+        if not frozen:
+            return hi, hi
+        start = min(max(lo, frozen[0].start), hi)
+        return start, max(start, min(hi, self.layout.used_end))
+
+    def _views_of(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        return [flat[s.start:s.end].view(s.spec.shape) for s in self.layout.slots]
+
+    def compute_slice(self, a: int, b: int) -> torch.Tensor:
+        """Persistent compute storage of buffer range [a, b) (checkpoints and full state dicts read it)."""
+        if self.shard is None:
+            return self.full[a:b]
+        lo, hi = self.kept
+        if a >= b:  # an empty piece (a parameter this rank owns none of)
+            return self.shard[0:0]
+        if a < lo or b > hi:
+            raise RuntimeError(f"buffer range [{a}, {b}) has no persistent compute weights (kept: [{lo}, {hi}))")
+        return self.shard[a - lo:b - lo]
+
+
+    @property
+    def resident(self) -> bool:
+        """The full buffer is allocated: it holds the weights or an all-gather is filling it."""
+        return self.residency is not Residency.SHARDED
+
+    def _attach_params(self) -> None:
+        for p, view in zip(self.params, self.views):
+            p.data = view
+        self.residency = Residency.FULL
+
+    def _detach_params(self) -> None:
+        # A released parameter is an empty tensor, never a view of freed memory:
+        # reading it outside forward/backward gives an empty result, not a crash.
+        empty = torch.empty(0, dtype=self.compute_dtype, device=self.full.device)
+        for p in self.params:
+            p.data = empty
+
+    def _in_reduce_dtype(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if tensor.dtype == self.reduce_dtype else tensor.to(self.reduce_dtype)
+
+    def _scale(self, tensor: torch.Tensor, axis: CommAxis) -> torch.Tensor:
+        """Turn a sum over ``axis`` into a mean (unless gradients are to be summed)."""
+        return tensor if axis.size == 1 or not self.average_grads else tensor.mul_(1.0 / axis.size)
+
+    # ----------------------------------------------------------- parameters
+    def unshard(self, tag: str) -> Handle:
+        """ZeRO-3: materialise the full compute weights from the persistent shard."""
+        if self.resident:
+            return Handle()
+        _alloc(self.full)
+        self.residency = Residency.GATHERING  # FULL once the last stage has landed (_attach_params)
+        lo, hi = self.regions.inner
+        gather_buf = self._full_out
+        own = self.shard
+        if self.casts_main:
+            own = self._cast_into(gather_buf)
+        if self.levels.outer.shard_params:
+            first = self.outer.all_gather(gather_buf[lo:hi], own, tag)
+            return staged(first, lambda: Handle(self.inner.all_gather(gather_buf, gather_buf[lo:hi], tag),
+                                                then=self._attach_params))
+        return Handle(self.inner.all_gather(gather_buf, own, tag), then=self._attach_params)
+
+    def _cast_into(self, gather_buf: torch.Tensor) -> torch.Tensor:
+        """Fill this rank's compute range of ``gather_buf``: main weights cast, then padding, then frozen weights.
+
+        Returns that slice: the input of the in-place all-gather.
+        """
+        lo, hi = self.regions.compute
+        a, b = self.regions.main
+        k0, k1 = self.kept
+        if b > a:
+            gather_buf[a:b].copy_(self.main)
+        if k0 > b:
+            gather_buf[b:k0].zero_()
+        if k1 > k0:
+            gather_buf[k0:k1].copy_(self.shard)
+        if hi > max(b, k1):
+            gather_buf[max(b, k1):hi].zero_()
+        return gather_buf[lo:hi]
+
+    def reshard(self) -> None:
+        """Release the full compute weights (ZeRO-3 only; other levels keep them)."""
+        if self.residency is not Residency.FULL or not self.releases:
+            return
+        self._detach_params()
+        _free(self.full)
+        self.residency = Residency.SHARDED
+
+    def install_main_weights(self, tag: str) -> Handle:
+        """Copy updated main weights into compute weights and rebuild what is persistent.
+
+        Nothing to do under ``casts_main``: the next gather casts the main weights.
+        """
+        if self.casts_main:
+            return Handle()
+        a, b = self.regions.main
+        if not self.shares_main:
+            self.compute_slice(a, b).copy_(self.main)
+        stages = []
+        lo, hi = self.regions.inner
+        piece_lo, piece_hi = self.regions.piece
+        if self.levels.outer.shard_optim and not self.levels.outer.shard_params:
+            target = self.compute_slice(lo, hi).data
+            stages.append(lambda: self.outer.all_gather(target, target[piece_lo - lo:piece_hi - lo], tag))
+        if self.levels.inner.shard_optim and not self.levels.inner.shard_params:
+            gather_buf = self._full_out
+            stages.append(lambda: self.inner.all_gather(gather_buf, gather_buf[lo:hi], tag))
+        if not stages:
+            return Handle()
+        return staged(stages[0](), *stages[1:])
+
+    # ------------------------------------------------------------- gradients
+    def begin_grads(self) -> None:
+        """Point every trainable ``param.grad`` at this micro-batch's flat gradient."""
+        if not self.trainable_params:
+            return
+        if self.grads_in_place:
+            self.ensure_grads()
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.layout.padded_size, dtype=self.compute_dtype, device=self.full.device)
+            self.grad_views = self._views_of(self.grad_full)
+        for i, p in self.trainable_params:
+            p.grad = self.grad_views[i]
+
+    def end_grads(self) -> None:
+        """Drop the transient gradient (its content has been reduced or accumulated)."""
+        if self.grads_in_place:
+            return
+        for _, p in self.trainable_params:
+            p.grad = None
+        self.grad_full = None
+        self.grad_views = None
+
+    def accumulate_local(self) -> None:
+        """Full-grad inner levels with a transient buffer: add this micro-batch into the accumulator."""
+        if not self.grads_in_place and self.grad_full is not None:
+            self.ensure_grads().add_(self.grad_full)
+
+    def reduce_microbatch(self, tag: str, then_step: bool) -> Handle:
+        """Grad-sharded inner levels: reduce this micro-batch's full gradient into the accumulator.
+
+        Inner reduce-scatter always; outer reduce-scatter too when the outer level
+        shards grads. ``then_step`` chains the once-per-step stage behind it.
+        """
+        regions = self.regions
+        lo, hi = regions.inner
+        piece_lo, piece_hi = regions.piece
+        # The once-per-step stage moves data only across an outer axis of more than one rank.
+        step = [lambda: self.reduce_step(tag)] if then_step and self.outer.size > 1 else []
+        if self.inner.size == 1 and self.outer.size == 1:
+            self.ensure_grads().add_(self.grad_full[regions.accum[0]:regions.accum[1]])
+            return staged(Handle(), *step)
+        device = self.grad_full.device
+        if self.inner.size > 1:
+            # The compute-dtype gradient goes to the collective as it is: the axis widens it to
+            # the reduce dtype (comm.CommAxis.reduce_scatter; on the gloo ring one chunk at a
+            # time) and keeps it only until the collective lands.
+            inner_out = torch.empty(hi - lo, dtype=self.reduce_dtype, device=device)
+            first = self.inner.reduce_scatter(inner_out, self.grad_full, tag)
+        else:
+            inner_out, first = self._in_reduce_dtype(self.grad_full)[lo:hi], Handle()
+        if not self.levels.outer.shard_grads:
+            def add_inner():
+                self.ensure_grads().add_(self._scale(inner_out, self.inner))
+            return staged(Handle(first, then=add_inner), *step)
+        piece_out = torch.empty(piece_hi - piece_lo, dtype=self.reduce_dtype, device=device)
+
+        def outer_stage() -> Handle:
+            def add_piece():
+                self.ensure_grads().add_(self._scale(self._scale(piece_out, self.inner), self.outer))
+            return Handle(self.outer.reduce_scatter(piece_out, inner_out, tag), then=add_piece, keep=(inner_out,))
+        return staged(first, outer_stage, *step)
+
+    def reduce_step(self, tag: str) -> Handle:
+        """The once-per-step stages: whatever the levels did not reduce every micro-batch."""
+        if not self.trainable_params:
+            return Handle()
+        stages = []
+        regions = self.regions
+        accum = self.ensure_grads()
+        base = regions.accum[0]
+        if self.levels.inner.keeps_full_grads:
+            stages.append(lambda: self._reduce_region(accum, self.inner, (0, accum.numel()),
+                                                      regions.inner if self.levels.inner.shard_optim else None, tag))
+        if not self.levels.outer.shard_grads:
+            region = (regions.inner[0] - base, regions.inner[1] - base)
+            piece = (regions.piece[0] - base, regions.piece[1] - base) if self.levels.outer.shard_optim else None
+            stages.append(lambda: self._reduce_region(accum, self.outer, region, piece, tag))
+        return staged(stages[0](), *stages[1:])
+
+    def _reduce_region(self, accum: torch.Tensor, axis: CommAxis, region, piece, tag: str) -> Handle:
+        """Average ``accum[region]`` over ``axis``: all-reduce it, or reduce-scatter it into ``accum[piece]``."""
+        if axis.size == 1:
+            return Handle()
+        src = accum[region[0]:region[1]]
+        wire = self._in_reduce_dtype(src)
+        if piece is None:
+            def done_all():
+                if wire is not src:
+                    src.copy_(wire)
+                self._scale(src, axis)
+            return Handle(axis.all_reduce(wire, tag), then=done_all, keep=(wire,))
+        out = torch.empty(piece[1] - piece[0], dtype=wire.dtype, device=wire.device)
+
+        def done_scatter():
+            accum[piece[0]:piece[1]].copy_(self._scale(out, axis))
+        return Handle(axis.reduce_scatter(out, wire, tag), then=done_scatter, keep=(wire,))
+
+    def zero_grads(self, set_to_none: bool = False) -> None:
+        """Zero the accumulated gradients: in place, or (``set_to_none``) by releasing the
+        accumulator, whose next use allocates it zeroed. A released accumulator stays released."""
+        if not self.grads_allocated:
+            return
+        if not set_to_none:
+            self.grad_accum.zero_()
+            return
+        if self.grads_in_place:
+            for _, p in self.trainable_params:
+                p.grad = None
+        _free(self.grad_accum)

@@ -1,0 +1,312 @@
+"""``fully_shard``: find the units, lay out their buffers, install the hooks, return the wrapper.
+
+The builder runs once per model. It decides everything that is fixed for the model's life:
+which parameters form which unit (innermost unit module; tied parameters in the lowest
+common unit), the flat layout of each unit, the section (dense or expert mesh) of each
+parameter, and the forward, backward and gradient hooks the schedule runs through. Every
+check that can fail runs before the first collective. What the wrapped model does at run
+time is ``module.py`` (the wrapper) and ``runtime.py`` (the schedule).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Callable, Dict, Iterable, List, Optional, Tuple, Type
+
+import torch
+import torch.distributed as dist
+
+from ..sharding.buffers import UnitStorage
+from ..collectives.comm import CommAxis, Ledger, collective
+from ..sharding.experts import DENSE, EXPERT, ExpertSharding, Section
+from ..sharding.layout import ParamSpec, build_layout
+from ..sharding.mesh import DataParallelMesh
+from ..init.meta_init import MetaMaterialiser, check_meta_module, is_on_meta, target_device
+from ..precision.mixed_precision import MixedPrecision
+from .module import FullyShardedModule
+from ..init.replicas import broadcast_from_rank0
+from ..schedule.runtime import Overlap, Schedule
+from ..sharding.strategy import MeshStrategy, parse_mesh_strategy
+from ..collectives.teardown import track
+from ..schedule.unit import FSDPUnit
+from ..init.validation import check_same_module_on_all_ranks, module_signature
+
+ALIGN_BYTES = 16  # parameter starts and shard sizes in a unit's flat buffer
+
+
+def megatron_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
+    """Megatron-Core's default rule (``megatron/core/optimizer``): no weight decay on biases and on
+    1-D parameters (norms). The one copy of it: the Megatron adapter uses this function too."""
+    return name.endswith(".bias") or name == "bias" or param.dim() == 1
+
+
+def _unit_selectors(unit_modules) -> Tuple[Tuple[Type[torch.nn.Module], ...], Tuple[torch.nn.Module, ...]]:
+    """``unit_modules`` holds classes (every instance becomes a unit) and/or module instances."""
+    if unit_modules is None:
+        return (), ()
+    if isinstance(unit_modules, (type, torch.nn.Module)):
+        unit_modules = (unit_modules,)
+    classes, instances = [], []
+    for c in unit_modules:
+        if isinstance(c, type) and issubclass(c, torch.nn.Module):
+            classes.append(c)
+        elif isinstance(c, torch.nn.Module):
+            instances.append(c)
+        else:
+            raise TypeError(f"unit_modules must hold nn.Module classes or instances, got {c!r}")
+    return tuple(classes), tuple(instances)
+
+
+def _assign_params(module: torch.nn.Module, unit_names: List[str]):
+    """Map each parameter to the innermost unit containing every module that holds it.
+
+    A tied parameter (e.g. embedding and output head) lands in the lowest common
+    unit of its holders, so it is resident whenever any holder runs.
+    """
+    def enclosing_units(module_name: str) -> List[str]:
+        return [u for u in unit_names if u == "" or module_name == u or module_name.startswith(u + ".")]
+
+    canonical: Dict[int, str] = {}
+    owner: Dict[int, List[str]] = {}
+    params: Dict[int, torch.nn.Parameter] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        c = enclosing_units(name.rpartition(".")[0])
+        if id(p) not in canonical:
+            canonical[id(p)], owner[id(p)], params[id(p)] = name, c, p
+        else:
+            prev = owner[id(p)]
+            k = 0
+            while k < min(len(prev), len(c)) and prev[k] == c[k]:
+                k += 1
+            owner[id(p)] = prev[:k]
+    by_unit: Dict[str, List[Tuple[str, torch.nn.Parameter]]] = {u: [] for u in unit_names}
+    for pid, name in canonical.items():
+        by_unit[owner[pid][-1]].append((name, params[pid]))
+    return by_unit
+
+
+@collective("fully_shard")
+def fully_shard(
+    module: torch.nn.Module,
+    strategy="optim_grads_params",
+    unit_modules: Optional[Iterable[Type[torch.nn.Module]]] = None,
+    process_group=None,
+    mixed_precision: Optional[MixedPrecision] = None,
+    no_weight_decay: Callable[[str, torch.nn.Parameter], bool] = megatron_no_weight_decay,
+    mesh: Optional[DataParallelMesh] = None,
+    outer_strategy=None,
+    average_grads: bool = True,
+    experts: Optional[ExpertSharding] = None,
+    forward_prefetch: int = 1,
+    backward_prefetch: int = 1,
+    reductions_in_flight: int = 2,
+    device: Optional[torch.device] = None,
+    init_weights: Optional[Callable[[torch.nn.Module], None]] = None,
+) -> FullyShardedModule:
+    """Shard ``module``'s parameters, gradients and optimizer state over the data-parallel ranks.
+
+    ``process_group`` gives a flat mesh; ``mesh`` a two-axis one, with
+    ``strategy`` the inner level and ``outer_strategy`` the outer level.
+    ``average_grads=False`` sums gradients over ranks instead of averaging
+    (for per-token loss normalisation, scaled later by ``scale_gradients``).
+    ``experts`` puts expert parameters in their own section: own mesh, own
+    levels, own gradient scale (see ``experts.py``).
+    ``forward_prefetch`` / ``backward_prefetch`` (units gathered ahead) and
+    ``reductions_in_flight`` (gradient reductions issued before the oldest is
+    waited) set how far communication runs ahead of compute (``runtime.Overlap``).
+    A module on the ``meta`` device is materialised unit by unit on ``device``
+    (default: the current CUDA device, else CPU), each submodule initialised by
+    ``init_weights(submodule)`` or its own ``reset_parameters()`` in
+    ``module.modules()`` order, keeping only this rank's shards (``meta_init.py``).
+    Every check that can fail runs before the first collective; the first
+    collective here (a digest of parameter names, shapes and dtypes) makes all
+    ranks fail together when the models differ. Then, as DDP does, every
+    parameter is overwritten with rank 0's values along each data-parallel axis
+    (``replicas.py``), so replicas that were built differently cannot diverge.
+    """
+    if mesh is not None and process_group is not None:
+        raise ValueError("pass either process_group (a flat mesh) or mesh (two axes), not both")
+    levels = parse_mesh_strategy(strategy, outer_strategy, mesh is not None and mesh.has_outer)
+    overlap = Overlap(forward_prefetch, backward_prefetch, reductions_in_flight)
+    mp = mixed_precision if mixed_precision is not None else MixedPrecision()
+    if not isinstance(mp, MixedPrecision):
+        raise TypeError(f"mixed_precision must be a megatron.fsdp.MixedPrecision, got {type(mp).__name__}")
+    if isinstance(module, FullyShardedModule):
+        raise ValueError("module is already wrapped by fully_shard")
+    classes, instances = _unit_selectors(unit_modules)
+    unit_names = [""] + [n for n, m in module.named_modules()
+                         if n and (isinstance(m, classes) or any(m is i for i in instances))]
+    if (classes or instances) and len(unit_names) == 1:
+        present = sorted({type(m).__name__ for m in module.modules()})
+        wanted = [c.__name__ for c in classes] + [type(i).__name__ + " instance" for i in instances]
+        raise ValueError(
+            f"unit_modules {wanted} matched no submodule of {type(module).__name__}; "
+            f"module classes present: {', '.join(present)}")
+    named = list(module.named_parameters())
+    on_meta = is_on_meta(module)
+    if on_meta:
+        check_meta_module(module, init_weights)
+        device = target_device(device)
+    else:
+        device = _device_of_eager(named, device, init_weights)
+    for name, p in named:
+        if not p.is_floating_point():
+            raise TypeError(f"parameter {name!r} has non-floating dtype {p.dtype}; only floating parameters can be sharded")
+    if mesh is None:
+        if process_group is None and dist.is_available() and dist.is_initialized():
+            process_group = dist.group.WORLD
+        mesh = DataParallelMesh(process_group, None)
+    ledger = Ledger()
+    inner = CommAxis("dp_shard", mesh.inner_group, ledger)
+    outer = CommAxis("dp_outer", mesh.outer_group, ledger)
+    dense = Section(DENSE, inner, outer, levels, average_grads, 1.0)
+    expert = _expert_section(experts, levels, average_grads, ledger)
+    by_unit = _assign_params(module, unit_names)
+    for uname, plist in by_unit.items():
+        dtypes = sorted({str(mp.compute_dtype(p.dtype)) for _, p in plist})
+        if len(dtypes) > 1:
+            raise TypeError(f"FSDP unit {uname or '<root>'} mixes compute dtypes {dtypes}; "
+                            "pass mixed_precision=MixedPrecision(param_dtype=...) or make them uniform")
+    split = _split_experts(by_unit, experts)
+    signature = module_signature(named)
+    groups = [((uname, section.name), plist) for uname in unit_names
+              for section, plist in ((dense, split[uname][0]), (expert, split[uname][1])) if plist]
+    sections_by_name, params_of = {DENSE: dense, EXPERT: expert}, dict(groups)
+
+    def build(key) -> UnitStorage:
+        return _unit_storage(params_of[key], sections_by_name[key[1]], mp, no_weight_decay, device)
+
+    # A meta model is materialised (and every initialiser run) before the first collective.
+    storages = MetaMaterialiser(module, device, init_weights).run(groups, build) if on_meta else None
+    for axis in (inner, outer) + ((expert.inner, expert.outer) if expert is not None else ()):
+        check_same_module_on_all_ranks(axis, signature, device)
+    if storages is None:
+        # Every replica starts equal to rank 0's (DDP's rule; replicas.py). A meta-device
+        # model is initialised on every rank from the same seed instead (meta_init.py).
+        for uname in unit_names:
+            broadcast_from_rank0(split[uname][0], (dense.inner, dense.outer))
+            if expert is not None:
+                broadcast_from_rank0(split[uname][1], (expert.inner, expert.outer))
+        storages = {key: build(key) for key, _ in groups}
+
+    units: List[FSDPUnit] = []
+    modules = dict(module.named_modules())
+    for uname in unit_names:
+        for section in (dense, expert):
+            storage = storages.get((uname, section.name)) if section is not None else None
+            if storage is None:
+                continue
+            label = uname if section is dense else f"{uname or '<root>'}[experts]"
+            units.append(FSDPUnit(len(units), label, modules[uname], storage,
+                                  [s.spec.name for s in storage.layout.slots]))
+    root = units[0] if units and units[0].name == "<root>" else None
+    runtime = Schedule(units, root, overlap)
+    track(runtime)  # shutdown() waits for what it leaves in flight
+    for unit in units:
+        if unit is not root:
+            unit.module.register_forward_pre_hook(lambda _m, _a, u=unit: runtime.pre_forward(u))
+            unit.module.register_forward_hook(lambda _m, _a, out, u=unit: runtime.post_forward(u, out))
+        for i, p in unit.storage.trainable_params:
+            p.register_post_accumulate_grad_hook(functools.partial(_on_grad, weakref.ref(runtime), unit.index, i))
+    _guard_submodules(units, modules)
+    sections = {DENSE: dense} if expert is None else {DENSE: dense, EXPERT: expert}
+    return FullyShardedModule(module, runtime, units, sections, mp)
+
+
+def _device_of_eager(named, device, init_weights) -> torch.device:
+    """The one device an eagerly built module's parameters are on (``device``, if given, must agree)."""
+    if init_weights is not None:
+        raise ValueError("init_weights initialises a module built on the meta device; this module's parameters "
+                         "already have values (build it under `with torch.device('meta'):` to use init_weights)")
+    devices = sorted({str(p.device) for _, p in named})
+    if len(devices) > 1:
+        raise ValueError(f"all parameters must be on one device before fully_shard, found {devices}")
+    found = torch.device(devices[0]) if devices else torch.device("cpu")
+    wanted = torch.device(device) if device is not None else found
+    if wanted.type != found.type or wanted.index not in (None, found.index):
+        raise ValueError(f"device={device} but the parameters are on {found}; move the module first "
+                         "(device= chooses where a meta-device module is materialised)")
+    return found
+
+
+def _guard_submodules(units: List[FSDPUnit], modules: Dict[str, torch.nn.Module]) -> None:
+    """ZeRO-3: a submodule called outside its unit's forward gets a clear error, not a shape error.
+
+    Its parameters are empty tensors between uses; only the unit module's own hooks
+    gather them. The check is one attribute read per submodule call.
+    """
+    for unit in units:
+        if not unit.storage.releases:
+            continue
+        holders = dict.fromkeys(name.rpartition(".")[0] for name in unit.param_names)
+        for mname in holders:
+            sub = modules.get(mname)
+            if sub is not None and sub is not unit.module:
+                sub.register_forward_pre_hook(functools.partial(_check_gathered, weakref.ref(unit.storage),
+                                                                unit.name, mname))
+
+
+def _check_gathered(storage_ref, unit_name: str, module_name: str, module, _args) -> None:
+    storage = storage_ref()
+    if storage is not None and not storage.resident:
+        raise RuntimeError(
+            f"{type(module).__name__} {module_name!r} was called outside the forward of its FSDP unit {unit_name}: "
+            "under optim_grads_params its weights are sharded (empty) outside that unit's forward; call the "
+            "unit module or the wrapped model, or make this submodule a unit of its own (unit_modules)")
+
+
+def _on_grad(runtime_ref, unit_index: int, param_index: int, _param) -> None:
+    """A parameter's post-accumulate-grad hook. It reaches the runtime through a weak
+    reference: autograd keeps tensor hooks on the C++ side, where the garbage collector
+    cannot see a cycle back to the parameter, so a strong one would keep the whole
+    model (and the process groups it holds) alive after the user dropped it."""
+    runtime = runtime_ref()
+    if runtime is not None:
+        runtime.on_grad(runtime.units[unit_index], param_index)
+
+
+def _expert_section(experts: Optional[ExpertSharding], dense_levels: MeshStrategy, average_grads: bool,
+                    ledger: Ledger) -> Optional[Section]:
+    if experts is None:
+        return None
+    if not isinstance(experts, ExpertSharding):
+        raise TypeError(f"experts must be a megatron.fsdp.ExpertSharding, got {type(experts).__name__}")
+    mesh = experts.mesh
+    inner_level = experts.strategy if experts.strategy is not None else dense_levels.inner.name
+    outer_level = experts.outer_strategy
+    if outer_level is None and mesh.has_outer:
+        outer_level = dense_levels.outer.name
+    levels = parse_mesh_strategy(inner_level, outer_level, mesh.has_outer)
+    average = average_grads if experts.average_grads is None else experts.average_grads
+    return Section(EXPERT, CommAxis("expert_dp_shard", mesh.inner_group, ledger),
+                    CommAxis("expert_dp_outer", mesh.outer_group, ledger), levels, average, experts.grad_scale)
+
+
+def _split_experts(by_unit, experts: Optional[ExpertSharding]):
+    """``{unit: (dense params, expert params)}``; expert parameters must sit inside some unit module."""
+    split = {}
+    for uname, plist in by_unit.items():
+        if experts is None:
+            split[uname] = (plist, [])
+            continue
+        flags = [bool(experts.is_expert(n, p)) for n, p in plist]
+        split[uname] = ([x for x, f in zip(plist, flags) if not f], [x for x, f in zip(plist, flags) if f])
+    stray = [n for n, _ in split.get("", ((), ()))[1]]
+    if stray:
+        raise ValueError(
+            f"expert parameters {stray[:4]} are not inside any unit module; pass the module class "
+            "that holds the experts (e.g. the MoE layer) in unit_modules so they are gathered with it")
+    return split
+
+
+def _unit_storage(plist, section: Section, mp: MixedPrecision, no_weight_decay, device) -> UnitStorage:
+    specs = [ParamSpec(n, tuple(p.shape), p.requires_grad, no_weight_decay(n, p)) for n, p in plist]
+    compute_dtype = mp.compute_dtype(plist[0][1].dtype)
+    layout = build_layout(specs, section.inner.size, align=max(1, ALIGN_BYTES // compute_dtype.itemsize),
+                          sub_shards=section.outer.size)
+    by_name = dict(plist)
+    ordered = [by_name[s.spec.name] for s in layout.slots]
+    return UnitStorage(layout, ordered, section.levels, section.inner, section.outer, compute_dtype,
+                       mp.main_dtype, mp.reduce_dtype(compute_dtype), device, section.average_grads,
+                       section=section.name, grad_scale=section.grad_scale)

@@ -1,0 +1,210 @@
+"""``FullyShardedModule``: the wrapped model a user calls, and the public methods on it.
+
+``fully_shard`` (``build.py``) returns one. Its methods are the whole surface the optimizer,
+the checkpoint code and the Megatron adapter use: forward and ``no_sync``, the step hooks
+(``start_grad_sync``, ``finish_grad_sync``, ``install_updated_weights``), inspection (units,
+ledger, overlap, gather statistics, ``memory_report``) and the state dicts, which delegate
+to ``checkpoint/state_dict.py`` (DCP pieces) and ``full_state.py`` (full tensors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Dict, List, Optional
+
+import torch
+from torch.utils._pytree import tree_map
+
+from ..checkpoint.state_dict import load_model_state_dict, model_state_dict
+from ..collectives.comm import Ledger, collective
+from ..sharding.experts import DENSE, Section
+from ..checkpoint.full_state import broadcast_params, full_state_dict, load_full_state_dict
+from ..precision.mixed_precision import MixedPrecision
+from ..schedule.runtime import Overlap, Schedule
+from ..sharding.strategy import MeshStrategy, ShardingStrategy
+from ..schedule.unit import FSDPUnit
+
+
+@dataclasses.dataclass(frozen=True)
+class PersistentMemory:
+    """Bytes this rank keeps between steps, by kind."""
+
+    compute_weights: int
+    main_weights: int
+    main_grads: int
+    optimizer_state: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.compute_weights + self.main_weights + self.main_grads + self.optimizer_state
+
+
+def _nbytes(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.untyped_storage().nbytes()
+
+
+class FullyShardedModule(torch.nn.Module):
+    """The wrapped model: call it like the original; its parameters live in flat unit buffers."""
+
+    def __init__(self, module: torch.nn.Module, runtime: Schedule, units: List[FSDPUnit],
+                 sections: Dict[str, Section], mixed_precision: MixedPrecision):
+        super().__init__()
+        # "dense" always; "expert" when fully_shard got ``experts``: axes, levels, gradient rule of each
+        # (the one place the axes are kept: ``sections["dense"].inner`` is the data-parallel group).
+        self.sections = sections
+        self.module = module
+        self._runtime = runtime
+        self._units = units
+        levels = sections[DENSE].levels
+        self.levels: MeshStrategy = levels
+        self.strategy: ShardingStrategy = levels.inner
+        self.mixed_precision = mixed_precision
+        self._slot_of = {name: (unit, slot) for unit in units
+                         for name, slot in zip(unit.param_names, unit.storage.layout.slots)}
+        self._name_of = {id(p): name for unit in units for name, p in zip(unit.param_names, unit.storage.params)}
+
+    # ------------------------------------------------------------------ use
+    def forward(self, *args, **kwargs):
+        mp = self.mixed_precision
+        if mp.param_dtype is not None and mp.cast_forward_inputs:
+            cast = lambda t: t.to(mp.param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+            args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+        self._runtime.root_pre_forward()
+        return self._runtime.root_post_forward(self.module(*args, **kwargs))
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally; the reduction happens on the first backward outside.
+
+        Under ``optim_grads`` and ``optim_grads_params`` gradients are sharded, so
+        they are still reduce-scattered every micro-batch; ``no_sync`` changes
+        nothing there. If a step is taken while still inside, ``optimizer.step()``
+        performs the pending reduction itself, so no gradient is ever skipped.
+        """
+        previous = self._runtime.sync_grads
+        self._runtime.sync_grads = False
+        try:
+            yield
+        finally:
+            self._runtime.sync_grads = previous
+
+    # ------------------------------------------------------------ inspection
+    @property
+    def units(self) -> List[FSDPUnit]:
+        return list(self._units)
+
+    @property
+    def overlap(self) -> Overlap:
+        """Prefetch depths and reductions in flight (``fully_shard``'s arguments)."""
+        return self._runtime.overlap
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.sections[DENSE].inner.ledger
+
+    @property
+    def process_group(self):
+        return self.sections[DENSE].inner.group
+
+    @property
+    def gather_stats(self) -> Dict[str, Dict[str, int]]:
+        """Per phase, how many gathers were prefetched and how many waited on demand (since the wrap)."""
+        return self._runtime.gather_stats
+
+    @property
+    def backwards_since_step(self) -> int:
+        """Backward passes run since the last optimizer step (0: no gradient to step on)."""
+        return self._runtime.backwards_since_step
+
+    @property
+    def root_unit(self) -> Optional[FSDPUnit]:
+        """The unit of the parameters outside every unit module (None when there are none)."""
+        return self._runtime.root
+
+    def wait_weights(self) -> None:
+        """Wait for every gather in flight (the install after a step, prefetches)."""
+        self._runtime.wait_weights()
+
+    def install_updated_weights(self) -> None:
+        """After the optimizer updated the main weights: rebuild compute weights (gathers in flight)."""
+        self._runtime.after_step()
+
+    def zero_grad_buffers(self, set_to_none: bool = False) -> None:
+        """Zero the flat gradient accumulators in place, or (``set_to_none``) release them until
+        the next backward's first reduction allocates them zeroed."""
+        self._runtime.zero_grads(set_to_none)
+
+    def start_grad_sync(self) -> None:
+        """Issue every once-per-step reduction not yet issued (no waiting)."""
+        self._runtime.start_grad_sync()
+
+    def finish_grad_sync(self) -> None:
+        """Complete every gradient reduction of this step."""
+        self._runtime.finish_grad_sync()
+
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply the accumulated gradients by ``factor`` (e.g. 1 / number of tokens)."""
+        for unit in self._units:
+            if unit.storage.grads_allocated:  # a released accumulator holds zeros
+                unit.storage.grad_accum.mul_(factor)
+
+    def param_name(self, param: torch.nn.Parameter) -> str:
+        """The name under which ``param`` is sharded (its first name in the module)."""
+        return self._name_of[id(param)]
+
+    @collective("broadcast_params")
+    def broadcast_params(self) -> None:
+        """Make replicas equal to rank 0 of every axis whose level keeps them replicated (a collective;
+        ``full_state.py``)."""
+        broadcast_params(self)
+
+    def main_grad_piece(self, name: str) -> torch.Tensor:
+        """This rank's piece of parameter ``name`` in the optimizer's gradient (flat; may be empty).
+
+        Ranks with the same layout (e.g. tensor-parallel peers) get pieces that
+        cover the same elements, so a collective over the pieces is elementwise.
+        """
+        unit, slot = self._slot_of[name]
+        s = unit.storage
+        a, b = s.regions.main
+        lo, hi = max(a, slot.start), min(b, slot.end)
+        return s.grad_slice(lo - a, hi - a) if lo < hi else s.grad_slice(0, 0)
+
+    def memory_report(self, optimizer=None) -> PersistentMemory:
+        compute = main = grads = 0
+        for unit in self._units:
+            s = unit.storage
+            compute += _nbytes(s.shard) if s.releases else _nbytes(s.full)
+            main += 0 if s.shares_main else _nbytes(s.main)
+            grads += _nbytes(s.grad_accum)
+        state = optimizer.state_bytes() if optimizer is not None else 0
+        return PersistentMemory(compute, main, grads, state)
+
+    # ------------------------------------------------------------ state dict
+    def state_dict(self, *args, **kwargs) -> Dict[str, object]:
+        """This rank's pieces as DTensors of each parameter's global shape, ready for ``torch.distributed.checkpoint``.
+
+        Layout-, level- and mesh-independent (see ``checkpoint/state_dict.py``); no
+        collective; the values are copies. ``full_state_dict`` gives full tensors.
+        """
+        return model_state_dict(self)
+
+    @collective("load_state_dict")
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Load a ``state_dict()`` filled by ``dcp.load``: validates first, then rebuilds compute weights (a collective)."""
+        return load_model_state_dict(self, state_dict, strict=strict)
+
+    @collective("full_state_dict")
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """Full, unsharded tensors by parameter name (main precision for trainable ones; ``full_state.py``).
+
+        A collective on sharded levels: every rank must call it. Buffers of the
+        module are included as they are.
+        """
+        return full_state_dict(self)
+
+    @collective("load_full_state_dict")
+    def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor], strict: bool = True):
+        """Load full tensors (as produced by ``full_state_dict``); every rank takes its own piece."""
+        load_full_state_dict(self, state_dict, strict)

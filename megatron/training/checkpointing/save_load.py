@@ -1,0 +1,430 @@
+"""Save and load training checkpoints (``--save`` / ``--load``, ``--ckpt-format fsdp_dtensor``).
+
+What a checkpoint holds, and why there:
+
+- the DCP state dict (``torch.distributed.checkpoint``), every tensor keyed by a
+  global name and stored in logical per-parameter coordinates, so any DP size,
+  level or mesh (and PP or EP size) can load it:
+  ``model.<key>`` (fp32 main weights and buffers), ``optimizer.state.<key>.<name>``
+  (e.g. ``exp_avg``), ``optimizer.param_groups.<g>.*`` (hyperparameters and the
+  ``step`` count) and ``rng.rank<r>`` (each rank's RNG states, pickled). The
+  optimizer's own copy of the main weights (``optimizer.main.<key>``) is not
+  written: it is the same data as ``model.<key>``, which fills it at load time;
+- ``common.json``: iteration, consumed samples, the LR scheduler's state, the
+  world size and the arguments (those that fix the model's shape are compared
+  at load time). Nothing layout-dependent is kept outside the DCP state dict.
+
+Loading validates everything first (arguments, then every key, shape and dtype
+of the union of all ranks' state dicts against the checkpoint's metadata, the
+same decision on every rank), and only then lets DCP fill copies and installs
+them; the engine's load rebuilds the compute weights from the loaded main
+weights before the next forward. The on-disk protocol (temporary directory,
+atomic rename, tracker) is in ``checkpointing/files.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pickle
+import random
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from megatron.fsdp.checkpoint.metadata import describe_checkpoint, describe_state_dict, key_mismatches, mismatch_error, show
+
+from . import files
+from . import manifest
+from . import paths
+from .files import CheckpointError
+from ..logs.lines import print_rank_0
+
+FORMAT = "fsdp_dtensor"
+# 2: TP-global keys and shapes; 1: keys per TP rank, read in TP-global terms (checkpointing/layout_v1.py). Both load at any TP, EP.
+VERSION = 2
+# Arguments that fix parameter shapes: a checkpoint saved with other values cannot load.
+MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length",
+                    "max_position_embeddings", "true_vocab_size", "padded_vocab_size", "num_experts",
+                    "moe_ffn_hidden_size", "untie_embeddings_and_output_weights", "add_bias_linear",
+                    "moe_grouped_gemm")
+# Arguments that changed checkpoint keys in layout version 1 (tensor-parallel shards stored per TP rank): recorded,
+# free to change at load.
+KEY_LAYOUT_ARGS = ("tensor_model_parallel_size", "expert_tensor_parallel_size")
+# The parallel layout a checkpoint was written with (common.json; tools/checkpoint/inspect.py shows it).
+PARALLEL_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                 "virtual_pipeline_model_parallel_size", "sequence_parallel", "expert_model_parallel_size",
+                 "expert_tensor_parallel_size", "data_parallel_sharding_strategy",
+                 "num_distributed_optimizer_instances", "outer_dp_sharding_strategy",
+                 "expert_data_parallel_sharding_strategy")
+
+
+def _json_value(value: Any) -> Any:
+    return value if isinstance(value, (bool, int, float, str, type(None))) else (
+        [_json_value(v) for v in value] if isinstance(value, (list, tuple)) else str(value))
+
+
+def parallel_layout(args: argparse.Namespace) -> Dict[str, Any]:
+    layout = {name: _json_value(getattr(args, name, None)) for name in PARALLEL_ARGS}
+    world = dist.get_world_size()
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    return {"world_size": world, "data_parallel_size": world // model_parallel, **layout}
+
+
+def _model_args(args: argparse.Namespace) -> Dict[str, Any]:
+    names = MODEL_SHAPE_ARGS + KEY_LAYOUT_ARGS + (("expert_model_parallel_size",) if args.moe_grouped_gemm else ())
+    return {name: _json_value(getattr(args, name, None)) for name in names}
+
+
+# ------------------------------------------------------------------------- RNG
+def rng_state() -> bytes:
+    """This rank's RNG states: Python, NumPy, torch CPU, CUDA (if any) and Megatron's tracker streams."""
+    from megatron.core import tensor_parallel
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    return pickle.dumps({
+        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tracker.get_states() if getattr(tracker, "states_", None) else None,
+    })
+
+
+def set_rng_state(blob: bytes) -> None:
+    from megatron.core import tensor_parallel
+
+    state = pickle.loads(blob)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if state["tracker"] is not None:
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+# ------------------------------------------------------------------ state dicts
+def model_state_dict(model: List[torch.nn.Module]) -> Dict[str, Any]:
+    """Every chunk's pieces under global keys (each key in one chunk only: global layer numbers)."""
+    out: Dict[str, Any] = {}
+    for chunk in model:
+        sd = chunk.state_dict()
+        clash = sorted(set(sd) & set(out))
+        if clash:
+            raise RuntimeError(f"model chunks share checkpoint keys {clash[:5]}")
+        out.update(sd)
+    return out
+
+
+def _state_dict(model, optimizer, with_optimizer: bool, with_rng: bool,
+                for_load: bool = True) -> Tuple[Dict[str, Any], List[str]]:
+    """The DCP state dict, and the optimizer's main-weight keys left out of it (``model.<key>`` holds them;
+    a save does not even copy them)."""
+    state: Dict[str, Any] = {"model": model_state_dict(model)}
+    mains: List[str] = []
+    if with_optimizer:
+        opt = optimizer.state_dict(main_weights=for_load)
+        mains = [k for k in opt if k.startswith("main.")]
+        state["optimizer"] = {k: v for k, v in opt.items() if not k.startswith("main.")}
+    if with_rng:
+        state["rng"] = {f"rank{dist.get_rank()}": rng_state()}
+    return state, mains
+
+
+# ------------------------------------------------------------------------ save
+def _state_bytes(state: Mapping[str, Any]) -> int:
+    """Bytes this rank's part of the checkpoint will take on disk (tensors; pickled objects roughly)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict(dict(state))
+    return sum(v.numel() * v.element_size() if isinstance(v, torch.Tensor)
+               else len(v) if isinstance(v, (bytes, bytearray)) else 256 for v in flat.values())
+
+
+def _prepare_directory(args, iteration: int, state: Mapping[str, Any], group=None) -> Path:
+    """All ranks: the temporary directory of this save, after checking the free space (a collective on ``group``).
+
+    Rank 0 creates ``--save``, checks the checkpoint's size (summed over ranks) against
+    the free space and marks the temporary directory as this job's (``checkpoint_paths``);
+    a problem is raised on every rank as one line, before anything is written.
+    """
+    rank, root = dist.get_rank(), Path(args.save)
+    needed = torch.tensor([_state_bytes(state)], dtype=torch.int64)
+    dist.all_reduce(needed, group=group)
+    needed_bytes = int(needed.item()) + (1 << 20)  # common.json, manifest, DCP metadata
+    plan: List[Any] = [None, None]
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            plan = [files.new_nonce(), paths.space_problem(root, iteration, needed_bytes, paths.free_bytes(root))]
+            if plan[1] is None:
+                paths.write_owner(files.temporary_dir(root, iteration, plan[0]))
+        except OSError as exc:
+            plan = [None, f"cannot save to --save {root}: {exc.strerror or exc}"]
+    dist.broadcast_object_list(plan, src=0, group=group)
+    if plan[1]:
+        raise CheckpointError(plan[1])
+    return files.temporary_dir(root, iteration, plan[0])
+
+
+def save_state_dict(model, optimizer, arena=None, defer: bool = False) -> Dict[str, Any]:
+    """What a save writes: copies of this rank's pieces (into ``arena``'s host buffers when given:
+    ``megatron/fsdp/checkpoint/staging.py``; ``defer``: the main weights' and optimizer state's copies only once
+    ``arena.copy_deferred()`` runs)."""
+    from megatron.fsdp.checkpoint.staging import staging_into
+
+    if arena is None:
+        return _state_dict(model, optimizer, with_optimizer=True, with_rng=True, for_load=False)[0]
+    with staging_into(arena, defer):
+        return _state_dict(model, optimizer, with_optimizer=True, with_rng=True, for_load=False)[0]
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """This rank's part of a save, taken on the training thread: host copies of its pieces and (rank 0)
+    ``common.json``. Everything after it (plan, write, publish) may run on another thread."""
+
+    iteration: int
+    state: Dict[str, Any]
+    common: Optional[Dict[str, Any]]
+    copy_seconds: float
+
+
+def snapshot(args, iteration: int, consumed_samples: int, model, optimizer, scheduler, arena=None,
+             defer: bool = False) -> Snapshot:
+    """Step 0 of a save (this rank, no collective): copies of this rank's pieces in host memory (into
+    ``arena``'s buffers when given; ``defer``: see ``save_state_dict``) and, on rank 0, what ``common.json``
+    will say."""
+    from . import save_steps
+
+    files.check_fault_spec(dist.get_world_size())
+    start = time.perf_counter()
+    state = save_steps.host_copies(save_state_dict(model, optimizer, arena, defer))
+    common = None if dist.get_rank() != 0 else {
+        "format": FORMAT, "version": VERSION, "iteration": iteration,
+        "consumed_train_samples": consumed_samples, "world_size": dist.get_world_size(),
+        "scheduler": scheduler.state_dict(), "model_args": _model_args(args),
+        "parallel_layout": parallel_layout(args),
+        "args": {k: _json_value(v) for k, v in sorted(vars(args).items())},
+    }
+    return Snapshot(iteration, state, common, time.perf_counter() - start)
+
+
+def plan_snapshot(args, snap: Snapshot, group=None):
+    """Step 1 of a save (all ranks of ``group``, any thread): the temporary directory (after the free-space
+    check) and DCP's agreed plan; returns a ``save_steps.StagedSave`` for ``write_step`` and ``save_steps.finish``."""
+    from . import save_steps
+
+    tmp = _prepare_directory(args, snap.iteration, snap.state, group)
+    return save_steps.stage(snap.state, tmp, Path(args.save), snap.iteration, snap.common, snap.copy_seconds,
+                            group)
+
+
+def stage_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler, arena=None):
+    """Steps 0 and 1 of a synchronous save (all ranks, the training thread): ``snapshot`` and ``plan_snapshot``.
+
+    Before them every rank waits for the slowest to reach the save (logged apart:
+    rank skew, not the save's cost).
+    """
+    arrived = time.perf_counter()
+    dist.all_reduce(torch.zeros(1))  # every rank at the save: waiting for the slowest is not the save's cost
+    start = time.perf_counter()
+    staged = plan_snapshot(args, snapshot(args, iteration, consumed_samples, model, optimizer, scheduler, arena))
+    staged.arrival_seconds = start - arrived
+    return staged
+
+
+def write_step(staged):
+    """Step 2 (this rank alone, any thread): the DCP write of this rank's files, checksummed while
+    written (``checkpoint_manifest``); running out of space becomes one line naming the directory,
+    the bytes needed and free. The one function a background writer calls."""
+    from . import save_steps
+
+    try:
+        return save_steps.write_pieces(staged)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - one line below, or re-raised
+        if not paths.is_out_of_space(exc, staged.root):
+            raise
+        raise CheckpointError(
+            f"saving iteration {staged.iteration} to {staged.root} ran out of space (ENOSPC): "
+            f"{paths.free_bytes(staged.root)} bytes are free; the partial save was removed, "
+            "earlier checkpoints are intact") from None
+
+
+def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler) -> Path:
+    """Write ``args.save/iter_XXXXXXX`` atomically (all ranks); returns its path."""
+    from . import save_steps
+
+    if getattr(args, "ckpt_format", FORMAT) == "torch_dist":  # the Megatron-Core DDP baseline
+        from . import torch_dist as torch_dist_checkpoint
+
+        return torch_dist_checkpoint.save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler)
+
+    start = time.perf_counter()
+    staged = stage_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler)
+    try:
+        results = write_step(staged)
+    except (Exception, CheckpointException) as exc:  # every rank learns of it in ``finish`` and raises it
+        results = exc
+    final = save_steps.finish(staged, results)
+    print_rank_0(f" saved checkpoint at iteration {iteration:8d} to {final} in "
+                 f"{time.perf_counter() - start - staged.arrival_seconds:.3f} s (after "
+                 f"{staged.arrival_seconds:.3f} s waiting for the slowest rank to reach the save)")
+    return final
+
+
+def verify_checkpoint(directory: Path) -> None:
+    """Check every file against the manifest (each rank a share; a collective); one line naming the damage."""
+    mine = manifest.verify(directory, dist.get_rank(), dist.get_world_size())
+    gathered: List[Optional[List[str]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    problems = sorted(p for per_rank in gathered for p in per_rank)
+    if not problems and not (Path(directory) / ".metadata").is_file():
+        problems = [f"{Path(directory) / '.metadata'} is missing"]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        good = manifest.previous_good(Path(directory).parent, Path(directory))
+        hint = (f"; load the previous good checkpoint with --ckpt-step {good}" if good is not None
+                else f"; no other complete checkpoint in {Path(directory).parent}")
+        raise CheckpointError(f"checkpoint {directory} is damaged: {problems[0]}{more}{hint}")
+
+
+# ------------------------------------------------------------------------ load
+def validate_keys(state: Mapping[str, Any], directory: Path, prefixes: Tuple[str, ...], reader=None) -> None:
+    """Compare the union of every rank's state dict with the checkpoint (a collective; the same verdict everywhere).
+
+    Checkpoint keys under ``prefixes`` must all be asked for, every asked key must
+    exist with the same shape, dtype and kind (the engine's rule: ``megatron.fsdp.checkpoint.metadata``).
+    ``reader``: the checkpoint's metadata as that storage reader gives it (a layout-1 checkpoint's,
+    translated). Raises ``CheckpointError`` naming them.
+    """
+    gathered: List[Optional[Dict[str, Tuple]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, describe_state_dict(state))
+    wanted: Dict[str, Tuple] = {}
+    wrong = []
+    for desc in gathered:
+        for key, d in desc.items():
+            if wanted.setdefault(key, d) != d:
+                wrong.append(f"{key} (ranks disagree: {show(wanted[key])} vs {show(d)})")
+    saved = describe_checkpoint(directory, reader)
+    missing, unexpected, mismatched = key_mismatches(wanted, saved, prefixes, label="model")
+    error = mismatch_error(f"checkpoint {directory} does not fit this model", sorted(missing), sorted(unexpected),
+                           wrong + sorted(mismatched))
+    if error is not None:
+        raise CheckpointError(str(error))
+
+
+def tp_global(common: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint's keys and shapes are TP-global as stored (else ``checkpoint_v1`` translates them).
+
+    Layout version 2 always; version 1 when it was written without tensor
+    parallelism and without grouped-GEMM experts (its keys and shapes are then
+    the same as version 2's: this job had no SwiGLU then).
+    """
+    if common.get("version", 1) >= 2:
+        return True
+    saved = common.get("model_args", {})
+    return (saved.get("tensor_model_parallel_size") in (1, None)
+            and saved.get("expert_tensor_parallel_size") in (1, None) and not saved.get("moe_grouped_gemm"))
+
+
+def layout_v1_reader(model, directory: Path):
+    """A storage reader that shows a layout-1 checkpoint in TP-global terms (a collective: every rank's split
+    rules are gathered, so that all translate every key alike, under PP too)."""
+    from . import layout_v1 as checkpoint_v1
+
+    mine = {k: v for chunk in model for k, v in chunk.split_rules().items()}
+    gathered: List[Optional[Dict[str, Tuple]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    rules = {k: checkpoint_v1.Rule(*v) for per_rank in gathered for k, v in per_rank.items()}
+    return checkpoint_v1.TranslatedReader(directory, rules)
+
+
+def check_model_args(common: Mapping[str, Any], args, directory: Path) -> None:
+    """Name every argument that fixes the model's shape and differs from the checkpoint's.
+
+    TP, expert TP and EP sizes may change (every checkpoint loads in TP-global
+    terms), and the padded vocabulary where the tokenizer's size is recorded
+    (padding rows are cut or added: ``load_checkpoint``).
+    """
+    if common.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {directory} has format {common.get('format')!r}, expected {FORMAT!r}")
+    saved, now = common.get("model_args", {}), _model_args(args)
+    free = set(KEY_LAYOUT_ARGS) | {"expert_model_parallel_size"}
+    if saved.get("true_vocab_size") is not None:
+        free.add("padded_vocab_size")
+    diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} in the checkpoint, {v!r} now"
+             for k, v in now.items() if k in saved and saved[k] != v and k not in free]
+    if diffs:
+        raise CheckpointError(f"checkpoint {directory} was saved with a different model: " + "; ".join(diffs))
+
+
+def find_checkpoint(args) -> Optional[Path]:
+    """The directory ``--load`` (and ``--ckpt-step``) names, or None when there is no checkpoint yet."""
+    root = Path(args.load)
+    iteration = args.ckpt_step if args.ckpt_step is not None else files.read_tracker(root)
+    if iteration is None:
+        return None
+    return files.checkpoint_dir(root, iteration)
+
+
+def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
+    """Load ``--load`` into model, optimizer, scheduler and RNG; returns ``(iteration, consumed samples)``.
+
+    Without a checkpoint (no tracker yet: the first run of a job that saves and
+    loads the same directory) it says so and starts from scratch.
+    """
+    if getattr(args, "ckpt_format", FORMAT) == "torch_dist":  # the Megatron-Core DDP baseline
+        from . import torch_dist as torch_dist_checkpoint
+
+        return torch_dist_checkpoint.load_checkpoint(args, model, optimizer, scheduler)
+    start = time.perf_counter()
+    directory = find_checkpoint(args)
+    if directory is None:
+        print_rank_0(f" no checkpoint in {args.load} (no {files.TRACKER}): starting from scratch")
+        return 0, 0
+    verify_checkpoint(directory)
+    common = files.read_common(directory)
+    check_model_args(common, args, directory)
+    with_optimizer = not (args.finetune or args.no_load_optim)
+    with_rng = not (args.finetune or args.no_load_rng)
+    if with_rng and common.get("converted_from"):
+        print_rank_0(f" checkpoint converted from {common['converted_from']}: it has no RNG states (not restored)")
+        with_rng = False
+    if with_rng and common["world_size"] != dist.get_world_size():
+        print_rank_0(f" checkpoint saved on {common['world_size']} ranks, loading on {dist.get_world_size()}: "
+                     "RNG states not restored")
+        with_rng = False
+    reader = None if tp_global(common) else layout_v1_reader(model, directory)
+    rows = common["model_args"].get("padded_vocab_size")
+    if rows is not None and rows != args.padded_vocab_size:
+        print_rank_0(f" checkpoint padded vocabulary {rows} rows, this model {args.padded_vocab_size}: "
+                     + ("padding rows cut" if rows > args.padded_vocab_size
+                        else "the added padding rows keep this model's initial values (optimizer state zero)"))
+    for chunk in model:  # the keys and coordinates the checkpoint was written in
+        chunk.use_checkpoint_layout(vocab_rows=rows)
+    try:
+        state, mains = _state_dict(model, optimizer, with_optimizer, with_rng)
+        prefixes = ("model.",) + (("optimizer.",) if with_optimizer else ()) + (("rng.",) if with_rng else ())
+        validate_keys(state, directory, prefixes, reader)
+        dcp.load(state, storage_reader=reader or dcp.FileSystemReader(str(directory)))
+        for chunk in model:
+            keys = set(chunk.checkpoint_keys().to_global.values())
+            chunk.load_state_dict({k: v for k, v in state["model"].items() if k in keys})
+        if with_optimizer:
+            optimizer.load_state_dict({**state["optimizer"], **{k: state["model"][k[5:]] for k in mains}})
+            scheduler.load_state_dict(common["scheduler"])
+    finally:
+        for chunk in model:
+            chunk.use_checkpoint_layout()
+    if with_rng:
+        set_rng_state(state["rng"][f"rank{dist.get_rank()}"])
+    iteration, consumed = (0, 0) if args.finetune else (common["iteration"], common["consumed_train_samples"])
+    print_rank_0(f" loaded checkpoint {directory} (iteration {common['iteration']}) in "
+                 f"{time.perf_counter() - start:.2f} s" + (" for fine-tuning" if args.finetune else ""))
+    return iteration, consumed

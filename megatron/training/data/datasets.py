@@ -1,0 +1,93 @@
+"""Datasets (Megatron-Core's mock or indexed GPT datasets) and per-rank micro-batch iterators.
+
+Every data-parallel rank walks the same sample order; in each global batch, rank
+``r`` takes rows ``[r * mbs, (r + 1) * mbs)`` of every chunk of ``dp * mbs``
+consecutive samples (Megatron-LM's pretraining sampler), so the global batch is
+the same whatever the data-parallel layout.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterator, Optional
+
+import torch
+
+
+def build_tokenizer(args):
+    from .tokenizer import build_tokenizer as _build
+
+    kind = args.tokenizer_type or "ByteLevelTokenizer"
+    return _build(kind, vocab_file=args.vocab_file, merge_file=args.merge_file,
+                  tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
+
+
+def padded_vocab_size(vocab_size: int, args) -> int:
+    """Megatron-LM's padding: a multiple of ``make_vocab_size_divisible_by x TP``."""
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def build_datasets(args, tokenizer):
+    """Train, validation and test datasets sized for the whole run; None for a split the run never reads.
+
+    Only the used splits are built (megatron/training/data/splits.py says why); their
+    document counts were checked at start-up.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    from .splits import split_samples, used_split_matrix
+
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length,
+        blend=None if args.mock_data else get_blend_from_list(args.data_path),
+        split=args.split, tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=False, create_attention_mask=True,
+        path_to_cache=args.data_cache_path, mmap_bin_files=True)
+    used = used_split_matrix(args)
+    config.split_matrix = [bookend if wanted is not None else None
+                           for bookend, wanted in zip(config.split_matrix, used)]
+    sizes = [size or 0 for size in split_samples(args)]  # an unbuilt split's size is never read
+    cls = MockGPTDataset if args.mock_data else GPTDataset
+    return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
+
+
+class MicroBatches:
+    """Yields this rank's micro-batches in order, resumable at ``consumed_samples``."""
+
+    def __init__(self, dataset, args, consumed_samples: int = 0):
+        from megatron.core import parallel_state as ps
+
+        self.dataset = dataset
+        self.mbs = args.micro_batch_size
+        self.dp = ps.get_data_parallel_world_size()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.consumed = consumed_samples
+
+    def __iter__(self) -> Iterator[Dict[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> Dict[str, torch.Tensor]:
+        if self.dataset is None:
+            raise StopIteration
+        start = self.consumed + self.dp_rank * self.mbs
+        if self.consumed + self.dp * self.mbs > len(self.dataset):
+            raise StopIteration
+        rows = [self.dataset[i] for i in range(start, start + self.mbs)]
+        self.consumed += self.dp * self.mbs
+        batch = {}
+        for key in ("tokens", "labels", "loss_mask", "position_ids", "attention_mask"):
+            if key in rows[0] and rows[0][key] is not None:
+                batch[key] = torch.stack([torch.as_tensor(r[key]) for r in rows])
+        return batch
+
+
+def get_batch(iterator, device: Optional[torch.device] = None):
+    """pretrain_gpt's ``get_batch``: next micro-batch on the device, then this CP rank's chunks."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    batch = next(iterator)
+    if device is not None and device.type != "cpu":
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    return get_batch_on_this_cp_rank(batch)

@@ -1,0 +1,7 @@
+"""The job's logs: Megatron-shaped log lines, scalars for TensorBoard and wandb, timers, throughput, MoE losses.
+
+Owns ``lines`` (log lines, memory per rank, the start-up summary), ``writers`` (scalar writers),
+``timers``, ``throughput`` (``--log-throughput``) and ``moe_losses`` (the routers' auxiliary losses).
+
+May import: Megatron-Core, ``megatron.training.errors``, ``megatron.training.architecture``.
+"""

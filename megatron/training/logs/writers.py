@@ -1,0 +1,107 @@
+"""Scalars for TensorBoard (``--tensorboard-dir``) and Weights & Biases (``--wandb-project``).
+
+Rank 0 writes them, under Megatron-LM's scalar names (``lm loss``, ``learning-rate``,
+``grad-norm``, ``batch-size``, ``iteration-time``, ``throughput``,
+``mem-max-allocated-bytes``, ``lm loss validation``, ``<timer>-time``), with the same
+values the iteration line prints. Both packages are optional: asking for a writer whose
+package is missing stops the job at start-up (``validate_writers``, called from
+``validate_args`` before any process group exists) with the ``pip install`` that fixes it,
+instead of a traceback after the model is built.
+
+wandb logs offline, into ``--wandb-save-dir``, unless ``WANDB_API_KEY`` or ``WANDB_MODE``
+says otherwise (``wandb sync <dir>`` uploads an offline run later): a job on a machine
+without network access must not wait for a login.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from typing import Dict, Optional
+
+import torch.distributed as dist
+
+
+def add_writer_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("throughput, TensorBoard and wandb")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="add Megatron-LM's model TFLOP/s per GPU and tokens/s per rank to the iteration line")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="write forward-backward, optimizer and data-parallel sync times (ms) as scalars")
+    g.add_argument("--wandb-project", default=None, help="wandb project name (enables wandb; needs the wandb package)")
+    g.add_argument("--wandb-exp-name", default=None, help="wandb run name")
+    g.add_argument("--wandb-save-dir", default=None, help="directory of the wandb run (default: --save/wandb, else ./wandb)")
+
+
+def _missing(package: str) -> bool:
+    return importlib.util.find_spec(package) is None
+
+
+def validate_writers(args) -> None:
+    """Each requested writer's package is importable, and the flags that need a writer have one."""
+    from ..arguments import ArgumentError
+
+    if args.tensorboard_dir and _missing("tensorboard"):
+        raise ArgumentError("--tensorboard-dir needs the tensorboard package, which is not installed: "
+                            "pip install tensorboard (or drop --tensorboard-dir)")
+    if args.log_timers_to_tensorboard and not (args.tensorboard_dir or args.wandb_project):
+        raise ArgumentError("--log-timers-to-tensorboard needs --tensorboard-dir (or --wandb-project) to write to")
+    if args.wandb_project is None:
+        if args.wandb_exp_name or args.wandb_save_dir:
+            raise ArgumentError("--wandb-exp-name and --wandb-save-dir need --wandb-project")
+        return
+    if not args.wandb_project.strip():
+        raise ArgumentError("--wandb-project is empty; give a project name")
+    if _missing("wandb"):
+        raise ArgumentError("--wandb-project needs the wandb package, which is not installed: pip install wandb "
+                            "(or drop --wandb-project)")
+
+
+class ScalarWriters:
+    """TensorBoard and wandb writers of rank 0 (no-ops elsewhere, or when neither is asked for)."""
+
+    def __init__(self, args):
+        self.tensorboard = self.wandb = None
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        if args.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000)
+        if args.wandb_project:
+            self.wandb = _wandb_run(args)
+
+    @property
+    def active(self) -> bool:
+        return self.tensorboard is not None or self.wandb is not None
+
+    def scalars(self, iteration: int, values: Dict[str, Optional[float]]) -> None:
+        values = {k: float(v) for k, v in values.items() if v is not None}
+        if self.tensorboard is not None:
+            for key, value in values.items():
+                self.tensorboard.add_scalar(key, value, iteration)
+        if self.wandb is not None and values:
+            self.wandb.log(values, step=iteration)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+def _wandb_run(args):
+    import wandb
+
+    save_dir = args.wandb_save_dir or os.path.join(args.save or os.getcwd(), "wandb")  # Megatron-LM: --save/wandb
+    os.makedirs(save_dir, exist_ok=True)
+    mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+    if mode == "offline":
+        print(f"> wandb: logging offline to {save_dir} (no WANDB_API_KEY; `wandb sync` uploads it later)",
+              flush=True)
+    config = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, type(None)))}
+    return wandb.init(project=args.wandb_project, name=args.wandb_exp_name, dir=save_dir, config=config,
+                      mode=mode, settings=wandb.Settings(console="off", x_disable_stats=True))
