@@ -16,6 +16,8 @@ import argparse
 import ast
 from typing import List, Union
 
+from .errors import ArgumentError
+
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 POSITION_EMBEDDINGS = ("learned_absolute", "rope", "none")
 
@@ -95,8 +97,6 @@ def add_architecture_args(p: argparse.ArgumentParser) -> None:
 
 
 def _fail(message: str) -> None:
-    from .arguments import ArgumentError
-
     raise ArgumentError(message)
 
 

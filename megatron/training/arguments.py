@@ -13,6 +13,7 @@ from typing import List, Optional
 import megatron.fsdp as mfsdp
 
 from .architecture import add_architecture_args, validate_architecture
+from .errors import ArgumentError
 from .argument_help import DefaultsHelpFormatter, show_every_default
 from .logs.writers import add_writer_args, validate_writers
 
@@ -166,10 +167,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM, save a checkpoint at the next iteration boundary (every rank), then exit")
     return show_every_default(p)
-
-
-class ArgumentError(ValueError):
-    """An inconsistent argument set; the message names the arguments and the fix."""
 
 
 def _fail(message: str) -> None:

@@ -251,7 +251,8 @@ def _iteration_scalars(args, losses, grad_norm, lr, elapsed_seconds, rates, peak
 
 
 def main(argv=None) -> None:
-    from .arguments import ArgumentError, parse_args
+    from .arguments import parse_args
+    from .errors import ArgumentError
 
     args = parse_args(argv)
     try:

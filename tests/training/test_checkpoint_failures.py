@@ -68,13 +68,13 @@ def test_stale_temporaries_are_removed_only_when_no_live_job_owns_them(tmp_path)
     import json
     import time
 
-    from megatron.training.checkpointing import paths
+    from megatron.training.checkpointing import ownership, paths
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (tmp_path / ".tmp_iter_0000005_dead").mkdir()
-    (tmp_path / ".tmp_iter_0000005_dead" / paths.OWNER).write_text(
+    (tmp_path / ".tmp_iter_0000005_dead" / ownership.OWNER).write_text(
         json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout), "time": time.time()}))
-    paths.write_owner(tmp_path / ".tmp_iter_0000006_live")  # this process: alive
+    ownership.write_owner(tmp_path / ".tmp_iter_0000006_live")  # this process: alive
     (tmp_path / ".tmp_iter_0000007_fresh").mkdir()  # no owner file, new: maybe a job just starting
     assert paths.remove_stale_temporaries(tmp_path) == [".tmp_iter_0000005_dead"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp_iter_0000006_live", ".tmp_iter_0000007_fresh"]

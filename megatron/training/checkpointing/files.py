@@ -35,6 +35,8 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from .ownership import OWNER, is_stale
+
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.json"
 FAULT_ENV = "MEGATRON_FSDP_CKPT_FAULT"
@@ -183,8 +185,6 @@ def publish(tmp: Path, root: Path, iteration: int, rank: int = 0) -> Path:
 
 
 def _owned_by_other(tmp: Path) -> bool:
-    from .paths import OWNER
-
     try:
         owner = json.loads((tmp / OWNER).read_text())
     except (OSError, ValueError):
@@ -194,8 +194,6 @@ def _owned_by_other(tmp: Path) -> bool:
 
 def remove_temporaries(root: Path) -> None:
     """Delete unfinished saves and set-aside copies; only safe once the tracker names a complete checkpoint."""
-    from .paths import is_stale
-
     for entry in Path(root).iterdir():
         if entry.name.startswith(".tmp_iter_") and entry.is_dir() and not is_stale(entry) and _owned_by_other(entry):
             continue  # another live job is writing it

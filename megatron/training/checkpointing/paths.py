@@ -10,25 +10,23 @@ Why clean temporaries: a save that died (a full disk, a kill) leaves
 ``.tmp_iter_*``; the resumed job filled the disk again and failed at its next save,
 forever. Each temporary carries an owner file (host and pid of rank 0 of the job that
 writes it); at start-up rank 0 removes those whose owner is a dead process of this
-host, or that have no owner file and are older than ``STALE_AFTER_S``. A live job's
+host, or that have no owner file and are older than ``ownership.STALE_AFTER_S``. A live job's
 temporary (another job saving into the same directory) is never touched.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import socket
-import time
 from pathlib import Path
 from typing import Iterable, Optional
 
+from . import files
 from .files import COMMON, TRACKER
+from .ownership import is_stale
 
-OWNER = ".owner.json"
-STALE_AFTER_S = 3600.0
 TEMPORARY_PREFIXES = (".tmp_iter_", ".old_iter_")
 
 
@@ -74,37 +72,6 @@ def load_dir_problem(path: str) -> Optional[str]:
 
 
 # ------------------------------------------------------------------ temporaries
-def write_owner(tmp: Path) -> None:
-    """Mark ``tmp`` as owned by this live process (rank 0 of the saving job)."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def is_stale(tmp: Path, now: Optional[float] = None) -> bool:
-    """No live job owns ``tmp``."""
-    now = time.time() if now is None else now
-    try:
-        owner = json.loads((tmp / OWNER).read_text())
-    except (OSError, ValueError):
-        try:
-            return now - tmp.stat().st_mtime > STALE_AFTER_S
-        except OSError:
-            return False
-    if owner.get("host") == socket.gethostname():
-        return owner.get("pid") != os.getpid() and not _alive(int(owner.get("pid", -1)))
-    return now - float(owner.get("time", now)) > STALE_AFTER_S
-
-
 def remove_stale_temporaries(root: Path) -> list:
     """Delete the temporaries of ``root`` that no live job owns; returns their names."""
     removed = []
@@ -161,3 +128,13 @@ def is_out_of_space(exc: BaseException, root: Path) -> bool:
         return free_bytes(root) < (1 << 20)
     except OSError:
         return False
+
+
+# ------------------------------------------------------------------ which checkpoint
+def find_checkpoint(args) -> Optional[Path]:
+    """The directory ``--load`` (and ``--ckpt-step``) names, or None when there is no checkpoint yet."""
+    root = Path(args.load)
+    iteration = args.ckpt_step if args.ckpt_step is not None else files.read_tracker(root)
+    if iteration is None:
+        return None
+    return files.checkpoint_dir(root, iteration)

@@ -42,21 +42,15 @@ from megatron.fsdp.checkpoint.metadata import describe_checkpoint, describe_stat
 
 from . import files
 from . import manifest
-from . import paths
+from . import ownership, paths
+from .compatibility import KEY_LAYOUT_ARGS, MODEL_SHAPE_ARGS
+from .paths import find_checkpoint
 from .files import CheckpointError
 from ..logs.lines import print_rank_0
 
 FORMAT = "fsdp_dtensor"
 # 2: TP-global keys and shapes; 1: keys per TP rank, read in TP-global terms (checkpointing/layout_v1.py). Both load at any TP, EP.
 VERSION = 2
-# Arguments that fix parameter shapes: a checkpoint saved with other values cannot load.
-MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length",
-                    "max_position_embeddings", "true_vocab_size", "padded_vocab_size", "num_experts",
-                    "moe_ffn_hidden_size", "untie_embeddings_and_output_weights", "add_bias_linear",
-                    "moe_grouped_gemm")
-# Arguments that changed checkpoint keys in layout version 1 (tensor-parallel shards stored per TP rank): recorded,
-# free to change at load.
-KEY_LAYOUT_ARGS = ("tensor_model_parallel_size", "expert_tensor_parallel_size")
 # The parallel layout a checkpoint was written with (common.json; tools/checkpoint/inspect.py shows it).
 PARALLEL_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "virtual_pipeline_model_parallel_size", "sequence_parallel", "expert_model_parallel_size",
@@ -163,7 +157,7 @@ def _prepare_directory(args, iteration: int, state: Mapping[str, Any], group=Non
             root.mkdir(parents=True, exist_ok=True)
             plan = [files.new_nonce(), paths.space_problem(root, iteration, needed_bytes, paths.free_bytes(root))]
             if plan[1] is None:
-                paths.write_owner(files.temporary_dir(root, iteration, plan[0]))
+                ownership.write_owner(files.temporary_dir(root, iteration, plan[0]))
         except OSError as exc:
             plan = [None, f"cannot save to --save {root}: {exc.strerror or exc}"]
     dist.broadcast_object_list(plan, src=0, group=group)
@@ -362,15 +356,6 @@ def check_model_args(common: Mapping[str, Any], args, directory: Path) -> None:
              for k, v in now.items() if k in saved and saved[k] != v and k not in free]
     if diffs:
         raise CheckpointError(f"checkpoint {directory} was saved with a different model: " + "; ".join(diffs))
-
-
-def find_checkpoint(args) -> Optional[Path]:
-    """The directory ``--load`` (and ``--ckpt-step``) names, or None when there is no checkpoint yet."""
-    root = Path(args.load)
-    iteration = args.ckpt_step if args.ckpt_step is not None else files.read_tracker(root)
-    if iteration is None:
-        return None
-    return files.checkpoint_dir(root, iteration)
 
 
 def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:

@@ -45,7 +45,7 @@ from megatron.fsdp.checkpoint.pieces import on_host
 
 from . import files
 from . import manifest
-from . import paths
+from . import ownership, paths
 
 
 class CheckpointSavePlanner(DefaultSavePlanner):
@@ -163,7 +163,7 @@ def finish(staged: StagedSave, results: Any, barrier: bool = True, group=None) -
             written.update(staged.writer.files)  # rank 0's, now with the .metadata it just wrote
             manifest.write_manifest(staged.tmp, written, extra=[files.COMMON])
             files.fsync_dir(staged.tmp)
-            (staged.tmp / paths.OWNER).unlink(missing_ok=True)
+            (staged.tmp / ownership.OWNER).unlink(missing_ok=True)
             final = files.publish(staged.tmp, staged.root, staged.iteration, rank)
         except Exception as exc:  # noqa: BLE001 - told to every rank below, then raised everywhere
             outcome[0] = f"{type(exc).__name__}: {exc}"

@@ -39,6 +39,8 @@ import torch.distributed as dist
 
 from . import files
 from . import paths
+from .compatibility import MODEL_SHAPE_ARGS
+from .paths import find_checkpoint
 from .files import CheckpointError
 from ..logs.lines import print_rank_0
 
@@ -267,9 +269,7 @@ def read_common(directory: Path) -> Dict[str, Any]:
 
 def _check_model(saved_args, args, directory: Path) -> None:
     """The arguments that fix a parameter's shape must agree (TP, PP and DP may change: torch_dist reshards)."""
-    from . import save_load as checkpointing
-
-    now = {k: getattr(args, k, None) for k in checkpointing.MODEL_SHAPE_ARGS}
+    now = {k: getattr(args, k, None) for k in MODEL_SHAPE_ARGS}
     diffs = [f"--{k.replace('_', '-')} {getattr(saved_args, k, None)!r} in the checkpoint, {v!r} now"
              for k, v in now.items() if hasattr(saved_args, k) and getattr(saved_args, k) != v]
     if diffs:
@@ -343,8 +343,6 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
     """Load ``--load`` (a torch_dist checkpoint) into the baseline; returns ``(iteration, consumed samples)``."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint import FileSystemReader
-
-    from .save_load import find_checkpoint
 
     start = time.perf_counter()
     directory = find_checkpoint(args)

@@ -22,6 +22,8 @@ from typing import Dict, Optional
 
 import torch.distributed as dist
 
+from ..errors import ArgumentError
+
 
 def add_writer_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("throughput, TensorBoard and wandb")
@@ -40,8 +42,6 @@ def _missing(package: str) -> bool:
 
 def validate_writers(args) -> None:
     """Each requested writer's package is importable, and the flags that need a writer have one."""
-    from ..arguments import ArgumentError
-
     if args.tensorboard_dir and _missing("tensorboard"):
         raise ArgumentError("--tensorboard-dir needs the tensorboard package, which is not installed: "
                             "pip install tensorboard (or drop --tensorboard-dir)")
