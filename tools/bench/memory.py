@@ -41,13 +41,15 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+# Run as a script, the repository root is not on sys.path: this tool imports its own folder as tools.bench.
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
 from tools.bench.spec import SIZES  # noqa: E402
 from tools.bench.torch_case import run as CASE  # noqa: E402
 
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 

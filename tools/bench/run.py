@@ -28,15 +28,17 @@ import sys
 import time
 from typing import List, Optional
 
+# Run as a script, the repository root is not on sys.path: this tool imports its own folder as tools.bench.
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
 from megatron.fsdp.testing import RankError, WorkerTimeout  # noqa: E402
 from tools.bench import report  # noqa: E402
 from tools.bench import mcore_case, torch_case  # noqa: E402
 from tools.bench.spec import SIZES, SYSTEMS  # noqa: E402
 
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
