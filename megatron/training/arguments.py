@@ -150,6 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "tools/checkpoint/convert.py converts between them")
     g.add_argument("--no-load-optim", action="store_true", help="do not load optimizer and scheduler state")
     g.add_argument("--no-load-rng", action="store_true", help="do not load the RNG states")
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
+                   dest="override_opt_param_scheduler",
+                   help="at load, train with this command line's learning-rate and weight-decay schedule, "
+                        "not the checkpoint's (Megatron-LM's flag)")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   action="store_true", dest="use_checkpoint_opt_param_scheduler",
+                   help="at load, keep the checkpoint's learning-rate and weight-decay schedule whatever this "
+                        "command line says (Megatron-LM's flag); without either flag a different schedule stops "
+                        "the load")
     g.add_argument("--finetune", action="store_true",
                    help="load the weights only; iteration, optimizer, scheduler and data start afresh")
     g.add_argument("--exit-interval", type=int, default=None, help="exit after an iteration divisible by N "
@@ -376,6 +385,9 @@ def _validate_checkpointing(args: argparse.Namespace) -> None:
     for flag, value in (("--finetune", args.finetune), ("--ckpt-step", args.ckpt_step is not None)):
         if value and not args.load:
             _fail(f"{flag} needs --load DIR")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        _fail("--override-opt_param-scheduler (this command line's schedule) and "
+              "--use-checkpoint-opt_param-scheduler (the checkpoint's) exclude each other; pass one")
     _validate_ckpt_format(args)
 
 
@@ -427,6 +439,10 @@ def _validate_fault_tolerance(args: argparse.Namespace, world_size: int) -> None
             if removed:
                 print(f" removed {len(removed)} unfinished save(s) of a dead job from {args.save}: "
                       f"{', '.join(removed)}", flush=True)
+            aside = checkpoint_paths.set_aside_copies(args.save)
+            if aside:
+                print(f" {args.save} holds {len(aside)} copies set aside by an interrupted re-save of an "
+                      f"iteration ({', '.join(aside)}): the next save that completes removes them", flush=True)
     if args.load:
         problem = checkpoint_paths.load_dir_problem(args.load)
         if problem:

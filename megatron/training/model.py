@@ -207,4 +207,8 @@ def scheduler(args, optimizer):
         optimizer, init_lr=0.0 if warmup_steps else args.lr, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * samples, wd_incr_style="constant")
+        wd_incr_steps=args.train_iters * samples, wd_incr_style="constant",
+        # Megatron-LM's rule at load (checkpointing/compatibility.py): without either flag a schedule that differs
+        # from the checkpoint's stops the load; Megatron-Core's default (the checkpoint's values) is not Megatron-LM's.
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler)

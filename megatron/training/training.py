@@ -9,7 +9,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from .checkpointing import save_load as checkpointing
+from .checkpointing import ownership, save_load as checkpointing
 from .data import datasets as data
 from . import model as model_lib
 from .checkpointing.async_save import CheckpointSaver
@@ -90,6 +90,7 @@ def setup(args):
     Returns ``(device, tokenizer, model chunks, optimizer, scheduler)``.
     """
     device = initialize(args)
+    ownership.hold_save_directory(args)  # a second job with this --save stops here, naming the first
     cpu = device.type == "cpu"
     tokenizer = data.build_tokenizer(args)
     args.true_vocab_size = tokenizer.vocab_size  # checkpoints cut or add padding rows against it
@@ -105,7 +106,17 @@ def setup(args):
 
 
 def pretrain(args) -> dict:
-    """Train a GPT as Megatron-LM does; returns the per-iteration losses and grad norms (for tests)."""
+    """Train a GPT as Megatron-LM does; returns the per-iteration losses and grad norms (for tests).
+
+    ``--save``'s lock (``checkpointing/ownership.py``) is held from ``setup`` to the end, however it ends.
+    """
+    try:
+        return _pretrain(args)
+    finally:
+        ownership.release_save_directory(args)
+
+
+def _pretrain(args) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     device, tokenizer, model, optimizer, scheduler = setup(args)
@@ -130,9 +141,10 @@ def pretrain(args) -> dict:
     if args.load:
         start_iteration, consumed = checkpointing.load_checkpoint(args, model, optimizer, scheduler)
         history["start_iteration"] = start_iteration
-        if start_iteration and args.eval_interval and start_iteration % args.eval_interval == 0:
-            # The saved run logged this validation loss too: equal values show the load is complete.
-            history["valid_at_load"] = validate(start_iteration, " (loaded checkpoint)")
+    checkpointing.check_save_directory(args, start_iteration)  # no save may overwrite a newer checkpoint
+    if args.load and start_iteration and args.eval_interval and start_iteration % args.eval_interval == 0:
+        # The saved run logged this validation loss too: equal values show the load is complete.
+        history["valid_at_load"] = validate(start_iteration, " (loaded checkpoint)")
     saver = CheckpointSaver(args)
     saver.prepare(model, optimizer)  # --async-save: its host staging buffers, once
     try:

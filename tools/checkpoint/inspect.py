@@ -91,7 +91,7 @@ def verify(directory: Path) -> int:
     from megatron.training.checkpointing import manifest
 
     listed = manifest.read_manifest(directory)
-    if listed is None:
+    if listed is None and not manifest.verify(directory):  # one a save of today must have fails below
         print(f"{directory}: no {manifest.MANIFEST} (saved before manifests existed): nothing to verify against")
         return 1
     start = time.perf_counter()
@@ -105,7 +105,7 @@ def verify(directory: Path) -> int:
         if good is not None:
             print(f"previous good checkpoint: iteration {good} (--ckpt-step {good})")
         return 1
-    total = sum(e["size"] for e in listed.values())
+    total = sum(e["size"] for e in (listed or {}).values())
     print(f"{directory}: verified {len(listed)} files, {total} bytes in {time.perf_counter() - start:.2f} s")
     return 0
 

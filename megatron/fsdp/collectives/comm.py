@@ -102,7 +102,11 @@ class CollectiveError(RuntimeError):
     def __init__(self, kind: str, axis: str, tag: str, cause: BaseException, call: Optional[str] = None):
         self.kind, self.axis, self.tag, self.call = kind, axis, tag, call
         reason = str(cause).strip().splitlines()[0][:300] if str(cause).strip() else type(cause).__name__
-        what = f"{kind} on axis {axis} (purpose: {tag or 'unnamed'})"
+        # A unit's collectives carry its module name; a bare index ("0": a child of an nn.Sequential) or the root
+        # unit read as a number or nothing, so they are named as units.
+        text = "" if tag is None else str(tag)
+        purpose = f"FSDP unit {text}" if text.isdigit() or text == "<root>" else (text or "unnamed")
+        what = f"{kind} on axis {axis} (purpose: {purpose})"
         if call:
             message = (f"{call} is a collective: every rank of {axis} must call it; {what} did not complete "
                        f"({reason})")

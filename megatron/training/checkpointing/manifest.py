@@ -157,24 +157,43 @@ def file_problem(directory: Path, name: str, entry: Dict[str, int], checksum: bo
     return None
 
 
+def manifest_required(common: Dict) -> bool:
+    """Whether a checkpoint must have a manifest: every save of layout version 2 or later writes one (converted
+    checkpoints, ``converted_from`` or ``hf`` in ``common.json``, are written without)."""
+    return common.get("version", 1) >= 2 and not common.get("converted_from") and not common.get("hf")
+
+
+def _missing_manifest(directory: Path) -> List[str]:
+    try:
+        common = json.loads((Path(directory) / "common.json").read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return []  # no readable common.json: the load names that itself
+    if not isinstance(common, dict) or not manifest_required(common):
+        return []
+    return [f"{Path(directory) / MANIFEST} is missing (common.json says layout version {common.get('version')}, "
+            "written by a save, which always writes one: without it nothing can be verified)"]
+
+
 def verify(directory: Path, rank: int = 0, world: int = 1, checksum: bool = True) -> List[str]:
     """This rank's share of the checks (every ``world``-th file): the problems found (empty: fine).
 
-    A checkpoint without a manifest (written before manifests existed) is not checked.
+    A checkpoint without a manifest is checked only for needing one (``manifest_required``: rank 0 says so);
+    one written before manifests existed passes.
     """
     files = read_manifest(directory)
     if files is None:
-        return []
+        return _missing_manifest(directory) if rank == 0 else []
     names = sorted(files)
     return [p for p in (file_problem(directory, n, files[n], checksum) for n in names[rank::world]) if p]
 
 
 def previous_good(root: Path, damaged: Path) -> Optional[int]:
-    """The newest other ``iter_*`` checkpoint of ``root`` whose files all have their listed sizes."""
+    """The newest other ``iter_*`` checkpoint of ``root`` that passes ``--verify`` (sizes and checksums of every
+    listed file, ``.metadata`` present, a manifest where one is required), so the hint never names a damaged one."""
     candidates = sorted((p for p in Path(root).glob("iter_*") if p.is_dir() and p.name != Path(damaged).name),
                         reverse=True)
     for path in candidates:
-        if (path / ".metadata").is_file() and not verify(path, checksum=False):
+        if (path / ".metadata").is_file() and (path / "common.json").is_file() and not verify(path):
             try:
                 return int(path.name[5:])
             except ValueError:

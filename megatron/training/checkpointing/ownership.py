@@ -1,5 +1,7 @@
 """Who owns a checkpoint temporary: an owner file with the host, pid and start time of the job writing it.
 
+Also the lock of a ``--save`` directory (``acquire_save_lock``), which names its holder the same way.
+
 Rank 0 of a saving job marks each ``.tmp_iter_*`` it creates (``write_owner``). A temporary is
 stale (``is_stale``) when its owner is a dead process of this host, or, without an owner file or
 from another host, when it is older than ``STALE_AFTER_S``; only stale temporaries are removed
@@ -50,3 +52,136 @@ def is_stale(tmp: Path, now: Optional[float] = None) -> bool:
     if owner.get("host") == socket.gethostname():
         return owner.get("pid") != os.getpid() and not _alive(int(owner.get("pid", -1)))
     return now - float(owner.get("time", now)) > STALE_AFTER_S
+
+
+# ------------------------------------------------------------------ the --save lock
+# Why: two jobs given one --save both "saved" every checkpoint, each replacing the other's iter_* (issue 29.3).
+# Rank 0 of a job holds ``LOCK`` in its --save directory for the job's life: an flock (the kernel drops it when
+# the holder dies, however it dies, on local file systems and NFS) on a file naming the holder. Where the file
+# system has no flock, the holder's pid decides (alive on this host: held; dead: taken over). A clean exit
+# removes the file; one left by a killed job is taken over with one line.
+LOCK = ".save_lock.json"
+_held: dict = {}  # resolved --save path -> open lock file of this process
+
+
+def _process_start(pid: int) -> Optional[str]:
+    """The kernel's start time of ``pid`` (so a recycled pid is not mistaken for the holder), if readable."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _me() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _process_start(os.getpid()),
+            "time": time.time()}
+
+
+def _describe(holder: dict) -> str:
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder.get("time", 0))))
+    return f"host {holder.get('host')}, pid {holder.get('pid')}, started {started}"
+
+
+def _holder_alive(holder: dict) -> bool:
+    """Only decidable on the holder's host; a holder elsewhere counts as alive."""
+    if holder.get("host") != socket.gethostname():
+        return True
+    pid = int(holder.get("pid", -1))
+    start = holder.get("pid_start")
+    return pid > 0 and _alive(pid) and (start is None or _process_start(pid) in (None, start))
+
+
+def _read_holder(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def acquire_save_lock(root: Path) -> "tuple[Optional[str], Optional[str]]":
+    """Rank 0: hold ``root``'s lock for this process; returns ``(problem, note)``: the line that stops start-up
+    (another live job holds it), and the line saying a dead job's lock was taken over."""
+    import fcntl
+
+    root = Path(root)
+    key = str(root.resolve())
+    if key in _held:
+        return None, None
+    path = root / LOCK
+    note = None
+    for _ in range(5):
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = True
+        except BlockingIOError:
+            f.close()
+            holder = _read_holder(path) or {}
+            return (f"--save {root} is in use by another job ({_describe(holder)}; lock file {path}): two jobs "
+                    "saving into one directory overwrite each other's checkpoints; wait for it to end, stop it, "
+                    "or pass another --save"), None
+        except OSError:  # no flock on this file system: the holder's pid decides
+            locked = False
+        try:
+            if os.fstat(f.fileno()).st_ino != os.stat(path).st_ino:
+                f.close()  # removed and re-created by a releasing or competing job meanwhile: try again
+                continue
+        except FileNotFoundError:
+            f.close()
+            continue
+        holder = _read_holder(path)
+        if holder and (holder.get("host"), holder.get("pid")) != (socket.gethostname(), os.getpid()):
+            if not locked and _holder_alive(holder):
+                f.close()
+                return (f"--save {root} is in use by another job ({_describe(holder)}; lock file {path}): wait for "
+                        "it to end, stop it, or pass another --save (if that job is gone, delete the lock file)"), None
+            note = f" took over the lock of --save {root} from a job that is gone ({_describe(holder)})"
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(_me()))
+        f.flush()
+        os.fsync(f.fileno())
+        _held[key] = f
+        return None, note
+    return f"--save {root}: could not take its lock file {path} (it keeps being replaced)", None
+
+
+def release_save_lock(root: Path) -> None:
+    """Rank 0 at the end of the job: remove the lock file and drop the lock (nothing if not held here)."""
+    f = _held.pop(str(Path(root).resolve()), None)
+    if f is None:
+        return
+    try:
+        (Path(root) / LOCK).unlink()
+    except OSError:
+        pass
+    f.close()
+
+
+def hold_save_directory(args) -> None:
+    """At start-up (all ranks, a collective of the world group): rank 0 takes ``--save``'s lock; a live holder
+    stops every rank with the same line, before anything is saved."""
+    import torch.distributed as dist
+
+    from .files import CheckpointError
+    from ..logs.lines import print_rank_0
+
+    if not args.save:
+        return
+    verdict: list = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            verdict = list(acquire_save_lock(Path(args.save)))
+        except OSError as exc:
+            verdict = [f"--save {args.save}: cannot take its lock file ({exc.strerror or exc})", None]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[1]:
+        print_rank_0(verdict[1])
+    if verdict[0]:
+        raise CheckpointError(verdict[0])
+
+
+def release_save_directory(args) -> None:
+    """At the end of the job (rank 0; nothing elsewhere or if not held)."""
+    if args.save:
+        release_save_lock(Path(args.save))

@@ -21,13 +21,14 @@ import os
 import shutil
 import socket
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, List, Optional, Tuple
 
 from . import files
 from .files import COMMON, TRACKER
 from .ownership import is_stale
 
 TEMPORARY_PREFIXES = (".tmp_iter_", ".old_iter_")
+Problems = Callable[[Path], List[str]]  # what is wrong with one checkpoint directory (empty: it verifies)
 
 
 # ------------------------------------------------------------------ start-up checks
@@ -84,6 +85,13 @@ def remove_stale_temporaries(root: Path) -> list:
     return removed
 
 
+def set_aside_copies(root: Path) -> list:
+    """``.old_iter_*``: copies moved aside by re-saves of an iteration (removed by the next save that completes)."""
+    if not Path(root).is_dir():
+        return []
+    return sorted(e.name for e in Path(root).iterdir() if e.is_dir() and e.name.startswith(".old_iter_"))
+
+
 # ------------------------------------------------------------------ space
 def directory_bytes(directory: Path) -> int:
     return sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())
@@ -131,10 +139,77 @@ def is_out_of_space(exc: BaseException, root: Path) -> bool:
 
 
 # ------------------------------------------------------------------ which checkpoint
-def find_checkpoint(args) -> Optional[Path]:
-    """The directory ``--load`` (and ``--ckpt-step``) names, or None when there is no checkpoint yet."""
+def complete_iterations(root: Path, complete: Callable[[Path], bool] = files.is_complete) -> List[int]:
+    """The iterations of ``root``'s complete ``iter_*`` directories, newest first."""
+    found = []
+    for path in Path(root).glob("iter_*"):
+        if path.is_dir() and path.name[5:].isdigit() and complete(path):
+            found.append(int(path.name[5:]))
+    return sorted(found, reverse=True)
+
+
+def newest_verified(root: Path, problems: Problems, below: Optional[int] = None,
+                    complete: Callable[[Path], bool] = files.is_complete) -> Tuple[Optional[int], List[int]]:
+    """The newest complete checkpoint of ``root`` (below ``below``) whose ``problems`` are none, and the newer
+    complete ones that failed. ``problems`` may be a collective: every rank walks the same list."""
+    damaged = []
+    for iteration in complete_iterations(root, complete):
+        if below is not None and iteration >= below:
+            continue
+        if not problems(files.checkpoint_dir(root, iteration)):
+            return iteration, damaged
+        damaged.append(iteration)
+    return None, damaged
+
+
+def find_checkpoint(args, problems: Problems = lambda directory: [],
+                    complete: Callable[[Path], bool] = files.is_complete) -> Optional[Path]:
+    """The directory ``--load`` (and ``--ckpt-step``) names, or None when there is no checkpoint yet.
+
+    Without a tracker but with complete checkpoints (a tracker deleted or lost), the newest that verifies
+    (``problems`` returns none: a collective for fsdp_dtensor) is loaded, said in one line: starting from
+    scratch would overwrite them. A tracker naming a missing directory stops with the one to pass instead.
+    """
+    from ..logs.lines import print_rank_0
+
     root = Path(args.load)
     iteration = args.ckpt_step if args.ckpt_step is not None else files.read_tracker(root)
-    if iteration is None:
+    if iteration is not None:
+        try:
+            return files.checkpoint_dir(root, iteration)
+        except files.CheckpointError as exc:
+            good, _ = newest_verified(root, problems, complete=complete)
+            hint = (f"; the newest complete checkpoint that verifies is iteration {good}: pass --ckpt-step {good}"
+                    if good is not None else f"; {root} holds no other complete checkpoint")
+            raise files.CheckpointError(str(exc) + hint) from None
+    good, damaged = newest_verified(root, problems, complete=complete)
+    if good is None:
+        if damaged:
+            raise files.CheckpointError(
+                f"no {TRACKER} in {root}, and none of its complete checkpoints verifies (iterations "
+                f"{', '.join(map(str, damaged))}): nothing to resume from; pass another --load, or no --load to "
+                "start from scratch (with another --save)")
         return None
-    return files.checkpoint_dir(root, iteration)
+    skipped = f"; newer ones that fail verification: {', '.join(map(str, damaged))}" if damaged else ""
+    print_rank_0(f" no {TRACKER} in {root}: loading its newest complete checkpoint that verifies, "
+                 f"iteration {good}{skipped}")
+    return files.checkpoint_dir(root, good)
+
+
+def newer_checkpoint_problem(save: Path, start: int, problems: Problems,
+                             complete: Callable[[Path], bool] = files.is_complete) -> Optional[str]:
+    """Saves of a run starting after iteration ``start`` would overwrite ``save``'s newer checkpoints and move
+    its tracker back: one that verifies stops start-up (the line returned); damaged ones are replaced (said)."""
+    from ..logs.lines import print_rank_0
+
+    newer = [i for i in complete_iterations(save, complete) if i > start]
+    good = [i for i in newer if not problems(files.checkpoint_dir(save, i))]
+    if good:
+        names = ", ".join(files.iteration_dir_name(i) for i in good)
+        return (f"--save {save} holds {names}, newer than iteration {start} this run starts from: its saves would "
+                "overwrite them and move the tracker back; resume from the newest with --load "
+                f"{save} (no --ckpt-step), or pass another --save")
+    if newer:
+        print_rank_0(f" --save {save}: the damaged checkpoints of iterations {', '.join(map(str, newer))} (newer "
+                     f"than iteration {start}) are replaced when this run saves those iterations")
+    return None

@@ -43,6 +43,7 @@ from megatron.fsdp.checkpoint.metadata import describe_checkpoint, describe_stat
 from . import files
 from . import manifest
 from . import ownership, paths
+from . import compatibility
 from .compatibility import KEY_LAYOUT_ARGS, MODEL_SHAPE_ARGS
 from .paths import find_checkpoint
 from .files import CheckpointError
@@ -131,26 +132,56 @@ def _state_dict(model, optimizer, with_optimizer: bool, with_rng: bool,
 
 
 # ------------------------------------------------------------------------ save
-def _state_bytes(state: Mapping[str, Any]) -> int:
-    """Bytes this rank's part of the checkpoint will take on disk (tensors; pickled objects roughly)."""
+# DCP writes each tensor item with torch.save: ~1.6 KB of zip framing around its bytes (measured, torch 2.x).
+ITEM_OVERHEAD = 1600
+# common.json (every argument), manifest.json and DCP's .metadata: a base and a part per written item.
+FIXED_OVERHEAD, METADATA_PER_ITEM = 64 << 10, 400
+
+
+def _item_bytes(item, value) -> int:
+    if item.tensor_data is None:  # a pickled object
+        return (len(value) if isinstance(value, (bytes, bytearray)) else 256) + ITEM_OVERHEAD
+    size = 1
+    for n in item.tensor_data.chunk.sizes:
+        size *= n
+    return size * item.tensor_data.properties.dtype.itemsize + ITEM_OVERHEAD
+
+
+def estimate_bytes(state: Mapping[str, Any], group=None) -> int:
+    """Bytes a save of ``state`` writes, over all ranks of ``group`` (a collective; the same number on every rank).
+
+    Each rank lists the pieces DCP will write for it (``_create_write_items``: this rank's shard of each
+    DTensor, its plain tensors and pickled objects) by their index (key and offset); a piece several ranks
+    hold (a replica: no_shard, the outer axis of HSDP, a tensor every rank has) is written once, so the union
+    of the ranks' indexes is counted, each once. (Counting every DTensor's global size on every rank made the
+    estimate grow with the rank count and refuse saves that fit.) Every rank writes into the one ``--save``
+    directory: the pieces add up on its file system.
+    """
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.planner_helpers import _create_write_items
 
     flat, _ = flatten_state_dict(dict(state))
-    return sum(v.numel() * v.element_size() if isinstance(v, torch.Tensor)
-               else len(v) if isinstance(v, (bytes, bytearray)) else 256 for v in flat.values())
+    mine: Dict[Tuple[str, Tuple[int, ...]], int] = {}
+    for key, value in flat.items():
+        for item in _create_write_items(key, value):
+            mine[(item.index.fqn, tuple(item.index.offset or ()))] = _item_bytes(item, value)
+    gathered: List[Optional[Dict]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    union: Dict = {}
+    for per_rank in gathered:
+        union.update(per_rank)
+    return sum(union.values()) + FIXED_OVERHEAD + METADATA_PER_ITEM * len(union)
 
 
 def _prepare_directory(args, iteration: int, state: Mapping[str, Any], group=None) -> Path:
     """All ranks: the temporary directory of this save, after checking the free space (a collective on ``group``).
 
-    Rank 0 creates ``--save``, checks the checkpoint's size (summed over ranks) against
+    Rank 0 creates ``--save``, checks the checkpoint's size (``estimate_bytes``) against
     the free space and marks the temporary directory as this job's (``checkpoint_paths``);
     a problem is raised on every rank as one line, before anything is written.
     """
     rank, root = dist.get_rank(), Path(args.save)
-    needed = torch.tensor([_state_bytes(state)], dtype=torch.int64)
-    dist.all_reduce(needed, group=group)
-    needed_bytes = int(needed.item()) + (1 << 20)  # common.json, manifest, DCP metadata
+    needed_bytes = estimate_bytes(state, group)
     plan: List[Any] = [None, None]
     if rank == 0:
         try:
@@ -272,19 +303,26 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimize
     return final
 
 
-def verify_checkpoint(directory: Path) -> None:
-    """Check every file against the manifest (each rank a share; a collective); one line naming the damage."""
+def checkpoint_problems(directory: Path) -> List[str]:
+    """What is wrong with a checkpoint, checked against its manifest (each rank a share; a collective; the same
+    list on every rank): damaged or missing files, a missing ``.metadata``, a manifest it must have and lacks."""
     mine = manifest.verify(directory, dist.get_rank(), dist.get_world_size())
     gathered: List[Optional[List[str]]] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     problems = sorted(p for per_rank in gathered for p in per_rank)
     if not problems and not (Path(directory) / ".metadata").is_file():
         problems = [f"{Path(directory) / '.metadata'} is missing"]
+    return problems
+
+
+def verify_checkpoint(directory: Path) -> None:
+    """``checkpoint_problems`` as one line naming the damage and the newest other checkpoint that verifies."""
+    problems = checkpoint_problems(directory)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         good = manifest.previous_good(Path(directory).parent, Path(directory))
         hint = (f"; load the previous good checkpoint with --ckpt-step {good}" if good is not None
-                else f"; no other complete checkpoint in {Path(directory).parent}")
+                else f"; no other complete checkpoint in {Path(directory).parent} verifies")
         raise CheckpointError(f"checkpoint {directory} is damaged: {problems[0]}{more}{hint}")
 
 
@@ -340,7 +378,7 @@ def layout_v1_reader(model, directory: Path):
 
 
 def check_model_args(common: Mapping[str, Any], args, directory: Path) -> None:
-    """Name every argument that fixes the model's shape and differs from the checkpoint's.
+    """Name every argument that fixes the model's shape or numerics and differs from the checkpoint's.
 
     TP, expert TP and EP sizes may change (every checkpoint loads in TP-global
     terms), and the padded vocabulary where the tokenizer's size is recorded
@@ -354,8 +392,38 @@ def check_model_args(common: Mapping[str, Any], args, directory: Path) -> None:
         free.add("padded_vocab_size")
     diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} in the checkpoint, {v!r} now"
              for k, v in now.items() if k in saved and saved[k] != v and k not in free]
+    diffs += compatibility.numeric_differences(common.get("args", {}), args)
     if diffs:
         raise CheckpointError(f"checkpoint {directory} was saved with a different model: " + "; ".join(diffs))
+
+
+def _check_not_torch_dist(directory: Path) -> None:
+    from . import torch_dist as torch_dist_checkpoint
+
+    if not (directory / files.COMMON).is_file() and torch_dist_checkpoint.is_torch_dist(directory):
+        raise CheckpointError(
+            f"checkpoint {directory} is a torch_dist checkpoint (the Megatron-Core DDP baseline's format); "
+            "--use-megatron-fsdp loads fsdp_dtensor: convert it with python tools/checkpoint/convert.py "
+            f"from-torch-dist {directory.parent} FSDP_DIR and pass --load FSDP_DIR")
+
+
+def check_save_directory(args, start_iteration: int) -> None:
+    """At start-up, after the load (all ranks, a collective when checkpoints newer than ``start_iteration`` exist):
+    no save of this run may overwrite a newer checkpoint of ``--save`` that verifies (``paths``)."""
+    if not args.save or not Path(args.save).is_dir():
+        return
+    fsdp = getattr(args, "ckpt_format", FORMAT) == FORMAT
+    problem = paths.newer_checkpoint_problem(Path(args.save), start_iteration,
+                                             checkpoint_problems if fsdp else (lambda directory: []),
+                                             files.is_complete if fsdp else _torch_dist_complete)
+    if problem:
+        raise CheckpointError(problem)
+
+
+def _torch_dist_complete(directory: Path) -> bool:
+    from . import torch_dist as torch_dist_checkpoint
+
+    return torch_dist_checkpoint.is_torch_dist(directory)
 
 
 def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
@@ -369,13 +437,17 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
 
         return torch_dist_checkpoint.load_checkpoint(args, model, optimizer, scheduler)
     start = time.perf_counter()
-    directory = find_checkpoint(args)
+    directory = find_checkpoint(args, problems=checkpoint_problems)
     if directory is None:
-        print_rank_0(f" no checkpoint in {args.load} (no {files.TRACKER}): starting from scratch")
+        print_rank_0(f" no checkpoint in {args.load} (no {files.TRACKER}, no complete iter_*): starting from scratch")
         return 0, 0
+    _check_not_torch_dist(directory)
     verify_checkpoint(directory)
     common = files.read_common(directory)
     check_model_args(common, args, directory)
+    if not args.finetune and common["iteration"] > args.train_iters:
+        raise CheckpointError(f"--train-iters {args.train_iters} is below the iteration of checkpoint {directory} "
+                              f"({common['iteration']}): nothing would train; pass a larger --train-iters")
     with_optimizer = not (args.finetune or args.no_load_optim)
     with_rng = not (args.finetune or args.no_load_rng)
     if with_rng and common.get("converted_from"):
@@ -385,6 +457,10 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
         print_rank_0(f" checkpoint saved on {common['world_size']} ranks, loading on {dist.get_world_size()}: "
                      "RNG states not restored")
         with_rng = False
+    if with_optimizer:  # the schedule's verdict, before anything is read (the same on every rank)
+        problem = compatibility.scheduler_problem(common.get("scheduler") or {}, scheduler, directory)
+        if problem:
+            raise CheckpointError(problem)
     reader = None if tp_global(common) else layout_v1_reader(model, directory)
     rows = common["model_args"].get("padded_vocab_size")
     if rows is not None and rows != args.padded_vocab_size:
@@ -402,8 +478,10 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
             keys = set(chunk.checkpoint_keys().to_global.values())
             chunk.load_state_dict({k: v for k, v in state["model"].items() if k in keys})
         if with_optimizer:
+            bounds = compatibility.lr_bounds(optimizer)
             optimizer.load_state_dict({**state["optimizer"], **{k: state["model"][k[5:]] for k in mains}})
-            scheduler.load_state_dict(common["scheduler"])
+            if common.get("scheduler"):
+                compatibility.load_scheduler(common["scheduler"], scheduler, optimizer, bounds)
     finally:
         for chunk in model:
             chunk.use_checkpoint_layout()

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from . import files
 from . import paths
+from . import compatibility
 from .compatibility import MODEL_SHAPE_ARGS
 from .paths import find_checkpoint
 from .files import CheckpointError
@@ -272,6 +273,7 @@ def _check_model(saved_args, args, directory: Path) -> None:
     now = {k: getattr(args, k, None) for k in MODEL_SHAPE_ARGS}
     diffs = [f"--{k.replace('_', '-')} {getattr(saved_args, k, None)!r} in the checkpoint, {v!r} now"
              for k, v in now.items() if hasattr(saved_args, k) and getattr(saved_args, k) != v]
+    diffs += compatibility.numeric_differences(vars(saved_args), args)
     if diffs:
         raise CheckpointError(f"checkpoint {directory} was saved with a different model: " + "; ".join(diffs))
 
@@ -345,7 +347,7 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
     from torch.distributed.checkpoint import FileSystemReader
 
     start = time.perf_counter()
-    directory = find_checkpoint(args)
+    directory = find_checkpoint(args, complete=is_torch_dist)
     if directory is None:
         print_rank_0(f" no checkpoint in {args.load} (no {files.TRACKER}): starting from scratch")
         return 0, 0
@@ -356,8 +358,14 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
     common = read_common(directory)
     saved_args = common["args"]
     _check_model(saved_args, args, directory)
+    if not args.finetune and int(common["iteration"]) > args.train_iters:
+        raise CheckpointError(f"--train-iters {args.train_iters} is below the iteration of checkpoint {directory} "
+                              f"({common['iteration']}): nothing would train; pass a larger --train-iters")
     converted = common.get("converted") or {}
     with_optimizer = not (args.finetune or args.no_load_optim)
+    problem = compatibility.scheduler_problem(common.get("opt_param_scheduler") or {}, scheduler, directory)
+    if with_optimizer and problem:
+        raise CheckpointError(problem)
     same_model_parallel = all(getattr(saved_args, k, None) == getattr(args, k) for k in
                               ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
     with_rng = not (args.finetune or args.no_load_rng) and same_model_parallel and "rng" not in converted.get(
@@ -382,9 +390,11 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
         if converted:
             _set_step(loaded["optimizer"], int(converted.get("optimizer_step", 0)))
         _keep_step_on_load(optimizer)
+        bounds = compatibility.lr_bounds(optimizer)
         optimizer.load_state_dict(loaded["optimizer"])
         _unshare_steps(optimizer)
-        scheduler.load_state_dict(common["opt_param_scheduler"])
+        if common.get("opt_param_scheduler"):
+            compatibility.load_scheduler(common["opt_param_scheduler"], scheduler, optimizer, bounds)
     if with_rng:
         _set_rng(loaded["rng_state"])
     iteration = int(common["iteration"])

@@ -171,7 +171,7 @@ def end_of_run_line(iterations: int, wall_seconds: float, train_seconds: float, 
     Tokens per second count the training steps only (as the per-iteration time does),
     not evaluation or checkpoint saves, which the wall time includes.
     """
-    rate = tokens / train_seconds if train_seconds > 0 else float("nan")
+    rate = tokens / train_seconds if train_seconds > 0 else 0.0  # no iteration ran: no tokens, not nan
     return (f" training done | iterations: {iterations} | total time (s): {wall_seconds:.1f} | "
             f"time in training steps (s): {train_seconds:.1f} | tokens per second: {rate:.1f} | "
             f"peak memory (MiB), max over ranks and iterations: {peak_mib:.0f} |")

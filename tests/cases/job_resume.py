@@ -1,0 +1,35 @@
+"""Worker side of issue 29's cases: the free-space estimate against what a save writes, inside a gloo pool."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List
+
+import torch.distributed as dist
+
+from megatron.training.testing.megatron_case import megatron_case
+
+
+def save_size_estimate(ctx, argv: List[str]) -> Dict[str, int]:
+    """Train and save once (``argv`` has ``--save``): the save's size estimate, and the bytes it wrote."""
+    from megatron.training.arguments import parse_args
+    from megatron.training.checkpointing import files, paths, save_load
+    from megatron.training.training import pretrain
+
+    args = parse_args(argv)
+    estimates = []
+    estimate = save_load.estimate_bytes
+
+    def recording(state, group=None):
+        estimates.append(estimate(state, group))
+        return estimates[-1]
+    save_load.estimate_bytes = recording
+    try:
+        with megatron_case():
+            pretrain(args)
+    finally:
+        save_load.estimate_bytes = estimate
+    dist.barrier()
+    root = Path(args.save)
+    written = paths.directory_bytes(files.checkpoint_dir(root, files.read_tracker(root)))
+    return {"estimate": estimates[-1], "written": written}
