@@ -254,6 +254,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             pool.close()
             pool.join()
             pool = None
+        empty = [k for k in keys if docs[k] == 0]
+        if empty:  # an empty dataset cannot be loaded: write nothing and say so (exit status 2)
+            names = ", ".join(map(str, files[:3])) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+            raise ValueError(
+                f"{names}: no document with text under {', '.join(empty)} ({n_records} records read, "
+                f"{skipped[empty[0]]} of them empty); nothing was written: check --input and --json-keys")
         for k in keys:
             builders[k].finalize(tmp[k] + ".idx")
             _fsync(tmp[k] + ".bin")
@@ -280,10 +286,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for k in keys:
         print(f"  {final[k]}.bin/.idx: {docs[k]} documents, {tokens[k]} tokens"
               + (f", {skipped[k]} empty documents skipped" if skipped[k] else ""))
-    for k in keys:
-        if docs[k] == 0:
-            print(f"WARNING: {final[k]} has no documents; Megatron-Core cannot load an empty "
-                  "dataset", file=sys.stderr)
     return 0
 
 

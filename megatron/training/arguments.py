@@ -320,6 +320,12 @@ def _validate_moe(args: argparse.Namespace, world_size: int) -> None:
               f"divide the {world_size} ranks")
     if tp > 1 and not args.sequence_parallel:
         _fail("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (Megatron-Core's rule)")
+    import torch
+
+    if tp > 1 and args.moe_token_dispatcher_type == "alltoall" and not torch.cuda.is_available():
+        _fail(f"--moe-token-dispatcher-type alltoall with --tensor-model-parallel-size {tp} does not run on gloo "
+              "(CPU): it gathers uneven token counts over the TP group, which gloo's all_gather cannot "
+              "(docs/moe.md, Limits); use --moe-token-dispatcher-type allgather, or NCCL on GPUs")
     args.moe_ffn_hidden_size = args.moe_ffn_hidden_size or args.ffn_hidden_size
     args.expert_data_parallel_size = world_size // (etp * ep * pp)
     if any(getattr(args, f) is not None for f in expert_flags) and not args.use_megatron_fsdp:

@@ -93,6 +93,12 @@ def setup(args):
     ownership.hold_save_directory(args)  # a second job with this --save stops here, naming the first
     cpu = device.type == "cpu"
     tokenizer = data.build_tokenizer(args)
+    try:
+        data.check_vocabulary(args, tokenizer.vocab_size)
+    except ValueError as exc:  # the same on every rank: one line, as the start-up checks give
+        from .errors import ArgumentError
+
+        raise ArgumentError(str(exc)) from None
     args.true_vocab_size = tokenizer.vocab_size  # checkpoints cut or add padding rows against it
     vocab = args.padded_vocab_size = data.padded_vocab_size(tokenizer.vocab_size, args)
     config = model_lib.transformer_config(args, cpu)

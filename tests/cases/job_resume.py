@@ -33,3 +33,25 @@ def save_size_estimate(ctx, argv: List[str]) -> Dict[str, int]:
     root = Path(args.save)
     written = paths.directory_bytes(files.checkpoint_dir(root, files.read_tracker(root)))
     return {"estimate": estimates[-1], "written": written}
+
+
+def start_error(ctx, argv: List[str], capture_log: bool = False) -> Dict[str, object]:
+    """Run the job's ``pretrain`` on ``argv``: the one-line error it stops with (None if it trained), its history,
+    and (``capture_log``) rank 0's printed log. Any other exception fails the case."""
+    import contextlib
+    import io
+
+    from megatron.training.arguments import parse_args
+    from megatron.training.checkpointing.files import CheckpointError
+    from megatron.training.errors import ArgumentError
+    from megatron.training.training import pretrain
+
+    log = io.StringIO()
+    out: Dict[str, object] = {"error": None, "history": None}
+    with megatron_case(), (contextlib.redirect_stdout(log) if capture_log else contextlib.nullcontext()):
+        try:
+            out["history"] = pretrain(parse_args(argv))
+        except (ArgumentError, CheckpointError) as exc:
+            out["error"] = str(exc)
+    out["log"] = log.getvalue()
+    return out

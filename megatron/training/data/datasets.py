@@ -21,6 +21,22 @@ def build_tokenizer(args):
                   tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
 
 
+def check_vocabulary(args, vocab_size: int) -> None:
+    """Every token id of the ``--data-path`` files fits the tokenizer (``checks.vocabulary_problem``); raises
+    ``DataSplitError`` with one line, on every rank alike, before the model sees a batch."""
+    if args.mock_data or not args.data_path:
+        return
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    from .checks import vocabulary_problem
+    from .splits import DataSplitError
+
+    for prefix in get_blend_from_list(args.data_path)[0]:
+        problem = vocabulary_problem(prefix, vocab_size)
+        if problem:
+            raise DataSplitError(problem)
+
+
 def padded_vocab_size(vocab_size: int, args) -> int:
     """Megatron-LM's padding: a multiple of ``make_vocab_size_divisible_by x TP``."""
     multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size

@@ -73,12 +73,21 @@ def _working_split(documents: int, args) -> str:
 def check_splits(args) -> None:
     """Raise DataSplitError when a used split of a ``--data-path`` prefix has no documents or tokens.
 
-    Reads only each prefix's ``.idx`` (document count and lengths): cheap, on every
-    rank, before any process group or collective exists.
+    Reads only each prefix's ``.idx`` (document count and lengths) and the ``.bin``'s size
+    (``checks.check_index_files``): cheap, on every rank, before any process group or
+    collective exists. A validation split with no weight while ``--eval-iters`` asks for
+    validation stops too (it was skipped silently).
     """
+    wanted = split_samples(args)[1] is not None
+    if wanted and split_matrix(args.split)[1] is None:
+        raise DataSplitError(f"--eval-iters {args.eval_iters} asks for validation, but --split {args.split} gives "
+                             "the validation split no weight; pass --eval-iters 0 (no validation) or a --split "
+                             "with a validation weight (e.g. 98,2,0)")
     if args.mock_data or not args.data_path:
         return
     from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from .checks import check_index_files
     from megatron.core.datasets.utils import get_blend_from_list
 
     matrix = used_split_matrix(args)
@@ -88,6 +97,9 @@ def check_splits(args) -> None:
         if missing:
             raise DataSplitError(f"--data-path {prefix}: no file {missing[0]} (give the prefix that "
                                  "tools/preprocess_data.py printed, without .bin/.idx)")
+        problem = check_index_files(prefix)
+        if problem:
+            raise DataSplitError(f"--data-path {prefix}: {problem}")
         index = IndexedDataset(prefix, mmap=True)
         documents = index.document_indices.shape[0] - 1
         for name, bookend in zip(SPLIT_NAMES, matrix):
