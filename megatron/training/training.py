@@ -9,7 +9,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from .checkpointing import ownership, save_load as checkpointing
+from .checkpointing import save_load as checkpointing
 from .data import datasets as data
 from . import model as model_lib
 from .checkpointing.async_save import CheckpointSaver
@@ -84,13 +84,15 @@ def evaluate(forward_backward, forward_step, model, dataset, args, consumed: int
     return sum(losses) / len(losses)
 
 
-def setup(args):
+def setup(args, hold_save: bool = False):
     """Process groups, tokenizer, model chunks, optimizer and LR schedule: everything a checkpoint restores.
 
+    ``hold_save``: take ``--save``'s lock first (the training job; tests that build the pieces do not).
     Returns ``(device, tokenizer, model chunks, optimizer, scheduler)``.
     """
     device = initialize(args)
-    ownership.hold_save_directory(args)  # a second job with this --save stops here, naming the first
+    if hold_save:
+        checkpointing.hold_save_directory(args)  # a second job with this --save stops here, naming the first
     cpu = device.type == "cpu"
     tokenizer = data.build_tokenizer(args)
     try:
@@ -119,13 +121,13 @@ def pretrain(args) -> dict:
     try:
         return _pretrain(args)
     finally:
-        ownership.release_save_directory(args)
+        checkpointing.release_save_directory(args)
 
 
 def _pretrain(args) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    device, tokenizer, model, optimizer, scheduler = setup(args)
+    device, tokenizer, model, optimizer, scheduler = setup(args, hold_save=True)
     train_ds, valid_ds, _test_ds = data.build_datasets(args, tokenizer)
     summary(args, model, optimizer)
     board = ScalarWriters(args)

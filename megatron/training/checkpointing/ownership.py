@@ -157,31 +157,3 @@ def release_save_lock(root: Path) -> None:
         pass
     f.close()
 
-
-def hold_save_directory(args) -> None:
-    """At start-up (all ranks, a collective of the world group): rank 0 takes ``--save``'s lock; a live holder
-    stops every rank with the same line, before anything is saved."""
-    import torch.distributed as dist
-
-    from .files import CheckpointError
-    from ..logs.lines import print_rank_0
-
-    if not args.save:
-        return
-    verdict: list = [None, None]
-    if dist.get_rank() == 0:
-        try:
-            verdict = list(acquire_save_lock(Path(args.save)))
-        except OSError as exc:
-            verdict = [f"--save {args.save}: cannot take its lock file ({exc.strerror or exc})", None]
-    dist.broadcast_object_list(verdict, src=0)
-    if verdict[1]:
-        print_rank_0(verdict[1])
-    if verdict[0]:
-        raise CheckpointError(verdict[0])
-
-
-def release_save_directory(args) -> None:
-    """At the end of the job (rank 0; nothing elsewhere or if not held)."""
-    if args.save:
-        release_save_lock(Path(args.save))
