@@ -299,7 +299,7 @@ def test_two_jobs_with_one_save_directory_and_a_killed_holder(tmp_path):
     """29.3: two jobs at once with one --save: one stops at start-up naming the other. A job SIGKILLed while it
     holds the lock (mid-save) leaves its lock file: the next job takes it over with one line and resumes."""
     save, killed = str(tmp_path / "ckpt"), str(tmp_path / "killed")
-    long = JOB + ["--train-iters", "40", "--save", save, "--save-interval", "20"]
+    long = JOB + ["--train-iters", "20", "--save", save, "--save-interval", "10"]
     runs = [{"nproc": 2, "argv": long, "log": str(tmp_path / f"job{k}.log")} for k in range(2)]
     runs.append({"nproc": 2, "argv": JOB + ["--train-iters", "4", "--save", killed, "--save-interval", "2"],
                  "log": str(tmp_path / "killed.log"), "env": {files.FAULT_ENV: "after_tracker:0:2"}})
@@ -309,7 +309,7 @@ def test_two_jobs_with_one_save_directory_and_a_killed_holder(tmp_path):
     lines = [line for line in stopped.splitlines() if "is in use by another job" in line]
     assert len(lines) == 1 and re.search(r"\(host \S+, pid \d+, started \d{4}-", lines[0]), stopped[-2000:]
     assert "saved checkpoint" not in stopped
-    assert files.read_tracker(Path(save)) == 40 and not (Path(save) / ".save_lock.json").exists()
+    assert files.read_tracker(Path(save)) == 20 and not (Path(save) / ".save_lock.json").exists()
 
     assert "killing this process at after_tracker" in logs[2] and (Path(killed) / ".save_lock.json").exists()
     resumed = _start(JOB + ["--train-iters", "4", "--save", killed, "--save-interval", "2", "--load", killed],

@@ -61,13 +61,24 @@ def _constant_wd(saved: Mapping[str, Any], scheduler) -> bool:
     return saved.get("wd_incr_style", "constant") == "constant" and scheduler.wd_incr_style == "constant"
 
 
+def _constant_lr(saved: Mapping[str, Any], scheduler) -> bool:
+    """A constant learning rate after warm-up ignores ``lr_decay_steps``: extending such a run changes nothing."""
+    style = _saved_value(saved, "lr_decay_style", ("decay_style",))
+    return style == "constant" and scheduler.lr_decay_style == "constant"
+
+
+def _ignored(name: str, saved: Mapping[str, Any], scheduler) -> bool:
+    return ((name == "wd_incr_steps" and _constant_wd(saved, scheduler))
+            or (name == "lr_decay_steps" and _constant_lr(saved, scheduler)))
+
+
 def scheduler_differences(saved: Mapping[str, Any], scheduler) -> List[str]:
     """Each schedule value of the checkpoint (``saved``: ``OptimizerParamScheduler.state_dict()``) that differs
     from ``scheduler``'s, built from this command line: ``'name X in the checkpoint, Y now (flags)'``."""
     diffs = []
     for name, source, legacy in SCHEDULER_FIELDS:
         value = _saved_value(saved, name, legacy)
-        if value is None or (name == "wd_incr_steps" and _constant_wd(saved, scheduler)):
+        if value is None or _ignored(name, saved, scheduler):
             continue
         now = getattr(scheduler, name)
         if value != now:
@@ -100,8 +111,12 @@ def load_scheduler(saved: Mapping[str, Any], scheduler, optimizer, bounds: List[
     (``bounds``; the optimizer's state carries the checkpoint's), as Megatron-LM's load does.
     """
     state = dict(saved)
-    if not scheduler.use_checkpoint_opt_param_scheduler and _constant_wd(saved, scheduler):
-        state["wd_incr_steps"] = scheduler.wd_incr_steps
+    if not scheduler.use_checkpoint_opt_param_scheduler:  # what the comparison ignored takes this run's value
+        for name, _, legacy in SCHEDULER_FIELDS:
+            if _ignored(name, saved, scheduler):
+                for key in (name,) + tuple(legacy):
+                    state.pop(key, None)
+                state[name] = getattr(scheduler, name)
     if scheduler.override_opt_param_scheduler:
         for group, (max_lr, min_lr) in zip(optimizer.param_groups, bounds):
             for key, value in (("max_lr", max_lr), ("min_lr", min_lr)):

@@ -169,8 +169,28 @@ def checkpoint_dir(root: Path, iteration: int) -> Path:
                           f"iteration {iteration})")
 
 
+def ensure_manifest(tmp: Path) -> None:
+    """Give an ``fsdp_dtensor`` checkpoint written without a manifest (the converters) one, and mark its
+    ``common.json`` as published with one, so that every checkpoint published from now on can be verified and
+    a deleted manifest is noticed (``manifest.manifest_required``). A save wrote both already: nothing to do."""
+    from . import manifest
+
+    path = tmp / COMMON
+    if (tmp / manifest.MANIFEST).is_file() or not path.is_file():
+        return
+    common = json.loads(path.read_text())
+    if common.get("format") != "fsdp_dtensor":
+        return
+    if not common.get("manifest"):
+        common["manifest"] = manifest.MANIFEST
+        write_common(tmp, common)
+    names = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name != OWNER)
+    manifest.write_manifest(tmp, {}, extra=names)
+
+
 def publish(tmp: Path, root: Path, iteration: int, rank: int = 0) -> Path:
     """Rank 0, after every rank wrote ``tmp``: rename it into place, move the tracker, clean up."""
+    ensure_manifest(tmp)
     final = root / iteration_dir_name(iteration)
     if final.exists():
         os.rename(final, root / f".old_{final.name}_{new_nonce()}")

@@ -158,9 +158,9 @@ def file_problem(directory: Path, name: str, entry: Dict[str, int], checksum: bo
 
 
 def manifest_required(common: Dict) -> bool:
-    """Whether a checkpoint must have a manifest: every save of layout version 2 or later writes one (converted
-    checkpoints, ``converted_from`` or ``hf`` in ``common.json``, are written without)."""
-    return common.get("version", 1) >= 2 and not common.get("converted_from") and not common.get("hf")
+    """Whether a checkpoint must have a manifest: its ``common.json`` says it was published with one (every
+    save and every conversion publishes one since; ``files.ensure_manifest``)."""
+    return bool(common.get("manifest"))
 
 
 def _missing_manifest(directory: Path) -> List[str]:
@@ -170,8 +170,8 @@ def _missing_manifest(directory: Path) -> List[str]:
         return []  # no readable common.json: the load names that itself
     if not isinstance(common, dict) or not manifest_required(common):
         return []
-    return [f"{Path(directory) / MANIFEST} is missing (common.json says layout version {common.get('version')}, "
-            "written by a save, which always writes one: without it nothing can be verified)"]
+    return [f"{Path(directory) / MANIFEST} is missing (common.json says the checkpoint was published with one: "
+            "without it nothing can be verified)"]
 
 
 def verify(directory: Path, rank: int = 0, world: int = 1, checksum: bool = True) -> List[str]:

@@ -12,6 +12,11 @@ forever. Each temporary carries an owner file (host and pid of rank 0 of the job
 writes it); at start-up rank 0 removes those whose owner is a dead process of this
 host, or that have no owner file and are older than ``ownership.STALE_AFTER_S``. A live job's
 temporary (another job saving into the same directory) is never touched.
+
+Why "which checkpoint" here (``find_checkpoint``, ``newer_checkpoint_problem``): a lost
+tracker made the job start from scratch and overwrite ``iter_0000002``/``4`` while
+``iter_0000010`` was newest; now the newest complete checkpoint that verifies is loaded,
+and no run's saves may overwrite a newer checkpoint that verifies.
 """
 
 from __future__ import annotations
@@ -199,10 +204,21 @@ def find_checkpoint(args, problems: Problems = lambda directory: [],
 def newer_checkpoint_problem(save: Path, start: int, problems: Problems,
                              complete: Callable[[Path], bool] = files.is_complete) -> Optional[str]:
     """Saves of a run starting after iteration ``start`` would overwrite ``save``'s newer checkpoints and move
-    its tracker back: one that verifies stops start-up (the line returned); damaged ones are replaced (said)."""
+    its tracker back: a published one (at or below the tracker; any, without a tracker) that verifies stops
+    start-up (the line returned); damaged or never published ones (a save killed between its rename and
+    the tracker) are replaced, said in one line."""
     from ..logs.lines import print_rank_0
 
     newer = [i for i in complete_iterations(save, complete) if i > start]
+    try:
+        tracker = files.read_tracker(save)
+    except files.CheckpointError:  # a damaged tracker: the load said so, or --ckpt-step chose
+        tracker = None
+    unpublished = [i for i in newer if tracker is not None and i > tracker]  # a save killed before its tracker
+    newer = [i for i in newer if i not in unpublished]
+    if unpublished:
+        print_rank_0(f" --save {save}: iterations {', '.join(map(str, unpublished))} were never published (the "
+                     f"tracker names {tracker}): replaced when this run saves them")
     good = [i for i in newer if not problems(files.checkpoint_dir(save, i))]
     if good:
         names = ", ".join(files.iteration_dir_name(i) for i in good)

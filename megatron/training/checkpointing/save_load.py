@@ -231,7 +231,7 @@ def snapshot(args, iteration: int, consumed_samples: int, model, optimizer, sche
     start = time.perf_counter()
     state = save_steps.host_copies(save_state_dict(model, optimizer, arena, defer))
     common = None if dist.get_rank() != 0 else {
-        "format": FORMAT, "version": VERSION, "iteration": iteration,
+        "format": FORMAT, "version": VERSION, "manifest": manifest.MANIFEST, "iteration": iteration,
         "consumed_train_samples": consumed_samples, "world_size": dist.get_world_size(),
         "scheduler": scheduler.state_dict(), "model_args": _model_args(args),
         "parallel_layout": parallel_layout(args),
@@ -318,6 +318,9 @@ def checkpoint_problems(directory: Path) -> List[str]:
 def verify_checkpoint(directory: Path) -> None:
     """``checkpoint_problems`` as one line naming the damage and the newest other checkpoint that verifies."""
     problems = checkpoint_problems(directory)
+    if not problems and not (Path(directory) / manifest.MANIFEST).is_file():
+        print_rank_0(f" checkpoint {directory} has no {manifest.MANIFEST} (published before manifests existed): its "
+                     "files are not verified")
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         good = manifest.previous_good(Path(directory).parent, Path(directory))

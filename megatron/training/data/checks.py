@@ -4,9 +4,10 @@ Why: an empty ``.bin`` ended training's start in 128 lines ending ``cannot mmap 
 file``; a ``.bin`` truncated to 1,000 bytes in 124 lines at iteration 1 (the index still
 pointed past its end); a tokenizer smaller than the data's largest token id in a 76-line
 ``IndexError`` inside the embedding. Each is now one line naming the file and the fix.
-``check_index_files`` reads the ``.idx`` header and sizes only; ``vocabulary_problem`` reads
-the token ids of the ``.bin`` once (skipped where the file's dtype cannot hold an id as large
-as the vocabulary).
+``check_index_files`` reads the ``.idx`` header and sizes only; the vocabulary check reads
+the token ids of the ``.bin`` once, each rank a share (``largest_token``; the maximum is
+shared by one all-reduce), skipped where the file's dtype cannot hold an id as large as the
+vocabulary.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def _index_geometry(idx: str):
     sequences, documents = struct.unpack("<QQ", head[18:34])
     if code not in _DTYPES:
         return f"{idx} names an unknown token dtype (code {code}); {_REBUILD}"
-    expected = _HEADER_BYTES + sequences * (4 + 8) + documents * 8
-    if size != expected:
+    expected = _HEADER_BYTES + sequences * (4 + 8) + documents * 8  # (multimodal indexes append modes)
+    if size < expected:
         return (f"{idx} has {size} bytes, its header ({sequences} sequences, {documents} document boundaries) "
                 f"needs {expected}: truncated or damaged; {_REBUILD}")
     return np.dtype(_DTYPES[code]), sequences, documents
@@ -54,9 +55,9 @@ def check_index_files(prefix: str) -> Optional[str]:
     dtype, sequences, documents = geometry
     if sequences == 0 or documents < 2:
         return f"{prefix}: the dataset holds no documents; preprocess a non-empty input"
-    lengths = np.fromfile(idx, dtype=np.int32, count=sequences, offset=_HEADER_BYTES)
-    pointers = np.fromfile(idx, dtype=np.int64, count=sequences, offset=_HEADER_BYTES + 4 * sequences)
-    needed = int(pointers[-1]) + int(lengths[-1]) * dtype.itemsize
+    last_length = np.fromfile(idx, dtype=np.int32, count=1, offset=_HEADER_BYTES + 4 * (sequences - 1))
+    last_pointer = np.fromfile(idx, dtype=np.int64, count=1, offset=_HEADER_BYTES + 4 * sequences + 8 * (sequences - 1))
+    needed = int(last_pointer[0]) + int(last_length[0]) * dtype.itemsize
     size = os.path.getsize(bin_path)
     if size == 0:
         return f"{bin_path} is empty (0 bytes) but its index lists {sequences} sequences; {_REBUILD}"
@@ -66,26 +67,30 @@ def check_index_files(prefix: str) -> Optional[str]:
     return None
 
 
-def largest_token(prefix: str) -> int:
-    """The largest token id of ``prefix``'s ``.bin`` (read in blocks; -1 for no tokens)."""
-    geometry = _index_geometry(prefix + ".idx")
-    dtype = geometry[0]
+def largest_token(prefix: str, rank: int = 0, world: int = 1) -> int:
+    """The largest token id in this rank's share of ``prefix``'s ``.bin`` (every ``world``-th block of 16M
+    tokens; -1 for none)."""
+    dtype = _index_geometry(prefix + ".idx")[0]
     data = np.memmap(prefix + ".bin", dtype=dtype, mode="r")
     block = 1 << 24
-    return max((int(data[i:i + block].max()) for i in range(0, len(data), block)), default=-1)
+    return max((int(data[i:i + block].max()) for i in range(rank * block, len(data), world * block)), default=-1)
 
 
-def vocabulary_problem(prefix: str, vocab_size: int) -> Optional[str]:
-    """A token id of ``prefix`` that the tokenizer's vocabulary (the embedding's rows) cannot hold, as one line."""
+def needs_scan(prefix: str, vocab_size: int) -> bool:
+    """Whether a token id of ``prefix``'s dtype could reach ``vocab_size`` (uint16 data with a 50,257-entry
+    vocabulary can; uint8 data with a 257-entry one cannot: no read)."""
     geometry = _index_geometry(prefix + ".idx")
     if isinstance(geometry, str):
-        return geometry
+        return False  # check_index_files reported it
     dtype = geometry[0]
-    if dtype.kind in "ui" and np.iinfo(dtype).max < vocab_size:
-        return None  # no id of this dtype reaches the vocabulary's size
-    top = largest_token(prefix)
-    if top >= vocab_size:
-        return (f"--data-path {prefix} holds token id {top}, but the tokenizer's vocabulary has {vocab_size} "
-                "entries: the data was preprocessed with another tokenizer; pass that one (--tokenizer-type and "
-                "its files) or preprocess the data again with this one")
-    return None
+    return not (dtype.kind in "ui" and np.iinfo(dtype).max < vocab_size)
+
+
+def vocabulary_problem(prefix: str, top: int, vocab_size: int) -> Optional[str]:
+    """The line for a largest token id ``top`` of ``prefix`` that the vocabulary (the embedding's rows) cannot
+    hold, or None."""
+    if top < vocab_size:
+        return None
+    return (f"--data-path {prefix} holds token id {top}, but the tokenizer's vocabulary has {vocab_size} "
+            "entries: the data was preprocessed with another tokenizer; pass that one (--tokenizer-type and "
+            "its files) or preprocess the data again with this one")

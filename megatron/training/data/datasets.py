@@ -22,17 +22,26 @@ def build_tokenizer(args):
 
 
 def check_vocabulary(args, vocab_size: int) -> None:
-    """Every token id of the ``--data-path`` files fits the tokenizer (``checks.vocabulary_problem``); raises
-    ``DataSplitError`` with one line, on every rank alike, before the model sees a batch."""
+    """Every token id of the ``--data-path`` files fits the tokenizer (``checks``): each rank reads a share of
+    each ``.bin``, one all-reduce (every rank joins it) gives the largest id, and every rank raises the same
+    ``DataSplitError`` line before the model sees a batch."""
     if args.mock_data or not args.data_path:
         return
+    import torch.distributed as dist
     from megatron.core.datasets.utils import get_blend_from_list
 
-    from .checks import vocabulary_problem
+    from .checks import largest_token, needs_scan, vocabulary_problem
     from .splits import DataSplitError
 
-    for prefix in get_blend_from_list(args.data_path)[0]:
-        problem = vocabulary_problem(prefix, vocab_size)
+    prefixes = [p for p in get_blend_from_list(args.data_path)[0] if needs_scan(p, vocab_size)]
+    if not prefixes:
+        return
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    tops = torch.tensor([largest_token(p, rank, world) for p in prefixes], dtype=torch.int64)
+    if world > 1:
+        dist.all_reduce(tops, op=dist.ReduceOp.MAX)
+    for prefix, top in zip(prefixes, tops.tolist()):
+        problem = vocabulary_problem(prefix, top, vocab_size)
         if problem:
             raise DataSplitError(problem)
 
