@@ -14,7 +14,7 @@ from .data import datasets as data
 from . import model as model_lib
 from .checkpointing.async_save import CheckpointSaver
 from .checkpointing.files import CheckpointError
-from .initialize import initialize, shutdown
+from .initialize import announce_substitutions, initialize, shutdown
 from .logs.lines import IntervalLog, end_of_run_line, format_fields, gather_per_rank, insert_field, memory_line, memory_mib, persistent_line, print_rank_0, reset_peak_memory, summary
 from .logs.moe_losses import moe_aux_losses
 from .signal_handler import ExitSignalHandler
@@ -90,6 +90,7 @@ def setup(args):
     Returns ``(device, tokenizer, model chunks, optimizer, scheduler)``.
     """
     device = initialize(args)
+    announce_substitutions(args)
     cpu = device.type == "cpu"
     tokenizer = data.build_tokenizer(args)
     args.true_vocab_size = tokenizer.vocab_size  # checkpoints cut or add padding rows against it
