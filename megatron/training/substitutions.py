@@ -19,6 +19,9 @@ import argparse
 import dataclasses
 from typing import Callable, List, Tuple
 
+from .compat_args import compat_substitutions
+from .profiling import profiling_substitutions
+
 
 @dataclasses.dataclass(frozen=True)
 class Substitution:
@@ -33,7 +36,7 @@ class Substitution:
 
 
 Provider = Callable[[argparse.Namespace], List[Substitution]]
-PROVIDERS: Tuple[Provider, ...] = ()
+PROVIDERS: Tuple[Provider, ...] = (compat_substitutions, profiling_substitutions)
 
 
 def substitutions(args: argparse.Namespace, providers: Tuple[Provider, ...] = None) -> List[Substitution]:

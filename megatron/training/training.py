@@ -21,6 +21,8 @@ from .signal_handler import ExitSignalHandler
 from .logs.throughput import throughput
 from .logs.timers import IterationTimers
 from .logs.writers import ScalarWriters
+from .loop_controls import LoopControls, extra_fields, extra_scalars, validation_scalars
+from .profiling import Profiler
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -123,7 +125,7 @@ def pretrain(args) -> dict:
         valid = evaluate(forward_backward, forward_step, model, valid_ds, args,
                          (iteration // args.eval_interval - 1) * args.eval_iters * args.global_batch_size)
         if valid is not None:
-            board.scalars(iteration, {"lm loss validation": valid})
+            board.scalars(iteration, validation_scalars(args, valid))
             print_rank_0(f" validation loss at iteration {iteration}{note} | lm loss value: {valid:.6E} |")
         return valid
 
@@ -152,6 +154,7 @@ def _train(args, device, model, optimizer, scheduler, forward_backward, forward_
     """The iterations from ``start_iteration``; returns the last one (saves through ``saver``)."""
     saved_at = start_iteration
     exit_signal = ExitSignalHandler() if args.exit_signal_handler else None
+    controls, profiler = LoopControls(args), Profiler(args, dist.get_rank(), start_iteration)
     for chunk in model:
         chunk.train()
     iteration = start_iteration
@@ -167,8 +170,12 @@ def _train(args, device, model, optimizer, scheduler, forward_backward, forward_
             model=model if len(model) > 1 else model[0], num_microbatches=args.num_micro_batches,
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
             decoder_seq_length=args.seq_length, forward_only=False)
+        controls.after_forward_backward()
         saver.before_optimizer_step()  # a save in flight may still be copying what the step changes
-        ok, grad_norm, _zeros = timers.wrap("optimizer", optimizer.step)()
+        ok, grad_norm, num_zeros = timers.wrap("optimizer", optimizer.step)()
+        controls.after_step(iteration)
+        profiler.step()
+        norm_of_params = model_lib.params_norm(model, optimizer) if args.log_params_norm else None
         consumed += args.global_batch_size
         scheduler.step(increment=args.global_batch_size)
         losses = {"lm loss": _mean_loss(reduced), **moe_aux_losses(args, device)}
@@ -185,12 +192,15 @@ def _train(args, device, model, optimizer, scheduler, forward_backward, forward_
         peak_mib = memory_mib()["peak"]  # one reading for the board and the log line
         board.scalars(iteration, _iteration_scalars(args, losses, grad_norm, lr, elapsed, rates, peak_mib))
         board.scalars(iteration, timers.take())
+        board.scalars(iteration, extra_scalars(args, num_zeros, norm_of_params, memory_mib()))
         if iteration == start_iteration + 1:  # the optimizer state exists only now
             line = persistent_line(args, model, optimizer)
             if line is not None:
                 print_rank_0(" " + line)
         if iteration % args.log_interval == 0:
             fields = interval.fields(iteration, args.train_iters, consumed, lr, args.global_batch_size, grad_norm)
+            for name, value in reversed(extra_fields(args, num_zeros, norm_of_params)):
+                insert_field(fields, name, value, after="grad norm")
             if args.log_throughput:  # over the interval, after the elapsed time, where Megatron-LM prints it
                 rates = throughput(args, interval.seconds / max(1, interval.iterations), dist.get_world_size())
                 for name, value in reversed(rates.log_fields()):
@@ -202,17 +212,22 @@ def _train(args, device, model, optimizer, scheduler, forward_backward, forward_
             print_rank_0(" " + memory_line(peaks))
             reset_peak_memory()
         if args.eval_interval and iteration % args.eval_interval == 0:
+            controls.around_evaluation()
             valid = validate(iteration)
+            controls.around_evaluation()
             if valid is not None:
                 history["valid"].append(valid)
-        exiting = bool(args.exit_interval) and iteration % args.exit_interval == 0
+        out_of_time = controls.out_of_time()
+        exiting = (bool(args.exit_interval) and iteration % args.exit_interval == 0) or out_of_time
         if args.save and ((args.save_interval and iteration % args.save_interval == 0) or exiting):
             saver.save(iteration, consumed, model, optimizer, scheduler)
             saved_at = iteration
         else:
             saver.poll(iteration)
         if exiting:
-            print_rank_0(f" exiting after iteration {iteration} (--exit-interval {args.exit_interval})")
+            why = f"--exit-duration-in-mins {args.exit_duration_in_mins}" if out_of_time else \
+                f"--exit-interval {args.exit_interval}"
+            print_rank_0(f" exiting after iteration {iteration} ({why})")
             break
         if exit_signal is not None and exit_signal.any_rank_received():
             if saved_at < iteration:
@@ -224,6 +239,8 @@ def _train(args, device, model, optimizer, scheduler, forward_backward, forward_
     if args.save and iteration > saved_at:
         saver.save(iteration, consumed, model, optimizer, scheduler)
     saver.wait(iteration)  # the end of training (or --exit-interval) waits for the write in flight
+    profiler.stop()
+    controls.close()
     if exit_signal is not None:
         exit_signal.close()
     highest_peak = max([highest_peak] + [row[0] for row in gather_per_rank([memory_mib()["peak"]])])
