@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+from typing import List
 import logging
 
 from .errors import ArgumentError
+from .substitution_record import Substitution
 
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
 # Megatron-Core 0.16.1's TransformerConfig accepts these in recompute_modules.
@@ -57,6 +59,13 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
                         "(default: core_attn)")
     g.add_argument("--enable-experimental", action="store_true",
                    help="enable Megatron-Core's experimental features (megatron.core.config.set_experimental_flag)")
+    g = p.add_argument_group("FP8 (Megatron-LM's flags; refused: FP8 changes the numerics and needs Transformer Engine)")
+    g.add_argument("--fp8-format", dest="fp8", choices=("e4m3", "hybrid"), default=None,
+                   help="FP8 training through Transformer Engine (not supported here: refused)")
+    g.add_argument("--fp8-amax-history-len", type=int, default=1, help="amax history window of FP8 scaling")
+    g.add_argument("--fp8-amax-compute-algo", choices=("most_recent", "max"), default="most_recent",
+                   help="amax of the FP8 scaling window")
+    g.add_argument("--fp8-param-gather", action="store_true", help="FP8 compute weights, gathered in FP8")
     g = p.add_argument_group("communication overlap (Megatron-LM's flags)")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="Megatron-Core DDP: reduce gradient buckets during the backward pass. --use-megatron-fsdp "
@@ -98,11 +107,12 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
                         "optimizer) are its level 1; 2 adds none")
     g = p.add_argument_group("checkpoint and numerics checks (Megatron-LM's flags)")
     g.add_argument("--auto-detect-ckpt-format", action="store_true",
-                   help="load whichever format the checkpoint has (fsdp_dtensor or torch_dist); a checkpoint of "
-                        "the other data-parallel implementation's format stops with the conversion command")
+                   help="Megatron-LM: load whichever format the checkpoint has. Here each data-parallel "
+                        "implementation loads its own --ckpt-format (said at start-up); convert the other with "
+                        "tools/checkpoint/convert.py")
     g.add_argument("--dist-ckpt-strictness", choices=STRICTNESS, default="assume_ok_unexpected",
-                   help="key mismatches on load: this job's loads always raise on missing and unexpected keys "
-                        "(raise_all); the other values are refused")
+                   help="key mismatches on load. Here loads always stop on missing or unexpected keys "
+                        "(raise_all); a value that would continue is said at start-up")
     g.add_argument("--non-persistent-save-interval", type=int, default=None,
                    help="iterations between non-persistent saves (not implemented: refused)")
     g.add_argument("--non-persistent-ckpt-type", choices=("global", "local", "in_memory"), default=None,
@@ -119,6 +129,12 @@ def _fail(message: str) -> None:
 
 def validate_compat(args: argparse.Namespace) -> None:
     """Megatron-LM's rules for these flags, and one line for each that is not implemented."""
+    fp8 = [flag for flag, given in (("--fp8-format", args.fp8 is not None), ("--fp8-param-gather", args.fp8_param_gather),
+                                    ("--fp8-amax-history-len", args.fp8_amax_history_len != 1),
+                                    ("--fp8-amax-compute-algo", args.fp8_amax_compute_algo != "most_recent")) if given]
+    if fp8:
+        _fail(f"{', '.join(fp8)}: FP8 training is not supported (it changes the numerics and needs Transformer "
+              "Engine's FP8 layers): drop the --fp8-* flags to train in --bf16")
     if args.overlap_param_gather and not (args.use_distributed_optimizer or args.use_megatron_fsdp):
         _fail("--overlap-param-gather needs --use-distributed-optimizer (or --use-megatron-fsdp), as in Megatron-LM")
     if not args.add_position_embedding and args.position_embedding_type != "rope":
@@ -134,9 +150,6 @@ def validate_compat(args: argparse.Namespace) -> None:
         _fail(f"--manual-gc-interval={args.manual_gc_interval} must be at least 0")
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins < 0:
         _fail(f"--exit-duration-in-mins={args.exit_duration_in_mins} must be at least 0")
-    if args.dist_ckpt_strictness not in ("assume_ok_unexpected", "raise_unexpected", "raise_all"):
-        _fail(f"--dist-ckpt-strictness {args.dist_ckpt_strictness}: this job's checkpoint loads always raise on "
-              "missing or unexpected keys; use raise_all (or the default)")
     if args.non_persistent_save_interval is not None or args.non_persistent_ckpt_type is not None:
         _fail("--non-persistent-save-interval / --non-persistent-ckpt-type are not implemented (Megatron-LM's local "
               "type needs nvidia-resiliency-ext): use --save-interval")
@@ -192,11 +205,9 @@ def _attention_backend(args) -> dict:
     return dict(attention_backend=AttnBackend[args.attention_backend])
 
 
-def compat_substitutions(args: argparse.Namespace) -> list:
+def compat_substitutions(args: argparse.Namespace) -> List[Substitution]:
     """What runs instead of the kernels these flags ask for, when this machine lacks them."""
     import torch
-
-    from .substitutions import Substitution  # late: substitutions.py lists this provider
 
     cpu = not torch.cuda.is_available()
     te = args.transformer_impl == "transformer_engine"
@@ -217,6 +228,13 @@ def compat_substitutions(args: argparse.Namespace) -> list:
     if args.empty_unused_memory_level and cpu:
         out.append(Substitution(f"--empty-unused-memory-level {args.empty_unused_memory_level}", "nothing",
                                 "no CUDA caching allocator on CPU"))
+    if args.auto_detect_ckpt_format:
+        out.append(Substitution("--auto-detect-ckpt-format", f"--ckpt-format {args.ckpt_format}",
+                                "each data-parallel implementation loads its own format; convert with "
+                                "tools/checkpoint/convert.py"))
+    if args.dist_ckpt_strictness not in ("assume_ok_unexpected", "raise_unexpected", "raise_all"):
+        out.append(Substitution(f"--dist-ckpt-strictness {args.dist_ckpt_strictness}", "raise_all",
+                                "a load never continues with missing or unexpected keys"))
     if args.use_mcore_models:
         out.append(Substitution("--use-mcore-models", "nothing", "models are always Megatron-Core's"))
     return out

@@ -15,11 +15,12 @@ engine's ranges are NVTX ranges.
 from __future__ import annotations
 
 import argparse
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
 from .errors import ArgumentError
+from .substitution_record import Substitution
 
 
 def add_profiling_args(p: argparse.ArgumentParser) -> None:
@@ -51,9 +52,7 @@ def validate_profiling(args) -> None:
         raise ArgumentError("--profile with torch.profiler writes its trace to --tensorboard-dir: set it")
 
 
-def profiling_substitutions(args) -> list:
-    from .substitutions import Substitution  # late: substitutions.py lists this provider
-
+def profiling_substitutions(args) -> List[Substitution]:
     if args.profile and not args.use_pytorch_profiler and not torch.cuda.is_available():
         return [Substitution("--profile", f"torch.profiler trace in {args.tensorboard_dir}",
                              "no CUDA profiler without CUDA")]

@@ -16,23 +16,11 @@ assembled in one place.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import Callable, List, Tuple
 
 from .compat_args import compat_substitutions
 from .profiling import profiling_substitutions
-
-
-@dataclasses.dataclass(frozen=True)
-class Substitution:
-    """``flag`` as the user wrote it, what runs ``instead``, and ``why`` (what this machine lacks)."""
-
-    flag: str
-    instead: str
-    why: str
-
-    def __str__(self) -> str:
-        return f"{self.flag} -> {self.instead} ({self.why})"
+from .substitution_record import Substitution
 
 
 Provider = Callable[[argparse.Namespace], List[Substitution]]

@@ -144,7 +144,8 @@ NEW_FLAGS = """--train-samples --lr-decay-samples --lr-warmup-samples --lr-warmu
 --log-num-zeros-in-grad --log-memory-to-tensorboard --log-validation-ppl-to-tensorboard --logging-level
 --timing-log-level --profile --profile-step-start --profile-step-end --profile-ranks --use-pytorch-profiler
 --auto-detect-ckpt-format --dist-ckpt-strictness --non-persistent-save-interval --non-persistent-ckpt-type
---no-check-for-nan-in-loss-and-grad --check-for-nan-in-loss-and-grad --enable-experimental""".split()
+--no-check-for-nan-in-loss-and-grad --check-for-nan-in-loss-and-grad --enable-experimental --fp8-format
+--fp8-amax-history-len --fp8-amax-compute-algo --fp8-param-gather""".split()
 
 
 def test_help_lists_every_new_flag_with_its_default():
@@ -167,8 +168,9 @@ def test_help_lists_every_new_flag_with_its_default():
     (["--no-position-embedding"], "use --position-embedding-type none"),
     (["--recompute-modules", "mlp"], "needs --recompute-granularity selective"),
     (["--overlap-param-gather"], "needs --use-distributed-optimizer"),
+    (["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max",
+      "--fp8-param-gather"], "--fp8-format, --fp8-param-gather, --fp8-amax-history-len, --fp8-amax-compute-algo: FP8"),
     (["--non-persistent-save-interval", "5", "--non-persistent-ckpt-type", "local"], "not implemented"),
-    (["--dist-ckpt-strictness", "ignore_all"], "use raise_all"),
     (["--profile", "--profile-step-start", "3", "--profile-step-end", "3"], "below --profile-step-end"),
     (["--profile", "--use-pytorch-profiler"], "set it"),
     (["--data-path", "x", "--train-data-path", "y", "--tokenizer-type", "NullTokenizer"], "exclusive"),
@@ -191,6 +193,12 @@ def test_sample_based_length_and_the_fusion_fields():
     fields = transformer_config_fields(args, cpu=True)
     assert fields["layernorm_zero_centered_gamma"] and fields["recompute_modules"] == ["core_attn", "mlp"]
     assert not fields["masked_softmax_fusion"] and not fields["apply_rope_fusion"]
+    from megatron.training.substitutions import substitution_line
+
+    line = substitution_line(validate_args(parse_args(["--mock-data", "--use-megatron-fsdp", "--dist-ckpt-strictness",
+                                                       "log_all", "--auto-detect-ckpt-format"]), 2))
+    assert line.startswith("> substituted on this machine: --auto-detect-ckpt-format -> --ckpt-format fsdp_dtensor")
+    assert "--dist-ckpt-strictness log_all -> raise_all" in line
     iters = validate_args(parse_args(["--mock-data", "--train-iters", "5", "--lr-warmup-iters", "1",
                                       "--global-batch-size", "8"]), 2)
     assert scheduler_steps(iters) == dict(lr_warmup_steps=8, lr_decay_steps=40, wd_incr_steps=40)
