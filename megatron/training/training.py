@@ -23,6 +23,7 @@ from .logs.timers import IterationTimers
 from .logs.writers import ScalarWriters
 from .loop_controls import LoopControls, extra_fields, extra_scalars, validation_scalars
 from .profiling import Profiler
+from .schedule import global_batch_at
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -157,7 +158,7 @@ def _train(args, device, model, optimizer, scheduler, forward_backward, forward_
     controls, profiler = LoopControls(args), Profiler(args, dist.get_rank(), start_iteration)
     for chunk in model:
         chunk.train()
-    iteration = start_iteration
+    iteration, consumed_at_start = start_iteration, consumed
     interval, highest_peak, trained_seconds, loop_start = IntervalLog(), 0.0, 0.0, time.perf_counter()
     reset_peak_memory()
     for iteration in range(start_iteration + 1, args.train_iters + 1):
@@ -165,9 +166,11 @@ def _train(args, device, model, optimizer, scheduler, forward_backward, forward_
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
+        batch = global_batch_at(args, consumed)  # --rampup-batch-size: this iteration's global batch
         reduced = timers.wrap("forward-backward", forward_backward)(
             forward_step_func=forward_step, data_iterator=_iterators(model, train_ds, args, consumed),
-            model=model if len(model) > 1 else model[0], num_microbatches=args.num_micro_batches,
+            model=model if len(model) > 1 else model[0],
+            num_microbatches=batch // (args.micro_batch_size * args.data_parallel_size),
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
             decoder_seq_length=args.seq_length, forward_only=False)
         controls.after_forward_backward()
@@ -176,8 +179,8 @@ def _train(args, device, model, optimizer, scheduler, forward_backward, forward_
         controls.after_step(iteration)
         profiler.step()
         norm_of_params = model_lib.params_norm(model, optimizer) if args.log_params_norm else None
-        consumed += args.global_batch_size
-        scheduler.step(increment=args.global_batch_size)
+        consumed += batch
+        scheduler.step(increment=batch)
         losses = {"lm loss": _mean_loss(reduced), **moe_aux_losses(args, device)}
         elapsed = time.perf_counter() - start
         trained_seconds += elapsed
@@ -188,9 +191,9 @@ def _train(args, device, model, optimizer, scheduler, forward_backward, forward_
         for name, value in losses.items():
             if name != "lm loss":
                 history.setdefault(name, []).append(value)
-        rates = throughput(args, elapsed, dist.get_world_size()) if args.log_throughput else None
+        rates = throughput(args, elapsed, dist.get_world_size(), batch) if args.log_throughput else None
         peak_mib = memory_mib()["peak"]  # one reading for the board and the log line
-        board.scalars(iteration, _iteration_scalars(args, losses, grad_norm, lr, elapsed, rates, peak_mib))
+        board.scalars(iteration, _iteration_scalars(args, losses, grad_norm, lr, elapsed, rates, peak_mib, batch))
         board.scalars(iteration, timers.take())
         board.scalars(iteration, extra_scalars(args, num_zeros, norm_of_params, memory_mib()))
         if iteration == start_iteration + 1:  # the optimizer state exists only now
@@ -198,11 +201,11 @@ def _train(args, device, model, optimizer, scheduler, forward_backward, forward_
             if line is not None:
                 print_rank_0(" " + line)
         if iteration % args.log_interval == 0:
-            fields = interval.fields(iteration, args.train_iters, consumed, lr, args.global_batch_size, grad_norm)
+            fields = interval.fields(iteration, args.train_iters, consumed, lr, batch, grad_norm)
             for name, value in reversed(extra_fields(args, num_zeros, norm_of_params)):
                 insert_field(fields, name, value, after="grad norm")
             if args.log_throughput:  # over the interval, after the elapsed time, where Megatron-LM prints it
-                rates = throughput(args, interval.seconds / max(1, interval.iterations), dist.get_world_size())
+                rates = throughput(args, interval.seconds / max(1, interval.iterations), dist.get_world_size(), batch)
                 for name, value in reversed(rates.log_fields()):
                     insert_field(fields, name, value, after="elapsed time per iteration (ms)")
             print_rank_0(format_fields(fields))
@@ -247,7 +250,7 @@ def _train(args, device, model, optimizer, scheduler, forward_backward, forward_
     done = iteration - start_iteration
     history.update(max_peak_mib=highest_peak, iterations=done)
     print_rank_0(end_of_run_line(done, time.perf_counter() - loop_start, trained_seconds,
-                                 done * args.global_batch_size * args.seq_length, highest_peak))
+                                 (consumed - consumed_at_start) * args.seq_length, highest_peak))
     return iteration
 
 
@@ -259,9 +262,9 @@ def _time_grad_sync(model, timers: IterationTimers) -> None:
     config.finalize_model_grads_func = timers.wrap("all-grads-sync", config.finalize_model_grads_func)
 
 
-def _iteration_scalars(args, losses, grad_norm, lr, elapsed_seconds, rates, peak_mib) -> dict:
+def _iteration_scalars(args, losses, grad_norm, lr, elapsed_seconds, rates, peak_mib, batch: int) -> dict:
     """The iteration line's values under Megatron-LM's TensorBoard names (every loss under its own name)."""
-    values = {**losses, "learning-rate": lr, "grad-norm": grad_norm, "batch-size": args.global_batch_size,
+    values = {**losses, "learning-rate": lr, "grad-norm": grad_norm, "batch-size": batch,
               "iteration-time": elapsed_seconds, "mem-max-allocated-bytes": peak_mib * 2**20}
     if rates is not None:
         values.update({"throughput": rates.tflops_per_gpu, "tokens-per-second-per-rank": rates.tokens_per_second_per_rank})

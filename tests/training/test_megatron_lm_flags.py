@@ -109,6 +109,40 @@ def test_sample_schedule_and_decoupled_lr_match_megatron_ddp():
     assert plain["losses"][0] == got["losses"][0] and abs(plain["losses"][2] - got["losses"][2]) > 1e-4
 
 
+RAMPUP = ["--rampup-batch-size", "4", "4", "16", "--train-samples", "40"]
+
+
+def test_rampup_batch_size_follows_megatron_core_and_matches_ddp():
+    """--rampup-batch-size 4 4 16 to a global batch of 8 over --train-samples 40: Megatron-Core 0.16.1's
+    calculator gives each iteration's batch (4, 4, 4, 4, 8, 8, 8: 7 iterations, its update_train_iters);
+    ZeRO-3 trains them as Megatron-Core's DDP does, within 1e-5, and logs each batch size."""
+    from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+    from megatron.training.schedule import global_batch_at
+
+    args = validate_args(parse_args(_ramp_argv()), 2)
+    calculator = RampupBatchsizeNumMicroBatchesCalculator(8, 2, 2, False, 1, 4, 4, 16)
+    expected, consumed = [], 0
+    for _ in range(args.train_iters):
+        calculator.update(consumed, consistency_check=True)
+        expected.append(calculator.get_current_global_batch_size())
+        assert global_batch_at(args, consumed) == expected[-1], consumed
+        consumed += expected[-1]
+    assert args.train_iters == 7 and expected == [4, 4, 4, 4, 8, 8, 8]
+    base = pretrain(2, _ramp_argv())
+    got = pretrain(2, _ramp_argv() + fsdp("optim_grads_params"), capture_log=True)
+    assert [int(b) for b in re.findall(r"global batch size: +(\d+)", got["log"])] == expected
+    for key in ("losses", "grad_norms"):
+        assert len(got[key]) == 7 and all(_close(a, b) for a, b in zip(got[key], base[key])), (key, got, base)
+
+
+def _ramp_argv():
+    argv = list(PRETRAIN_MODEL)
+    for flag in ("--train-iters", "--lr-warmup-iters"):
+        i = argv.index(flag)
+        del argv[i:i + 2]
+    return argv + RAMPUP + ["--lr-warmup-samples", "8"]
+
+
 def test_decoupled_lr_groups_resume_exactly(tmp_path):
     """The decoupled groups' hyperparameters and state are checkpointed: a ZeRO-3 run resumed at iteration 5
     continues the straight run bitwise (10 iterations: warm-up, cosine decay, validation before and after)."""
@@ -162,7 +196,11 @@ def test_help_lists_every_new_flag_with_its_default():
     (["--train-samples", "64", "--train-iters", "4"], "both set the training length"),
     (["--lr-decay-samples", "64"], "need --train-samples"),
     (["--train-samples", "64", "--lr-warmup-iters", "2"], "give the schedule in samples"),
-    (["--rampup-batch-size", "4", "4", "64", "--train-samples", "64"], "--rampup-batch-size is not implemented"),
+    (["--rampup-batch-size", "4", "4", "64"], "--rampup-batch-size needs --train-samples"),
+    (["--rampup-batch-size", "2", "4", "64", "--train-samples", "64", "--micro-batch-size", "1",
+      "--global-batch-size", "8"], "positive multiple of the increment"),
+    (["--rampup-batch-size", "2", "2", "64", "--train-samples", "64", "--micro-batch-size", "2",
+      "--global-batch-size", "8"], "must be multiples of --micro-batch-size x data-parallel size = 4"),
     (["--decoupled-min-lr", "1e-5"], "--decoupled-min-lr needs --decoupled-lr"),
     (["--decoupled-lr", "1e-4", "--decoupled-min-lr", "1e-3"], "must be in"),
     (["--no-position-embedding"], "use --position-embedding-type none"),
