@@ -140,6 +140,10 @@ def validate_compat(args: argparse.Namespace) -> None:
     if not args.add_position_embedding and args.position_embedding_type != "rope":
         _fail("--no-position-embedding is deprecated (Megatron-LM refuses it too unless --position-embedding-type "
               "rope, where it has no effect): use --position-embedding-type none")
+    if args.layernorm_zero_centered_gamma and _cuda() and args.transformer_impl == "local" \
+            and importlib.util.find_spec("apex") is None:
+        _fail("--apply-layernorm-1p on CUDA needs apex (FusedLayerNorm) or --transformer-impl transformer_engine: "
+              "Megatron-Core's torch norm has no zero-centred gamma")
     if args.recompute_modules is not None and args.recompute_granularity != "selective":
         _fail("--recompute-modules needs --recompute-granularity selective")
     if args.recompute_modules and "moe_act" in args.recompute_modules and not args.moe_grouped_gemm:
@@ -164,6 +168,12 @@ def validate_compat(args: argparse.Namespace) -> None:
         from megatron.core.config import set_experimental_flag
 
         set_experimental_flag(True)
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _validate_split_paths(args: argparse.Namespace) -> None:
@@ -207,9 +217,7 @@ def _attention_backend(args) -> dict:
 
 def compat_substitutions(args: argparse.Namespace) -> List[Substitution]:
     """What runs instead of the kernels these flags ask for, when this machine lacks them."""
-    import torch
-
-    cpu = not torch.cuda.is_available()
+    cpu = not _cuda()
     te = args.transformer_impl == "transformer_engine"
     out = []
     attention = "PyTorch SDPA" if cpu else "Megatron-Core's local DotProductAttention"

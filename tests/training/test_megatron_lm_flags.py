@@ -243,12 +243,14 @@ def test_sample_based_length_and_the_fusion_fields():
 
 
 def test_everyday_flags_train_as_megatron_lm(tmp_path):
-    """--no-create-attention-mask-in-dataloader (causal attention without a mask), --manual-gc with an interval,
+    """--no-create-attention-mask-in-dataloader (causal attention without a mask), --recompute-modules core_attn
+    (selective recomputation), --manual-gc with an interval,
     --empty-unused-memory-level, --log-memory-to-tensorboard, --log-validation-ppl-to-tensorboard: the same
     losses (1e-5) as the run with the mask; --exit-duration-in-mins 0 stops after the first iteration."""
     argv = PRETRAIN_MODEL + fsdp("optim_grads_params") + ["--hidden-dropout", "0", "--attention-dropout", "0"]
     masked = pretrain(2, argv + ["--train-iters", "3"])
     flags = ["--no-create-attention-mask-in-dataloader", "--manual-gc", "--manual-gc-interval", "1",
+             "--recompute-granularity", "selective", "--recompute-modules", "core_attn",
              "--empty-unused-memory-level", "2", "--tensorboard-dir", str(tmp_path), "--log-memory-to-tensorboard",
              "--log-validation-ppl-to-tensorboard", "--train-iters", "3"]
     got = pretrain(2, argv + flags)
@@ -279,3 +281,32 @@ def test_apply_layernorm_1p_stores_gamma_minus_one(kind):
         plain.weight.copy_(centred.weight + 1)
     x = torch.randn(3, 8)
     torch.testing.assert_close(centred(x), plain(x), rtol=0, atol=1e-6)
+
+
+def _small_corpus(directory, name: str, documents: int = 40) -> str:
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(directory / f"{name}_text_document")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for doc in np.random.default_rng(len(name)).integers(0, 256, (documents, 100)).astype(np.uint16):
+        builder.add_document(doc, [doc.size])
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def test_weighted_data_path_and_a_dataset_per_split(tmp_path):
+    """--data-path 0.3 A 0.7 B blends the two by weight; --train-data-path A --valid-data-path B builds each
+    split from its own prefix (no --split); --no-mmap-bin-files reads the .bin files without mmap."""
+    from megatron.training.data import datasets as data
+
+    a, b = _small_corpus(tmp_path, "a"), _small_corpus(tmp_path, "bb")
+    small = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+             "--micro-batch-size", "1", "--train-iters", "2", "--tokenizer-type", "ByteLevelTokenizer",
+             "--eval-iters", "1", "--no-mmap-bin-files"]
+    args = validate_args(parse_args(small + ["--data-path", "0.3", a, "0.7", b, "--split", "90,10,0"]), 1)
+    train, valid, _ = data.build_datasets(args, data.build_tokenizer(args))
+    assert [d.dataset_path for d in train.datasets] == [a, b]
+    assert np.allclose(train.weights, [0.3, 0.7]) and not train.datasets[0].dataset.mmap
+    args = validate_args(parse_args(small + ["--train-data-path", a, "--valid-data-path", b]), 1)
+    train, valid, test = data.build_datasets(args, data.build_tokenizer(args))
+    assert train.dataset_path == a and valid.dataset_path == b and test is None
