@@ -246,25 +246,22 @@ class FullyShardedOptimizer:
     def grad_norm(self) -> float:
         """Global L2 norm of the gradients: every element of every section counted exactly once."""
         self._require_synced_grads("grad_norm")
-        total = 0.0
-        for section, grads in self._norm_grads.items():
-            device = self._grads[0].device if self._grads else torch.device("cpu")
-            sq = torch.zeros(1, dtype=torch.float32, device=device)
-            if grads:
-                sq += torch.stack([g.float().pow(2).sum() for g in grads]).sum()
-            total += float(self.reduce_over_section(sq, section).item())
-        return math.sqrt(total)
+        return self._global_norm(self._norm_grads)
 
     @torch.no_grad()
     def params_norm(self) -> float:
         """Global L2 norm of the fp32 main weights, each element counted once as in ``grad_norm``
         (Megatron-LM's ``--log-params-norm``)."""
+        return self._global_norm(self._norm_weights)
+
+    def _global_norm(self, pieces: Dict[str, List[torch.Tensor]]) -> float:
+        """sqrt of the squares of ``pieces`` (per section) summed over every rank holding a distinct part."""
         total = 0.0
-        for section, weights in self._norm_weights.items():
+        for section, tensors in pieces.items():
             device = self._grads[0].device if self._grads else torch.device("cpu")
             sq = torch.zeros(1, dtype=torch.float32, device=device)
-            if weights:
-                sq += torch.stack([w.float().pow(2).sum() for w in weights]).sum()
+            if tensors:
+                sq += torch.stack([t.float().pow(2).sum() for t in tensors]).sum()
             total += float(self.reduce_over_section(sq, section).item())
         return math.sqrt(total)
 
