@@ -83,8 +83,8 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
                    help="torch.cuda.empty_cache() after forward-backward (1) and also after the optimizer step (2); "
                         "nothing to release on CPU")
     g.add_argument("--exit-duration-in-mins", type=int, default=None,
-                   help="stop (saving first with --save) after the iteration at which this many minutes of training "
-                        "have passed on any rank")
+                   help="stop (saving first with --save) after the iteration at which this many minutes have "
+                        "passed since start-up on any rank")
     g = p.add_argument_group("data (Megatron-LM's flags)")
     g.add_argument("--no-mmap-bin-files", dest="mmap_bin_files", action="store_false",
                    help="read the .bin files instead of memory-mapping them")

@@ -4,7 +4,7 @@
 the start, around each evaluation and every N iterations, so every rank pauses at the same
 step. ``--empty-unused-memory-level``: ``torch.cuda.empty_cache()`` after forward-backward (1)
 and after the optimizer step too (2). ``--exit-duration-in-mins``: after each iteration the
-ranks agree (a MAX all-reduce) whether any has trained that long; the loop then saves (with
+ranks agree (a MAX all-reduce) whether that long has passed since start-up on any; the loop then saves (with
 ``--save``) and stops. ``--log-num-zeros-in-grad`` / ``--log-params-norm`` add Megatron-LM's
 ``num zeros`` and ``params norm`` fields to the iteration line and the board;
 ``--log-memory-to-tensorboard`` and ``--log-validation-ppl-to-tensorboard`` its scalars.
@@ -22,9 +22,10 @@ import torch.distributed as dist
 
 
 class LoopControls:
-    def __init__(self, args):
+    def __init__(self, args, start: float):
+        """``start``: the job's ``time.perf_counter()`` at start-up (the exit duration counts from it)."""
         self.args = args
-        self.start = time.perf_counter()
+        self.start = start
         if args.manual_gc:
             gc.disable()
             gc.collect()

@@ -112,6 +112,7 @@ def pretrain(args) -> dict:
     """Train a GPT as Megatron-LM does; returns the per-iteration losses and grad norms (for tests)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    job_start = time.perf_counter()  # --exit-duration-in-mins counts from here, as Megatron-LM's pretrain
     device, tokenizer, model, optimizer, scheduler = setup(args)
     train_ds, valid_ds, _test_ds = data.build_datasets(args, tokenizer)
     summary(args, model, optimizer)
@@ -139,23 +140,26 @@ def pretrain(args) -> dict:
             history["valid_at_load"] = validate(start_iteration, " (loaded checkpoint)")
     saver = CheckpointSaver(args)
     saver.prepare(model, optimizer)  # --async-save: its host staging buffers, once
+    controls, profiler = LoopControls(args, job_start), Profiler(args, dist.get_rank(), start_iteration)
     try:
         _train(args, device, model, optimizer, scheduler, forward_backward, forward_step, train_ds, board, timers,
-               history, validate, saver, start_iteration, consumed)
+               history, validate, saver, start_iteration, consumed, controls, profiler)
     except BaseException:
         saver.abandon()  # no collective: another rank may be elsewhere
         raise
+    finally:  # the process lives on after a failed run (a test pool's worker): its collector back on
+        profiler.stop()
+        controls.close()
     board.close()
     return history
 
 
 def _train(args, device, model, optimizer, scheduler, forward_backward, forward_step, train_ds, board,
            timers: IterationTimers, history, validate, saver: CheckpointSaver, start_iteration: int,
-           consumed: int) -> int:
+           consumed: int, controls: LoopControls, profiler: Profiler) -> int:
     """The iterations from ``start_iteration``; returns the last one (saves through ``saver``)."""
     saved_at = start_iteration
     exit_signal = ExitSignalHandler() if args.exit_signal_handler else None
-    controls, profiler = LoopControls(args), Profiler(args, dist.get_rank(), start_iteration)
     for chunk in model:
         chunk.train()
     iteration, consumed_at_start = start_iteration, consumed
@@ -242,8 +246,6 @@ def _train(args, device, model, optimizer, scheduler, forward_backward, forward_
     if args.save and iteration > saved_at:
         saver.save(iteration, consumed, model, optimizer, scheduler)
     saver.wait(iteration)  # the end of training (or --exit-interval) waits for the write in flight
-    profiler.stop()
-    controls.close()
     if exit_signal is not None:
         exit_signal.close()
     highest_peak = max([highest_peak] + [row[0] for row in gather_per_rank([memory_mib()["peak"]])])
