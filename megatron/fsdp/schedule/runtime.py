@@ -6,8 +6,10 @@ unstable order decides it. How far the schedule runs ahead is an
 :class:`Overlap` (``fully_shard``'s ``forward_prefetch``, ``backward_prefetch``
 and ``reductions_in_flight``): with the defaults, one unit is gathered ahead in
 each direction, so at most the running unit, its enclosing units, the root and
-one prefetched unit hold full weights at once, and two gradient reductions are
-in flight.
+one prefetched unit hold full weights at once, and one gradient reduction is
+in flight (its ring runs during the next unit's backward; a second one in flight would
+keep one more unit's gradient and reduction output alive through that backward, where
+the step's memory peaks).
 
 The order a pass prefetches in is the order of the previous pass; the first
 forward uses the registration order (the order of ``module.named_modules()``,
@@ -72,7 +74,7 @@ class Overlap:
 
     forward_prefetch: int = 1
     backward_prefetch: int = 1
-    reductions_in_flight: int = 2
+    reductions_in_flight: int = 1
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -268,6 +270,7 @@ class Schedule:
                 f"parameter {unit.param_names[param_index]!r} of FSDP unit {unit.name} received a gradient "
                 "outside that unit's backward; call the unit module itself (its forward hooks gather and "
                 "reduce it) instead of calling its submodules or parameters directly")
+        unit.storage.take_grad(param_index)
         if unit.mark_ready(param_index):
             self._post_backward(unit)
 
