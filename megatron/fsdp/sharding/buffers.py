@@ -198,6 +198,17 @@ class UnitStorage:
             accum.zero_()
         return accum
 
+    def _accumulator_as_output(self) -> Optional[torch.Tensor]:
+        """The released accumulator, allocated, when the inner reduction would be its first
+        write and covers it whole (one-axis sharded gradients): the reduce-scatter then lands
+        in it directly, with no output buffer beside it and no copy."""
+        accum = self.grad_accum
+        if (self.grads_allocated or self.levels.outer.shard_grads or accum.dtype != self.reduce_dtype
+                or tuple(self.regions.accum) != tuple(self.regions.inner)):
+            return None
+        _alloc(accum)
+        return accum
+
     def _accumulate(self, grads: torch.Tensor) -> None:
         """Add ``grads`` into the accumulator; the first one after a release is written, not
         added to a zero-filled buffer (the same values; the accumulator is never zero-filled)."""
@@ -422,13 +433,18 @@ class UnitStorage:
             # The compute-dtype gradient goes to the collective as it is: the axis widens it to
             # the reduce dtype (comm.CommAxis.reduce_scatter; on the gloo ring one chunk at a
             # time) and keeps it only until the collective lands.
-            inner_out = torch.empty(hi - lo, dtype=self.reduce_dtype, device=device)
+            inner_out = self._accumulator_as_output()
+            if inner_out is None:
+                inner_out = torch.empty(hi - lo, dtype=self.reduce_dtype, device=device)
             first = self.inner.reduce_scatter(inner_out, self.grad_full, tag)
         else:
             inner_out, first = self._in_reduce_dtype(self.grad_full)[lo:hi], Handle()
         if not self.levels.outer.shard_grads:
             def add_inner():
-                self._accumulate(self._scale(inner_out, self.inner))
+                if inner_out is self.grad_accum:
+                    self._scale(inner_out, self.inner)  # reduced straight into the accumulator: the mean in place
+                else:
+                    self._accumulate(self._scale(inner_out, self.inner))
             return staged(Handle(first, then=add_inner), *step)
         piece_out = torch.empty(piece_hi - piece_lo, dtype=self.reduce_dtype, device=device)
 
