@@ -66,3 +66,46 @@ def test_bf16_gradients_reduced_without_a_whole_fp32_copy(pool, world_size):
     for rank, result in enumerate(pool.run(widened_gradients, size=world_size)):
         assert result["units"] > 1, result
         assert result["hits"] == [], (rank, result["hits"][:5])
+
+
+def poisoned_flat_gradients(ctx, strategy: str, recompute: bool):
+    """Final main weights after 2 steps, normally and with every unit's flat gradient filled with
+    NaN when its backward begins: it is not zero-filled up front, so every byte the reduction
+    reads must have been written by a gradient or zeroed at the unit's end (padding, the
+    blocks' never-used parameter, frozen ranges)."""
+    from megatron.fsdp.sharding.buffers import UnitStorage
+    from megatron.fsdp.testing.engine_training import GLOBAL_MICRO_BATCH, RunConfig, local_slice, make_batches, wrap
+
+    def train():
+        cfg = RunConfig(strategy=strategy, steps=2, micro_batches=2, recompute=recompute)
+        fsdp, opt = wrap(ctx, cfg)
+        for step in make_batches(cfg.steps, cfg.micro_batches, GLOBAL_MICRO_BATCH):
+            for tokens, targets in step:
+                fsdp(local_slice(ctx, tokens), local_slice(ctx, targets)).backward()
+            opt.step()
+            opt.zero_grad()
+        return [u.storage.main.clone() for u in fsdp.units if u.storage.trainable_params]
+
+    clean = train()
+    begin = UnitStorage.begin_grads
+
+    def poisoned(self):
+        fresh = self.grad_full is None and not self.grads_in_place
+        begin(self)
+        if fresh and self.grad_full is not None:
+            self.grad_full.fill_(float("nan"))
+    UnitStorage.begin_grads = poisoned
+    try:
+        dirty = train()
+    finally:
+        UnitStorage.begin_grads = begin
+    return {"equal": [torch.equal(a, b) for a, b in zip(clean, dirty)], "units": len(clean)}
+
+
+@pytest.mark.parametrize("strategy, recompute", [("optim_grads_params", True), ("optim_grads", False)])
+def test_flat_gradient_needs_no_zero_fill(pool, strategy, recompute):
+    """Why: zero-filling a unit's whole flat gradient when its backward begins made all its
+    pages resident at once (issue 28); gradients are now written into it as they arrive and
+    only what none reached is zeroed. Recomputation delivers gradients in a second backward."""
+    for result in pool.run(poisoned_flat_gradients, size=2, strategy=strategy, recompute=recompute):
+        assert result["units"] > 1 and all(result["equal"]), result

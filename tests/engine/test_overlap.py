@@ -31,7 +31,7 @@ def test_prefetch_depths_first_pass_and_memory(pool):
                (2, dict(forward_prefetch=2, backward_prefetch=2))]
     default, none, deep = pool.run(cases.prefetch_stats, size=2, configs=configs)[0]
     non_root = len(default["units"]) - 1
-    assert default["overlap"] == mfsdp.Overlap(forward_prefetch=1, backward_prefetch=1, reductions_in_flight=2)
+    assert default["overlap"] == mfsdp.Overlap(forward_prefetch=1, backward_prefetch=1, reductions_in_flight=None)
     for phase in ("forward", "backward"):
         # First pass: the forward plan is the registration order, the backward plan the reversed forward ends.
         assert default["gather_stats"][phase] == {"prefetched": non_root, "on_demand": 0}, (phase, default)

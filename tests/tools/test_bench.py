@@ -9,8 +9,8 @@ import json
 import math
 import sys
 
-from tools.bench import bf16_support, report, run
-from tools.bench.spec import SYSTEMS
+from tools.bench import bf16_support, nv_fsdp, report, run
+from tools.bench.spec import FLOOR, NV_FSDP, SIZES, SYSTEMS
 
 
 def test_quick_torch_two_ranks(tmp_path, monkeypatch, capsys):
@@ -29,11 +29,17 @@ def test_quick_torch_two_ranks(tmp_path, monkeypatch, capsys):
     native = bf16_support.native_bf16()[0]
     assert results["meta"]["dtype"] == ("bf16" if native else "fp32")
     assert f"dtype: {results['meta']['dtype']} (" in printed.err
-    assert printed.err.count(": running (") == len(results["runs"]) and "[1/" in printed.err  # progress per run
+    runnable = [r for r in results["runs"] if r["status"] != "not runnable"]
+    assert printed.err.count(": running (") == len(runnable) and "[1/" in printed.err  # progress per run
     assert "plot: skipped: matplotlib is not installed (pip install -e '.[plot]'" in printed.out
     rows = {row["system"]: row for row in results["rows"]}
     expected = [s for s in SYSTEMS["torch"] if s != "unwrapped"]  # world size 1 only
     assert sorted(rows) == sorted(expected)
+    if not nv_fsdp.available():  # the optional peer: its row says why it did not run, and how to install it
+        for system in NV_FSDP:
+            assert rows.pop(system)["not_runnable"] == nv_fsdp.NOT_INSTALLED
+            assert "not runnable: megatron-fsdp not installed (pip install -e .[bench])" in printed.out
+    assert rows[FLOOR]["of_floor"] == 1.0 and not rows[FLOOR]["bytes"]  # the floor sends nothing
     for system, row in rows.items():
         assert row["rounds_ok"] == 1 and not row["crash_reasons"], row
         numbers = [row["step_s"]["median"], row["tokens_per_s"], row["persistent_bytes"],
@@ -41,7 +47,9 @@ def test_quick_torch_two_ranks(tmp_path, monkeypatch, capsys):
         assert all(isinstance(x, (int, float)) and math.isfinite(x) for x in numbers), (system, numbers)
         assert row["step_s"]["median"] > 0 and row["tokens_per_s"] > 0, row
         total = sum(b for axes in row["bytes"].values() for b in axes.values())
-        assert total > 0 and sum(row["bytes_theory"].values()) > 0, row
+        assert row["of_floor"] > 0, row
+        if system != FLOOR:
+            assert total > 0 and sum(row["bytes_theory"].values()) > 0, row
     # The engine's ledger and the independent counters agree on the collectives it issued.
     zero3 = next(r for r in results["runs"] if r["system"] == "ours:optim_grads_params")["per_rank"][0]
     assert zero3["counted_bytes"]["all_gather"]["world"] == zero3["ledger_bytes"]["all_gather"]["dp_shard"] > 0
@@ -50,15 +58,19 @@ def test_quick_torch_two_ranks(tmp_path, monkeypatch, capsys):
     assert [t["target"] for t in results["targets"]] and all("status" in t for t in results["targets"])
 
 
-def _row(median, p25, p75, ranks=1, system="ours:no_shard"):
-    return {"workload": "torch", "size": "5M", "ranks": ranks, "system": system, "label": system, "rounds_ok": 3,
+def _by_name(targets, start):
+    return next(t for t in targets if t["target"].startswith(start))
+
+
+def _row(median, p25, p75, ranks=1, system="ours:no_shard", size="5M"):
+    return {"workload": "torch", "size": size, "ranks": ranks, "system": system, "label": system, "rounds_ok": 3,
             "step_s": {"median": median, "p25": p25, "p75": p75}, "bytes": {}, "bytes_theory": {},
             "persistent_bytes": 1.0, "persistent_theory": 1.0, "tokens_per_s": 1.0 / median, "peak_bytes": 1.0}
 
 
 def test_verdicts_say_noise_when_the_spread_hides_the_effect():
     base = _row(1.0, 0.99, 1.01, system="unwrapped")
-    single = lambda ours: report.targets([base, ours])[3]  # noqa: E731  world size 1 vs the unwrapped model
+    single = lambda ours: _by_name(report.targets([base, ours]), "world size 1")  # noqa: E731  vs unwrapped
     assert single(_row(1.02, 1.01, 1.03))["status"] == "pass"  # +2% +-1.4%: within 5%
     assert single(_row(1.20, 1.19, 1.21))["status"] == "fail"  # +20%
     assert single(_row(1.40, 0.60, 1.80))["status"] == report.NOISE  # +40% at +-43%: [fail] before
@@ -68,3 +80,38 @@ def test_verdicts_say_noise_when_the_spread_hides_the_effect():
     assert report.resolved(0.5, 0.15, 0.1, True) is True and report.resolved(0.1, 0.15, 0.1, True) is None
     native, reason = bf16_support.native_bf16()
     assert isinstance(native, bool) and reason
+
+
+def test_floor_targets_every_shape_and_not_runnable_rows(monkeypatch):
+    """The ZeRO-3 verdicts use the floor on every shape; an absent optional peer is a row that says so."""
+    rows = []
+    for size in ("5M", "root-heavy"):
+        for n, ours_ms in ((2, 1.05), (4, 1.30)):
+            rows += [_row(1.0, 0.995, 1.005, n, FLOOR, size), _row(1.25, 1.245, 1.255, n, "fsdp2", size),
+                     _row(ours_ms if size == "5M" else 1.02, 0.0, 0.0, n, "ours:optim_grads_params", size)]
+    for r in rows:
+        if r["system"] == "ours:optim_grads_params":
+            median = r["step_s"]["median"]
+            r["step_s"].update(p25=median * 0.995, p75=median * 1.005)
+            r.update(bytes={"all_gather": {"world": 1.0}}, bytes_theory={"all_gather": 1.0})
+    for r in rows:  # what aggregate adds: the fraction of the floor of the same shape and world size
+        floor = next(f for f in rows if f["system"] == FLOOR and (f["size"], f["ranks"]) == (r["size"], r["ranks"]))
+        r["of_floor"] = floor["step_s"]["median"] / r["step_s"]["median"]
+    targets = report.targets(rows)
+    two, four = _by_name(targets, "ours ZeRO-3 on 2 ranks"), _by_name(targets, "ours ZeRO-3 on 4 ranks")
+    assert two["status"] == "pass", two  # 0.95 and 0.98 of the floor, 1.19x and 1.23x FSDP2
+    assert four["status"] == "fail" and "5M 4 ranks: 0.77 of the floor" in four["details"][0], four
+    assert len(four["details"]) == 2 and "root-heavy 4 ranks: 0.98" in four["details"][1]
+    one_step = [dict(r, step_s=dict(r["step_s"], n=1)) for r in rows]  # one timed step: its spread is unknown
+    assert _by_name(report.targets(one_step), "ours ZeRO-3 on 4 ranks")["status"] == report.NOISE
+
+    monkeypatch.setattr(nv_fsdp, "available", lambda: False)
+    assert run.not_runnable(NV_FSDP[0]) == nv_fsdp.NOT_INSTALLED and run.not_runnable(FLOOR) is None
+    record = {"workload": "torch", "ranks": 2, "size": "tiny", "system": NV_FSDP[0], "dtype": "fp32", "round": 0,
+              "status": "not runnable", "reason": nv_fsdp.NOT_INSTALLED}
+    [row] = report.aggregate([record])
+    assert row["rounds_ok"] == 0 and row["rounds_crashed"] == 0 and not row["crash_reasons"]
+    assert report.format_row(row).endswith("not runnable: megatron-fsdp not installed (pip install -e .[bench])")
+    # The shapes beyond 5M/50M exist as the issue defines them.
+    assert SIZES["root-heavy"].vocab >= 8192 and SIZES["root-heavy"].layers <= 4
+    assert SIZES["deep-narrow"].layers >= 24 and SIZES["deep-narrow"].hidden <= 256

@@ -51,6 +51,7 @@ def _megatron_fsdp_v1(config, chunks, args):
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
     from megatron.core.optimizer import get_megatron_optimizer, get_standard_config_overrides
+    from megatron.training.initialize import gloo_twin_groups
     from megatron.training.model import optimizer_config
 
     ddp_config = DistributedDataParallelConfig(
@@ -61,7 +62,9 @@ def _megatron_fsdp_v1(config, chunks, args):
                                       device=torch.device("cpu")) for chunk in chunks]
     args.use_distributed_optimizer = True
     opt_config = optimizer_config(args)
-    optimizer = get_megatron_optimizer(opt_config, model, config_overrides=get_standard_config_overrides(opt_config))
+    # as wrap_and_optimize does: on CPU every group is gloo, so Megatron-Core creates no gloo twins to ask for
+    optimizer = get_megatron_optimizer(opt_config, model, config_overrides=get_standard_config_overrides(opt_config),
+                                       use_gloo_process_groups=gloo_twin_groups(args.disable_gloo_process_groups))
 
     def wire():
         config.grad_scale_func = optimizer.scale_loss

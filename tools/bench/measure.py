@@ -163,7 +163,7 @@ def prepare_worker(threads: int) -> None:
     """Threads per rank, and quiet libraries: the orchestrator's table is the output."""
     torch.set_num_threads(threads)
     warnings.filterwarnings("ignore")
-    for name in ("megatron", "torch"):
+    for name in ("megatron", "megatron_fsdp", "torch"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 

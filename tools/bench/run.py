@@ -1,11 +1,12 @@
-"""Benchmark this project against PyTorch FSDP2 and Megatron-Core's wrappers in one command.
+"""Benchmark this project against PyTorch FSDP2, megatron-fsdp and Megatron-Core's wrappers in one command.
 
     python tools/bench/run.py --out results.json            # the full matrix (long: run on a quiet machine)
     python tools/bench/run.py --quick --workloads torch --ranks 2   # a tiny smoke run
 
 Trains the same model for a fixed number of steps under each system and prints one table:
 step time (median and spread after warm-up), tokens per second, the ratio against each
-peer, persistent and peak memory per rank, and bytes per collective kind per step
+peer and the fraction of the floor (the unwrapped model on every rank, no collectives),
+persistent and peak memory per rank, and bytes per collective kind per step
 against the theoretical minimum; then the issue's targets with a verdict each. Systems
 run round-robin (the starting system rotates every round) for several rounds, so slow
 drift of the machine lands on every system alike. Each (workload, ranks) pair gets one
@@ -34,9 +35,9 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from megatron.fsdp.testing import RankError, WorkerTimeout  # noqa: E402
-from tools.bench import report  # noqa: E402
-from tools.bench import mcore_case, torch_case  # noqa: E402
-from tools.bench.spec import SIZES, SYSTEMS  # noqa: E402
+from tools.bench import plot, report  # noqa: E402
+from tools.bench import mcore_case, nv_fsdp, torch_case  # noqa: E402
+from tools.bench.spec import NV_FSDP, SIZES, SYSTEMS, runs_at  # noqa: E402
 
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -54,7 +55,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--workloads", nargs="+", choices=sorted(SYSTEMS), default=["torch", "mcore"])
     p.add_argument("--ranks", nargs="+", type=int, default=[1, 2, 4],
                    help="world sizes; 1 is the torch workload's overhead check (ours vs the unwrapped model, fp32)")
-    p.add_argument("--sizes", nargs="+", choices=list(SIZES), default=None, help="default: 5M 50M (--quick: tiny)")
+    p.add_argument("--sizes", nargs="+", choices=list(SIZES), default=None,
+                   help="default: 5M 50M (--quick: tiny); also root-heavy, deep-narrow, 200M (docs/performance.md)")
     p.add_argument("--systems", nargs="+", choices=every, default=every)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
                    help="bf16: bf16 compute, fp32 main weights and gradient reduction (world size 1 runs fp32); "
@@ -100,11 +102,17 @@ def plan(args) -> List[tuple]:
         for ranks in args.ranks:
             if ranks == 1 and workload != "torch":
                 continue
-            systems = [s for s in SYSTEMS[workload] if s in args.systems
-                       and (s.startswith("ours:") or (s == "unwrapped") == (ranks == 1))]
+            systems = [s for s in SYSTEMS[workload] if s in args.systems and runs_at(s, ranks)]
             if systems:
                 out.append((workload, ranks, systems))
     return out
+
+
+def not_runnable(system: str) -> Optional[str]:
+    """Why ``system`` cannot run here before trying (an optional package absent), or None."""
+    if system in NV_FSDP and not nv_fsdp.available():
+        return nv_fsdp.NOT_INSTALLED
+    return None
 
 
 def _reason(exc: BaseException) -> str:
@@ -169,6 +177,14 @@ def run_matrix(args, log=print, on_run=None) -> List[dict]:
                                   "dtype": dtype, "round": rnd, "status": "ok", "reason": None}
                         where = (f"[{len(runs) + 1}/{total} {workload} {size} N={ranks} {dtype} "
                                  f"round {rnd + 1}/{args.rounds}] {system}")
+                        missing = not_runnable(system)
+                        if missing:
+                            record.update(status="not runnable", reason=missing)
+                            runs.append(record)
+                            log(f"{where}: not runnable: {missing}")
+                            if on_run is not None:
+                                on_run(runs)
+                            continue
                         log(f"{where}: running ({args.warmup} warm-up + {args.steps} timed steps)...")
                         start = time.perf_counter()
                         try:
@@ -238,9 +254,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     if args.plot:
         info = results.get("meta", {})
         title = f"{'SMOKE RUN (--quick): ' if info.get('quick') else ''}{info.get('command', '')} ({info.get('date', '')})"
-        where = report.plot(results["rows"], args.plot, title=title)
-        print(f"plot: {where}" if where else "plot: skipped: matplotlib is not installed "
-                                             "(pip install -e '.[plot]', or pip install matplotlib)")
+        where = plot.plot(results["rows"], args.plot, title=title)
+        print(f"plot: {where}" if where else plot.SKIPPED)
     return results
 
 

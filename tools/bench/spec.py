@@ -13,20 +13,35 @@ from typing import Dict, Optional
 LEVELS = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 OURS = tuple(f"ours:{level}" for level in LEVELS)
 
+# NVIDIA's standalone megatron-fsdp package (its own ``fully_shard``), at ZeRO-3 and ZeRO-2.
+NV_FSDP = ("nv_fsdp:optim_grads_params", "nv_fsdp:optim_grads")
+
 # Systems per workload; "unwrapped" runs only at world size 1, where it is the yardstick
-# for the engine's overhead.
+# for the engine's overhead; "floor" only at world sizes above 1, where it is the
+# yardstick for every system: the unwrapped model on every rank at once, the same
+# per-rank batch and optimizer, no collectives (the no-communication limit).
 SYSTEMS = {
-    "torch": ("unwrapped",) + OURS + ("fsdp2",),
+    "torch": ("unwrapped",) + OURS + ("fsdp2",) + NV_FSDP + ("floor",),
     "mcore": OURS + ("mcore_ddp", "mcore_distopt", "mfsdp_v1"),
 }
 PEERS = {"torch": ("fsdp2", "unwrapped"), "mcore": ("mcore_ddp", "mcore_distopt", "mfsdp_v1")}
-LABELS = {"unwrapped": "unwrapped", "fsdp2": "FSDP2", "mcore_ddp": "MCore DDP",
+FLOOR = "floor"
+LABELS = {"unwrapped": "unwrapped", "floor": "floor (no comm)", "fsdp2": "FSDP2", "mcore_ddp": "MCore DDP",
           "mcore_distopt": "MCore DistOpt", "mfsdp_v1": "M-FSDP v1",
+          "nv_fsdp:optim_grads_params": "megatron-fsdp ZeRO-3", "nv_fsdp:optim_grads": "megatron-fsdp ZeRO-2",
           **{f"ours:{level}": f"ours {level}" for level in LEVELS}}
 
 # The level each peer corresponds to, for the byte and memory formulas.
 LEVEL_OF = {**{f"ours:{level}": level for level in LEVELS}, "mcore_ddp": "no_shard",
-            "mcore_distopt": "optim", "mfsdp_v1": "optim_grads_params", "fsdp2": "optim_grads_params"}
+            "mcore_distopt": "optim", "mfsdp_v1": "optim_grads_params", "fsdp2": "optim_grads_params",
+            **{system: system.partition(":")[2] for system in NV_FSDP}}
+
+
+def runs_at(system: str, ranks: int) -> bool:
+    """Whether ``system`` has a row at world size ``ranks`` (the two yardsticks are one-sided)."""
+    if system == "unwrapped":
+        return ranks == 1
+    return ranks > 1 or system.startswith("ours:")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +61,11 @@ SIZES = {
     "5M": Size(vocab=1024, hidden=256, layers=6, heads=4, seq=256, rows=2),
     "50M": Size(vocab=4096, hidden=512, layers=15, heads=8, seq=256, rows=2),
     "70M": Size(vocab=4096, hidden=512, layers=21, heads=8, seq=256, rows=2),  # tools/bench/memory.py
+    # Beyond the benchmark's own two: where each cost grows differently.
+    "root-heavy": Size(vocab=16384, hidden=512, layers=2, heads=8, seq=256, rows=2),  # embeddings > blocks
+    "deep-narrow": Size(vocab=1024, hidden=256, layers=32, heads=4, seq=256, rows=2),  # many small units
+    "200M": Size(vocab=8192, hidden=1024, layers=16, heads=16, seq=256, rows=2),  # parameters over activations
 }
-
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP_GRAD = 1e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 
 
@@ -86,7 +104,7 @@ def theory_persistent(system: str, params: int, world: int, compute_bytes: int) 
     """
     n, psi, c = world, params, compute_bytes
     m = 4 if c != 4 else 0
-    if system == "unwrapped":
+    if system in ("unwrapped", FLOOR):
         return 12.0 * psi
     if system == "fsdp2":
         return 12.0 * psi / n

@@ -10,12 +10,15 @@ reduction. ``run`` is a worker-pool case (``megatron/fsdp/testing/pool.py``).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
 from examples.tiny_transformer import Block, TinyTransformer
 from tools.bench import measure as M
-from tools.bench.spec import BETAS, CLIP_GRAD, EPS, LR, SIZES, WEIGHT_DECAY
+from tools.bench import nv_fsdp
+from tools.bench.spec import BETAS, CLIP_GRAD, EPS, FLOOR, LR, NV_FSDP, SIZES, WEIGHT_DECAY
 
 SEED = 1234
 
@@ -43,10 +46,13 @@ def param_groups(named):
     return [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _plain_step(model, optimizer, tokens) -> M.Built:
+def _plain_step(model, optimizer, tokens, bf16: bool = False, clip=torch.nn.utils.clip_grad_norm_) -> M.Built:
+    """Forward, backward, clip, AdamW, zero grad; bf16: the forward under CPU autocast (fp32 weights)."""
     def step():
-        model(tokens).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(tokens)
+        loss.backward()
+        clip(model.parameters(), CLIP_GRAD)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return M.Built(step, optimizer=optimizer)
@@ -76,6 +82,12 @@ def build_system(system: str, model: torch.nn.Module, tokens: torch.Tensor, bf16
         if bf16:
             raise ValueError("the unwrapped model has no mixed-precision policy: it runs in fp32 only")
         return _plain_step(model, adamw(param_groups(model.named_parameters())), tokens)
+    if system == FLOOR:  # every rank its own unwrapped model: the step without any collective
+        return _plain_step(model, adamw(param_groups(model.named_parameters())), tokens, bf16=bf16)
+    if system in NV_FSDP:
+        wrapped, optimizer = nv_fsdp.wrap(model, system.partition(":")[2], bf16, Block,
+                                          adamw(param_groups(model.named_parameters())))
+        return _plain_step(wrapped, optimizer, tokens, clip=nv_fsdp.clip_grad_norm_)
     if system == "fsdp2":
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -125,9 +137,10 @@ def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, t
     base_tensors, base_rss = M.baselines()
     model = build_model(size_name)
     params, root = sum(p.numel() for p in model.parameters()), root_params(model)
-    built = build_system(system, model, tokens, bf16)
-    result = M.measure(built, warmup, steps, base_tensors, base_rss)
-    del built, model
+    with nv_fsdp.cpu_peer() if system in NV_FSDP else contextlib.nullcontext():
+        built = build_system(system, model, tokens, bf16)
+        result = M.measure(built, warmup, steps, base_tensors, base_rss)
+        del built, model
     M.trim_heap()
     result.update(params=params, root_params=root, tokens_per_step=shape.rows * shape.seq * dist.get_world_size())
     return result

@@ -229,18 +229,30 @@ def ring_reduce_scatter(output: torch.Tensor, full: torch.Tensor, group, rank: i
     chunks = full.view(size, n)
     succ, pred = (rank + 1) % size, (rank - 1) % size
 
+    # The last step receives straight into ``output`` and adds this rank's chunk there (the same
+    # sum, bit for bit), so no receive buffer lives beside ``output`` at the end; not when
+    # ``output`` is this rank's slice of ``full``, whose chunk is added after the receive.
+    into_output = output.untyped_storage().data_ptr() != full.untyped_storage().data_ptr()
+
     def run() -> None:
-        received = torch.empty_like(output)
         partial = torch.empty_like(output) if size > 2 else output  # running sum sent on
+        received = torch.empty_like(output) if size > 2 or not into_output else None
         outgoing = chunks[pred].to(output.dtype)  # step 0: the chunk whose sum starts at this rank
         for step in range(size - 1):
             tag = first_tag + step
-            recv = dist.irecv(received, group=group, group_src=pred, tag=tag)
+            last = step == size - 2
+            if last and into_output:
+                received = None  # the earlier steps' receive buffer is dropped before the last one
+            recv = dist.irecv(output if last and into_output else received, group=group, group_src=pred, tag=tag)
             send = dist.isend(outgoing, group=group, group_dst=succ, tag=tag)
             recv.wait()
             send.wait()  # ``partial`` is overwritten next: what it held must have left
-            target = output if step == size - 2 else partial
-            torch.add(received, chunks[(rank - step - 2) % size], out=target)
-            outgoing = target
+            mine = chunks[(rank - step - 2) % size]
+            if last and into_output:
+                output.add_(mine)
+            else:
+                target = output if last else partial
+                torch.add(received, mine, out=target)
+                outgoing = target
 
     return submit(group, run)

@@ -6,8 +6,10 @@ unstable order decides it. How far the schedule runs ahead is an
 :class:`Overlap` (``fully_shard``'s ``forward_prefetch``, ``backward_prefetch``
 and ``reductions_in_flight``): with the defaults, one unit is gathered ahead in
 each direction, so at most the running unit, its enclosing units, the root and
-one prefetched unit hold full weights at once, and two gradient reductions are
-in flight.
+one prefetched unit hold full weights at once, and one gradient reduction is
+in flight (its ring runs during the next unit's backward; a second one in flight would
+keep one more unit's gradient and reduction output alive through that backward, where
+the step's memory peaks), two while the newest has a later stage to issue.
 
 The order a pass prefetches in is the order of the previous pass; the first
 forward uses the registration order (the order of ``module.named_modules()``,
@@ -67,16 +69,21 @@ class Overlap:
     ahead of their use (0: every gather on demand); each one more costs one unit's
     full weights in memory. ``reductions_in_flight``: gradient reductions issued and
     not yet waited (0: each is waited as soon as it is issued); each one more keeps
-    one unit's reduction buffers alive a little longer.
+    one unit's reduction buffers alive a little longer. ``None`` (the default): one,
+    or two while the newest reduction has a later stage to issue (HSDP, HFSDP,
+    ZeRO-3 x ZeRO-3), so that stage is issued at the next compute end and lands
+    during the backward after it instead of being waited as soon as it is issued.
     """
 
     forward_prefetch: int = 1
     backward_prefetch: int = 1
-    reductions_in_flight: int = 2
+    reductions_in_flight: Optional[int] = None
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if value is None and field.name == "reductions_in_flight":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{field.name} must be an integer >= 0, got {value!r}")
 
@@ -268,6 +275,7 @@ class Schedule:
                 f"parameter {unit.param_names[param_index]!r} of FSDP unit {unit.name} received a gradient "
                 "outside that unit's backward; call the unit module itself (its forward hooks gather and "
                 "reduce it) instead of calling its submodules or parameters directly")
+        unit.storage.take_grad(param_index)
         if unit.mark_ready(param_index):
             self._post_backward(unit)
 
@@ -298,7 +306,10 @@ class Schedule:
     def _enqueue(self, unit: FSDPUnit, handle: Handle) -> None:
         self._track_staged("reduce", unit, handle)
         self._reductions.append((unit.name, handle))
-        while len(self._reductions) > self.overlap.reductions_in_flight:
+        limit = self.overlap.reductions_in_flight
+        if limit is None:
+            limit = 2 if _stages_left(handle) else 1
+        while len(self._reductions) > limit:
             self._wait_oldest_reduction()
 
     def _wait_oldest_reduction(self) -> None:

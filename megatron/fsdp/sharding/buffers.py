@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -159,6 +159,8 @@ class UnitStorage:
         self.grads_in_place = self.levels.inner.keeps_full_grads and self.compute_dtype == accum.dtype
         self.grad_full: Optional[torch.Tensor] = None
         self.grad_views: Optional[List[torch.Tensor]] = None
+        self._unwritten: Optional[Dict[int, torch.nn.Parameter]] = None  # begin_grads..finish_grads
+        self._trainable_indices = {i for i, _ in self.trainable_params}
         with _addressable(accum):
             self.main_grad = accum[a - regions.accum[0]:b - regions.accum[0]] if self.trainable_params else accum
             if self.grads_in_place and self.trainable_params:
@@ -195,6 +197,27 @@ class UnitStorage:
             _alloc(accum)
             accum.zero_()
         return accum
+
+    def _accumulator_as_output(self) -> Optional[torch.Tensor]:
+        """The released accumulator, allocated, when the inner reduction would be its first
+        write and covers it whole (one-axis sharded gradients): the reduce-scatter then lands
+        in it directly, with no output buffer beside it and no copy."""
+        accum = self.grad_accum
+        if (self.grads_allocated or self.levels.outer.shard_grads or accum.dtype != self.reduce_dtype
+                or tuple(self.regions.accum) != tuple(self.regions.inner)):
+            return None
+        _alloc(accum)
+        return accum
+
+    def _accumulate(self, grads: torch.Tensor) -> None:
+        """Add ``grads`` into the accumulator; the first one after a release is written, not
+        added to a zero-filled buffer (the same values; the accumulator is never zero-filled)."""
+        accum = self.grad_accum
+        if self.grads_allocated:
+            accum.add_(grads)
+        else:
+            _alloc(accum)
+            accum.copy_(grads)
 
     def grad_slice(self, lo: int, hi: int) -> torch.Tensor:
         """A view of ``main_grad[lo:hi]``, valid whenever the accumulator is allocated
@@ -337,10 +360,42 @@ class UnitStorage:
         if self.grads_in_place:
             self.ensure_grads()
         if self.grad_full is None:
-            self.grad_full = torch.zeros(self.layout.padded_size, dtype=self.compute_dtype, device=self.full.device)
+            # Not zero-filled up front (its pages would all be resident from the unit's first
+            # gradient on): each parameter's gradient is written into its view when autograd
+            # delivers it (``take_grad``), and what got none is zeroed when the unit's backward
+            # ends (``finish_grads``).
+            self.grad_full = torch.empty(self.layout.padded_size, dtype=self.compute_dtype, device=self.full.device)
             self.grad_views = self._views_of(self.grad_full)
+            self._unwritten = dict(self.trainable_params)
+            for _, p in self.trainable_params:
+                p.grad = None
+            return
         for i, p in self.trainable_params:
             p.grad = self.grad_views[i]
+
+    def take_grad(self, index: int) -> None:
+        """Parameter ``index``'s gradient has been accumulated: move it into its view of the flat
+        gradient, which later contributions (a second use, a recomputed backward) add to in place."""
+        param = self._unwritten.pop(index, None) if self._unwritten is not None else None
+        if param is not None:
+            view = self.grad_views[index]
+            view.copy_(param.grad)
+            param.grad = view
+
+    def finish_grads(self) -> None:
+        """Zero what no gradient was written to: padding, frozen parameters, parameters without one."""
+        if self._unwritten is None:
+            return
+        written = sorted((s.start, s.end) for i, s in enumerate(self.layout.slots)
+                         if i in self._trainable_indices and i not in self._unwritten)
+        end = 0
+        for start, stop in written + [(self.grad_full.numel(), self.grad_full.numel())]:
+            if start > end:
+                self.grad_full[end:start].zero_()
+            end = max(end, stop)
+        for index, param in self._unwritten.items():
+            param.grad = self.grad_views[index]
+        self._unwritten = None
 
     def end_grads(self) -> None:
         """Drop the transient gradient (its content has been reduced or accumulated)."""
@@ -350,11 +405,13 @@ class UnitStorage:
             p.grad = None
         self.grad_full = None
         self.grad_views = None
+        self._unwritten = None
 
     def accumulate_local(self) -> None:
         """Full-grad inner levels with a transient buffer: add this micro-batch into the accumulator."""
         if not self.grads_in_place and self.grad_full is not None:
-            self.ensure_grads().add_(self.grad_full)
+            self.finish_grads()
+            self._accumulate(self.grad_full)
 
     def reduce_microbatch(self, tag: str, then_step: bool) -> Handle:
         """Grad-sharded inner levels: reduce this micro-batch's full gradient into the accumulator.
@@ -362,32 +419,38 @@ class UnitStorage:
         Inner reduce-scatter always; outer reduce-scatter too when the outer level
         shards grads. ``then_step`` chains the once-per-step stage behind it.
         """
+        self.finish_grads()
         regions = self.regions
         lo, hi = regions.inner
         piece_lo, piece_hi = regions.piece
         # The once-per-step stage moves data only across an outer axis of more than one rank.
         step = [lambda: self.reduce_step(tag)] if then_step and self.outer.size > 1 else []
         if self.inner.size == 1 and self.outer.size == 1:
-            self.ensure_grads().add_(self.grad_full[regions.accum[0]:regions.accum[1]])
+            self._accumulate(self.grad_full[regions.accum[0]:regions.accum[1]])
             return staged(Handle(), *step)
         device = self.grad_full.device
         if self.inner.size > 1:
             # The compute-dtype gradient goes to the collective as it is: the axis widens it to
             # the reduce dtype (comm.CommAxis.reduce_scatter; on the gloo ring one chunk at a
             # time) and keeps it only until the collective lands.
-            inner_out = torch.empty(hi - lo, dtype=self.reduce_dtype, device=device)
+            inner_out = self._accumulator_as_output()
+            if inner_out is None:
+                inner_out = torch.empty(hi - lo, dtype=self.reduce_dtype, device=device)
             first = self.inner.reduce_scatter(inner_out, self.grad_full, tag)
         else:
             inner_out, first = self._in_reduce_dtype(self.grad_full)[lo:hi], Handle()
         if not self.levels.outer.shard_grads:
             def add_inner():
-                self.ensure_grads().add_(self._scale(inner_out, self.inner))
+                if inner_out is self.grad_accum:
+                    self._scale(inner_out, self.inner)  # reduced straight into the accumulator: the mean in place
+                else:
+                    self._accumulate(self._scale(inner_out, self.inner))
             return staged(Handle(first, then=add_inner), *step)
         piece_out = torch.empty(piece_hi - piece_lo, dtype=self.reduce_dtype, device=device)
 
         def outer_stage() -> Handle:
             def add_piece():
-                self.ensure_grads().add_(self._scale(self._scale(piece_out, self.inner), self.outer))
+                self._accumulate(self._scale(self._scale(piece_out, self.inner), self.outer))
             return Handle(self.outer.reduce_scatter(piece_out, inner_out, tag), then=add_piece, keep=(inner_out,))
         return staged(first, outer_stage, *step)
 

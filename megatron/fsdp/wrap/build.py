@@ -100,7 +100,7 @@ def fully_shard(
     experts: Optional[ExpertSharding] = None,
     forward_prefetch: int = 1,
     backward_prefetch: int = 1,
-    reductions_in_flight: int = 2,
+    reductions_in_flight: Optional[int] = None,
     device: Optional[torch.device] = None,
     init_weights: Optional[Callable[[torch.nn.Module], None]] = None,
 ) -> FullyShardedModule:
