@@ -16,7 +16,7 @@ from .checkpointing.async_save import CheckpointSaver
 from .checkpointing.files import CheckpointError
 from .initialize import announce_substitutions, initialize, shutdown
 from .logs.lines import IntervalLog, end_of_run_line, format_fields, gather_per_rank, insert_field, memory_line, memory_mib, persistent_line, print_rank_0, reset_peak_memory, summary
-from .logs.moe_losses import moe_aux_losses
+from .logs.moe_losses import moe_aux_losses, mtp_losses
 from .signal_handler import ExitSignalHandler
 from .logs.throughput import throughput
 from .logs.timers import IterationTimers
@@ -143,6 +143,7 @@ def pretrain(args) -> dict:
         saver.abandon()  # no collective: another rank may be elsewhere
         raise
     board.close()
+    history["expert_bias"] = model_lib.expert_biases(model)
     return history
 
 
@@ -171,7 +172,7 @@ def _train(args, device, model, optimizer, scheduler, forward_backward, forward_
         ok, grad_norm, _zeros = timers.wrap("optimizer", optimizer.step)()
         consumed += args.global_batch_size
         scheduler.step(increment=args.global_batch_size)
-        losses = {"lm loss": _mean_loss(reduced), **moe_aux_losses(args, device)}
+        losses = {"lm loss": _mean_loss(reduced), **mtp_losses(args, device), **moe_aux_losses(args, device)}
         elapsed = time.perf_counter() - start
         trained_seconds += elapsed
         interval.add(elapsed, losses, skipped=not ok)
