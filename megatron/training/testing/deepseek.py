@@ -32,3 +32,25 @@ DEEPSEEK_MODEL = [
 def dispatcher(name: str, ep: int):
     """The token dispatcher and expert-parallel size (``flex``: substituted by alltoall on this machine)."""
     return ["--moe-token-dispatcher-type", name, "--expert-model-parallel-size", str(ep)]
+
+
+def meta_build_equals_eager(ctx, argv) -> list:
+    """Build the job's model twice in the pool, eagerly and with --init-model-with-meta-device, and name
+    every unit storage or buffer that differs (bitwise) on this rank: empty when the builds are equal."""
+    import torch
+
+    from megatron.training import training
+    from megatron.training.arguments import parse_args
+    from megatron.training.testing.megatron_case import megatron_case
+
+    built = []
+    for extra in ([], ["--init-model-with-meta-device"]):
+        with megatron_case():
+            _device, _tokenizer, model, _optimizer, _scheduler = training.setup(parse_args(argv + extra))
+            state = {}
+            for k, chunk in enumerate(model):
+                state.update({f"{k}/{u.name}": u.storage.main.clone() for u in chunk.fsdp.units})
+                state.update({f"{k}/buffer {n}": b.clone() for n, b in chunk.fsdp.module.named_buffers()})
+            built.append(state)
+    eager, meta = built
+    return sorted(set(eager) ^ set(meta)) + [k for k in eager if k in meta and not torch.equal(eager[k], meta[k])]
