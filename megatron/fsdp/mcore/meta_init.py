@@ -23,7 +23,9 @@ library; instead :func:`build_on_meta_device` runs the model's constructors unde
 replays that submodule's records in recorded order. The replay draws the same random
 numbers as the eager constructors whenever the constructors drew them in
 ``modules()`` order; :meth:`MetaInitRecipe.out_of_order` names any module for which
-they did not (none in Megatron-Core 0.16.1's GPT: DP, TP, PP, MoE; see docs/adapter.md).
+they did not (none in Megatron-Core 0.16.1's GPT: DP, TP, PP, MoE; see docs/adapter.md). A weight a
+constructor draws and then drops (multi-latent attention's first ``linear_proj``) is drawn again,
+into scratch, before the next kept one (``_attach_discarded_draws``).
 """
 
 from __future__ import annotations
