@@ -94,6 +94,7 @@ def add_architecture_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-layer-freq", type=moe_layer_freq_type, default=1,
                    help="MoE layers: every N-th layer from the first (int), or a 0/1 list per layer, "
                         "e.g. '([0]*1+[1]*3)' (default: %(default)s, every layer)")
+    add_deepseek_args(p)
 
 
 def _fail(message: str) -> None:
@@ -156,6 +157,7 @@ def validate_architecture(args) -> None:
             _fail(f"--swiglu: the default --ffn-hidden-size for --hidden-size {args.hidden_size} rounds to 0; "
                   "set --ffn-hidden-size")
     _validate_moe_shape(args)
+    validate_deepseek(args)
 
 
 def _validate_moe_shape(args) -> None:
@@ -201,6 +203,7 @@ def transformer_config_fields(args) -> dict:
         fields.update(moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
                       moe_shared_expert_gate=args.moe_shared_expert_gate,
                       moe_router_pre_softmax=args.moe_router_pre_softmax, moe_layer_freq=args.moe_layer_freq)
+    fields.update(deepseek_config_fields(args))
     return fields
 
 
@@ -208,3 +211,127 @@ def gpt_model_fields(args) -> dict:
     """The GPTModel arguments these flags set."""
     return dict(position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
                 rotary_base=args.rotary_base)
+
+
+# ---------------------------------------------------------------- DeepSeek-V3: MLA, MTP, the router
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+ROUTER_DTYPES = ("fp32", "fp64")
+FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
+# The MLA and MTP fields of (MLA)TransformerConfig, under the flags' own names (Megatron-LM passes them by name).
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+              "rotary_scaling_factor", "mscale", "mscale_all_dim")
+ROUTER_FIELDS = ("moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_bias_update_rate",
+                 "moe_router_group_topk", "moe_router_num_groups", "moe_router_topk_scaling_factor",
+                 "moe_router_dtype", "moe_router_force_load_balancing")
+
+
+def add_deepseek_args(p: argparse.ArgumentParser) -> None:
+    """DeepSeek-V3's flags, Megatron-LM's names and defaults: multi-latent attention (with YaRN RoPE),
+    multi-token prediction, sigmoid routing with a learned expert bias, group-limited top-k."""
+    g = p.add_argument_group("multi-latent attention and multi-token prediction (Megatron-LM's flags, DeepSeek-V3)")
+    g.add_argument("--multi-latent-attention", action="store_true",
+                   help="multi-latent attention: queries and keys/values through low-rank projections")
+    g.add_argument("--q-lora-rank", type=int, default=None,
+                   help="rank of the query's low-rank projection (default: none, a full-rank query projection)")
+    g.add_argument("--kv-lora-rank", type=int, default=32, help="rank of the keys' and values' low-rank projection")
+    g.add_argument("--qk-head-dim", type=int, default=128,
+                   help="query/key head dimension without RoPE (the head is --qk-head-dim + --qk-pos-emb-head-dim)")
+    g.add_argument("--qk-pos-emb-head-dim", type=int, default=64, help="query/key head dimension with RoPE")
+    g.add_argument("--v-head-dim", type=int, default=128, help="value head dimension")
+    g.add_argument("--rotary-scaling-factor", type=float, default=1.0, help="YaRN RoPE scaling factor (MLA)")
+    g.add_argument("--mscale", type=float, default=1.0, help="YaRN RoPE mscale (MLA)")
+    g.add_argument("--mscale-all-dim", type=float, default=0.0, help="YaRN RoPE mscale of all dimensions (MLA)")
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="multi-token prediction layers: each predicts one more future token with the main "
+                        "model's embedding and output layer (default: none)")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                   help="weight of the MTP loss (the mean over MTP layers) in the training loss")
+    g = p.add_argument_group("MoE router and dispatcher (Megatron-LM's flags, DeepSeek-V3)")
+    g.add_argument("--moe-router-score-function", choices=SCORE_FUNCTIONS, default="softmax",
+                   help="router score function")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free balancing: a per-expert bias added to the scores for the top-k choice, "
+                        "updated every step from the tokens each expert received (needs sigmoid scores)")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="step of the expert-bias update (DeepSeek-V3's value)")
+    g.add_argument("--moe-router-group-topk", type=int, default=None,
+                   help="group-limited routing: groups each token may use (needs --moe-router-num-groups)")
+    g.add_argument("--moe-router-num-groups", type=int, default=None,
+                   help="group-limited routing: equal groups the experts are divided into")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                   help="scale of the top-k routing weights (default: none, unscaled)")
+    g.add_argument("--moe-router-dtype", choices=ROUTER_DTYPES, default=None,
+                   help="dtype of routing and of the weighted sum of expert outputs (default: the compute dtype)")
+    g.add_argument("--moe-router-force-load-balancing", action="store_true",
+                   help="[experimental, benchmarks only] route on random logits, evenly")
+    g.add_argument("--moe-flex-dispatcher-backend", choices=FLEX_BACKENDS, default="deepep",
+                   help="backend of --moe-token-dispatcher-type flex (GPU kernels; substituted by alltoall "
+                        "where missing)")
+    g.add_argument("--moe-permute-fusion", action="store_true",
+                   help="fused token permutation (Transformer Engine kernels; unfused where missing)")
+
+
+def validate_deepseek(args) -> None:
+    """Megatron-LM's and Megatron-Core's rules for MLA, MTP and the router, checked before any process group."""
+    if args.multi_latent_attention:
+        if args.group_query_attention:
+            _fail("--multi-latent-attention and --group-query-attention exclude each other (Megatron-LM's rule): "
+                  "MLA compresses keys and values itself")
+        for name in ("kv_lora_rank", "qk_head_dim", "v_head_dim", "qk_pos_emb_head_dim"):
+            if getattr(args, name) < 1:
+                _fail(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
+        if args.qk_pos_emb_head_dim % 2:
+            _fail(f"--qk-pos-emb-head-dim {args.qk_pos_emb_head_dim} must be even (RoPE rotates channel pairs)")
+        if args.q_lora_rank is not None and args.q_lora_rank < 1:
+            _fail(f"--q-lora-rank={args.q_lora_rank} must be at least 1 (or left out: a full-rank query)")
+        if args.position_embedding_type != "rope":
+            _fail("--multi-latent-attention applies its YaRN RoPE to the --qk-pos-emb-head-dim channels: it needs "
+                  "--position-embedding-type rope")
+    mtp = args.mtp_num_layers
+    if mtp is not None:
+        if mtp < 1:
+            _fail(f"--mtp-num-layers={mtp} must be at least 1 (or left out)")
+        if args.position_embedding_type not in ("learned_absolute", "rope", "none"):
+            _fail("--mtp-num-layers needs --position-embedding-type learned_absolute, rope or none")
+    router = [f for f in ROUTER_FIELDS if getattr(args, f) != _ROUTER_DEFAULTS[f]]
+    if args.num_experts is None:
+        if router:
+            _fail(f"--{router[0].replace('_', '-')} configures the MoE router: it needs --num-experts")
+        return
+    if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
+        _fail("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (Megatron-Core's rule)")
+    groups, group_topk = args.moe_router_num_groups, args.moe_router_group_topk
+    if group_topk is not None:
+        if groups is None:
+            _fail("--moe-router-group-topk needs --moe-router-num-groups")
+        if not 1 <= group_topk <= groups:
+            _fail(f"--moe-router-group-topk {group_topk} must be between 1 and --moe-router-num-groups {groups}")
+    if groups is not None:
+        if groups < 1 or args.num_experts % groups:
+            _fail(f"--moe-router-num-groups {groups} must divide --num-experts {args.num_experts}")
+        if group_topk is not None and args.moe_router_topk > group_topk * (args.num_experts // groups):
+            _fail(f"--moe-router-topk {args.moe_router_topk} exceeds the experts of {group_topk} groups of "
+                  f"{args.num_experts // groups} (--moe-router-group-topk x experts per group)")
+    if args.moe_router_bias_update_rate < 0:
+        _fail(f"--moe-router-bias-update-rate={args.moe_router_bias_update_rate} must not be negative")
+
+
+_ROUTER_DEFAULTS = dict(moe_router_score_function="softmax", moe_router_enable_expert_bias=False,
+                        moe_router_bias_update_rate=1e-3, moe_router_group_topk=None, moe_router_num_groups=None,
+                        moe_router_topk_scaling_factor=None, moe_router_dtype=None,
+                        moe_router_force_load_balancing=False)
+
+
+def deepseek_config_fields(args) -> dict:
+    """The (MLA)TransformerConfig fields of the DeepSeek flags; ``multi_latent_attention`` selects
+    ``MLATransformerConfig`` (model.py), whose RoPE is YaRN, as Megatron-LM's."""
+    fields = {}
+    if args.multi_latent_attention:
+        fields.update({name: getattr(args, name) for name in MLA_FIELDS}, multi_latent_attention=True,
+                      rotary_base=args.rotary_base, rotary_percent=args.rotary_percent)
+    if args.mtp_num_layers is not None:
+        fields.update(mtp_num_layers=args.mtp_num_layers, mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
+    if args.num_experts is not None:
+        fields.update({name: getattr(args, name) for name in ROUTER_FIELDS})
+    return fields

@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("mixture of experts")
     g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: dense MLPs)")
     g.add_argument("--moe-router-topk", type=int, default=2)
-    g.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"], default="allgather")
+    g.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather", "flex"], default="allgather",
+                   help="flex: DeepEP/HybridEP kernels (--moe-flex-dispatcher-backend), alltoall where missing")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="default: --ffn-hidden-size")
     g.add_argument("--expert-model-parallel-size", type=int, default=1)
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="default: tensor parallel size")

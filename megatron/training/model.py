@@ -14,13 +14,15 @@ import torch
 
 
 def transformer_config(args, cpu: bool):
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     from .architecture import transformer_config_fields
     from .compat_args import transformer_config_fields as compat_config_fields
 
     interleaved = args.virtual_pipeline_model_parallel_size is not None
-    return TransformerConfig(
+    # Megatron-LM's core_transformer_config_from_args: multi-latent attention has a config class of its own.
+    config_class = MLATransformerConfig if args.multi_latent_attention else TransformerConfig
+    return config_class(
         num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads, init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -47,8 +49,10 @@ def transformer_config(args, cpu: bool):
 def _moe_settings(args) -> dict:
     if args.num_experts is None:
         return {}
+    from .substitutions import dispatcher_settings
+
     return dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
-                moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+                **dispatcher_settings(args),
                 moe_ffn_hidden_size=args.moe_ffn_hidden_size,
                 expert_model_parallel_size=args.expert_model_parallel_size,
                 expert_tensor_parallel_size=args.expert_tensor_parallel_size,
@@ -61,7 +65,7 @@ def _layer_spec(args, config, cpu: bool, vp_stage):
         from megatron.fsdp.mcore.cpu_mode import cpu_layer_spec
 
         return cpu_layer_spec(config, vp_stage=vp_stage)
-    # Megatron-LM's block spec: per-layer dense/MoE specs (--moe-layer-freq), qk-layernorm and the
+    # Megatron-LM's block spec: per-layer dense/MoE specs (--moe-layer-freq), qk-layernorm, MLA and the
     # normalization from the config, this stage's layers only.
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -69,11 +73,27 @@ def _layer_spec(args, config, cpu: bool, vp_stage):
                                       normalization=config.normalization, vp_stage=vp_stage)
 
 
+def mtp_block_spec(config, block_spec, cpu: bool, use_transformer_engine: bool = False, vp_stage=None):
+    """The multi-token prediction block of this stage (None without --mtp-num-layers, or off the MTP stage):
+    Megatron-LM's ``get_gpt_mtp_block_spec`` around the decoder's last layer spec."""
+    if not getattr(config, "mtp_num_layers", None):
+        return None
+    if cpu:
+        from megatron.fsdp.mcore.cpu_mode import cpu_mtp_block_spec
+
+        return cpu_mtp_block_spec(config, block_spec, vp_stage=vp_stage)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    return get_gpt_mtp_block_spec(config, block_spec, use_transformer_engine=use_transformer_engine,
+                                  vp_stage=vp_stage)
+
+
 def gpt_chunks(config, layer_spec_for, vocab_size: int, max_sequence_length: int,
-               tie_embeddings: bool = True, **gpt_model_kwargs) -> List[torch.nn.Module]:
+               tie_embeddings: bool = True, mtp_spec_for=None, **gpt_model_kwargs) -> List[torch.nn.Module]:
     """One ``GPTModel`` per virtual pipeline stage of this rank, as Megatron-LM's ``get_model`` builds them.
 
-    ``layer_spec_for(vp_stage)`` gives the layer spec of each chunk; ``gpt_model_kwargs`` are further
+    ``layer_spec_for(vp_stage)`` gives the layer spec of each chunk, ``mtp_spec_for(config, layer spec,
+    vp_stage)`` its multi-token prediction block (``mtp_block_spec``); ``gpt_model_kwargs`` are further
     ``GPTModel`` arguments (position embedding type, rotary base and percent).
     """
     gpt_model_kwargs.setdefault("position_embedding_type", "learned_absolute")
@@ -89,10 +109,12 @@ def gpt_chunks(config, layer_spec_for, vocab_size: int, max_sequence_length: int
         else:
             pre = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
             post = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
-        model = GPTModel(config=config, transformer_layer_spec=layer_spec_for(vp_stage), vocab_size=vocab_size,
+        spec = layer_spec_for(vp_stage)
+        mtp = mtp_spec_for(config, spec, vp_stage) if mtp_spec_for is not None else None
+        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
                          max_sequence_length=max_sequence_length, pre_process=pre, post_process=post,
                          parallel_output=True, share_embeddings_and_output_weights=tie_embeddings,
-                         vp_stage=vp_stage, **gpt_model_kwargs)
+                         vp_stage=vp_stage, mtp_block_spec=mtp, **gpt_model_kwargs)
         model.model_type = ModelType.encoder_or_decoder
         for param in model.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
@@ -106,8 +128,10 @@ def build_model_chunks(args, config, vocab_size: int, cpu: bool) -> List[torch.n
     from .architecture import gpt_model_fields
 
     def build():
+        te = args.transformer_impl == "transformer_engine"
         return gpt_chunks(config, lambda vp_stage: _layer_spec(args, config, cpu, vp_stage), vocab_size,
                           args.max_position_embeddings, not args.untie_embeddings_and_output_weights,
+                          mtp_spec_for=lambda c, spec, vp: mtp_block_spec(c, spec, cpu, te, vp),
                           **gpt_model_fields(args))
     if config.init_model_with_meta_device:
         from megatron.fsdp.mcore.meta_init import build_on_meta_device
@@ -118,6 +142,19 @@ def build_model_chunks(args, config, vocab_size: int, cpu: bool) -> List[torch.n
         for model in chunks:
             model.cuda(torch.cuda.current_device())
     return chunks
+
+
+def expert_biases(model) -> dict:
+    """Every router's expert bias on this rank (``--moe-router-enable-expert-bias``), by chunk and module name."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    found = {}
+    for index, chunk in enumerate(model):
+        gpt = get_attr_wrapped_model(chunk, "pre_process", return_model_obj=True)
+        for name, buffer in gpt.named_buffers():
+            if name.endswith("expert_bias"):
+                found[f"{index}/{name}"] = buffer.detach().cpu().tolist()
+    return found
 
 
 def optimizer_config(args):

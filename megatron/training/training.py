@@ -16,7 +16,7 @@ from .checkpointing.async_save import CheckpointSaver
 from .checkpointing.files import CheckpointError
 from .initialize import announce_substitutions, initialize, shutdown
 from .logs.lines import IntervalLog, end_of_run_line, format_fields, gather_per_rank, insert_field, memory_line, memory_mib, persistent_line, print_rank_0, reset_peak_memory, summary
-from .logs.moe_losses import moe_aux_losses
+from .logs.moe_losses import moe_aux_losses, mtp_losses
 from .signal_handler import ExitSignalHandler
 from .logs.throughput import throughput
 from .logs.timers import IterationTimers
@@ -171,6 +171,7 @@ def _pretrain(args) -> dict:
         profiler.stop()
         controls.close()
     board.close()
+    history["expert_bias"] = model_lib.expert_biases(model)
     return history
 
 
@@ -205,7 +206,7 @@ def _train(args, device, model, optimizer, scheduler, forward_backward, forward_
         norm_of_params = model_lib.params_norm(model, optimizer) if args.log_params_norm else None
         consumed += batch
         scheduler.step(increment=batch)
-        losses = {"lm loss": _mean_loss(reduced), **moe_aux_losses(args, device)}
+        losses = {"lm loss": _mean_loss(reduced), **mtp_losses(args, device), **moe_aux_losses(args, device)}
         elapsed = time.perf_counter() - start
         trained_seconds += elapsed
         interval.add(elapsed, losses, skipped=not ok)

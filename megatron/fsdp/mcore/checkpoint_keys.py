@@ -12,7 +12,9 @@ adapter renames:
   each ``TransformerLayer.layer_number`` (1-based, already offset by the stage
   and virtual chunk): a checkpoint loads under another pipeline layout;
 - ``...mlp.experts.local_experts.{i}.`` -> ``{MoELayer.local_expert_indices[i]}``
-  (``ep_rank * num_local_experts + i``): a checkpoint loads under another EP size;
+  (``ep_rank * num_local_experts + i``): a checkpoint loads under another EP size; also in the
+  multi-token prediction layers (``mtp.layers.{j}.transformer_layer.``: all on one stage, so ``j``
+  is already global);
 - the last stage's copy of a tied output layer (``output_layer.weight`` on a stage
   without the embedding) -> ``embedding.word_embeddings.weight``: both copies hold
   the same values (their gradients are all-reduced over the embedding group), so
@@ -58,6 +60,7 @@ import torch
 from megatron.fsdp.checkpoint.pieces import GlobalPlacement
 
 _LAYER = re.compile(r"(^|\.)decoder\.layers\.(\d+)\.")
+_MTP_LAYER = re.compile(r"(^|\.)mtp\.layers\.(\d+)\.transformer_layer\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 _GROUPED = re.compile(r"\.mlp\.experts\.weight\d+$")
 
@@ -106,6 +109,10 @@ def _layer_maps(module: torch.nn.Module):
         indices = getattr(getattr(layer, "mlp", None), "local_expert_indices", None)
         if indices is not None:
             experts[i] = list(indices)
+    for j, layer in enumerate(getattr(getattr(module, "mtp", None), "layers", None) or []):
+        indices = getattr(getattr(getattr(layer, "transformer_layer", None), "mlp", None), "local_expert_indices", None)
+        if indices is not None:
+            experts[("mtp", j)] = list(indices)
     return offsets, experts
 
 
@@ -117,6 +124,9 @@ def global_key(name: str, module: torch.nn.Module, ranks: ParallelRanks, maps=No
     if m is not None:
         local_layer = int(m.group(2))
         key = f"{key[:m.start(2)]}{offsets.get(local_layer, local_layer)}{key[m.end(2):]}"
+    else:
+        mtp = _MTP_LAYER.search(key)
+        local_layer = ("mtp", int(mtp.group(2))) if mtp is not None else None
     e = _EXPERT.search(key)
     if e is not None and local_layer in experts:
         key = f"{key[:e.start(1)]}{experts[local_layer][int(e.group(1))]}{key[e.end(1):]}"

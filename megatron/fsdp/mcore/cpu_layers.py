@@ -60,7 +60,9 @@ class SDPACoreAttention(MegatronModule):
 
     def __init__(self, config, layer_number, attn_mask_type, attention_type,
                  attention_dropout=None, softmax_scale=None, cp_comm_type=None,
-                 pg_collection=None):
+                 pg_collection=None, k_channels=None, v_channels=None):
+        # k_channels/v_channels: multi-latent attention's query/key and value head sizes differ;
+        # SDPA reads them from the tensors (MLA passes its own YaRN softmax_scale).
         super().__init__(config=config)
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise NotImplementedError("SDPACoreAttention supports softmax_type='vanilla' only")
@@ -179,7 +181,7 @@ def _cpu_layer(spec):
             setattr(sub, name, CpuNorm)
     attention = sub.self_attention.submodules
     attention.core_attention = SDPACoreAttention
-    for name in ("q_layernorm", "k_layernorm"):
+    for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):  # kv_layernorm: multi-latent attention
         if getattr(attention, name, IdentityOp) not in (IdentityOp, L2Norm):
             setattr(attention, name, CpuNorm)
     return layer
@@ -216,6 +218,7 @@ def cpu_layer_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int
     local_spec_kwargs.setdefault("moe_grouped_gemm", config.moe_grouped_gemm)
     local_spec_kwargs.setdefault("qk_layernorm", config.qk_layernorm)
     local_spec_kwargs.setdefault("normalization", config.normalization)
+    local_spec_kwargs.setdefault("multi_latent_attention", getattr(config, "multi_latent_attention", False))
     moe = _cpu_layer(get_gpt_layer_local_spec(**local_spec_kwargs))
     dense = _cpu_layer(get_gpt_layer_local_spec(**{**local_spec_kwargs, "num_experts": None,
                                                    "moe_grouped_gemm": False}))
@@ -227,3 +230,20 @@ def cpu_layer_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     layers = [moe if is_moe else dense for is_moe in pattern[offset:offset + count]]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=CpuNorm)
+
+
+def cpu_mtp_block_spec(config, block_spec, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None):
+    """The multi-token prediction block of this stage on CPU (None off the MTP stage): Megatron-Core's
+    local MTP spec around ``block_spec``'s last layer (Megatron-LM's choice), with CPU norms for its
+    embedding, hidden-state and final norms (the local ones reject sequence parallel)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    spec = get_gpt_mtp_block_spec(config, block_spec, use_transformer_engine=False, vp_stage=vp_stage,
+                                  pp_rank=pp_rank)
+    if spec is None:
+        return None
+    spec = copy.deepcopy(spec)
+    for layer in spec.layer_specs:
+        for name in ("enorm", "hnorm", "layer_norm"):
+            setattr(layer.submodules, name, CpuNorm)
+    return spec

@@ -17,6 +17,9 @@ after ``parallel_state.initialize_model_parallel``, warns once per process and i
 3. MoE: ``moe_utils.te_general_gemm`` is only bound when Transformer Engine imports
    (NameError in the router); the all-to-all dispatcher creates a CUDA stream and
    turns split sizes into host lists only for CUDA tensors.
+   Multi-latent attention's YaRN RoPE builds its tables on ``torch.cuda.current_device()``:
+   it is built with ``use_cpu_initialization``; its ``isinstance(..., TELinear)`` checks run
+   when the Transformer Engine extension imports without Transformer Engine (``TELinear`` is None).
 4. ``grouped_gemm_util``: a per-expert matmul loop for the CUDA-only ``grouped_gemm``.
 5. ``schedules.deallocate_output_tensor`` keeps the old storage referenced from the
    output tensor. With ``overlap_p2p_comm`` (Megatron-LM's default under
@@ -60,7 +63,7 @@ from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.utils import GlobalMemoryBuffer
 
 __all__ = [
-    "CpuModeWarning", "CpuNorm", "SDPACoreAttention", "cpu_layer_spec", "cpu_mode_enabled",
+    "CpuModeWarning", "CpuNorm", "SDPACoreAttention", "cpu_layer_spec", "cpu_mode_enabled", "cpu_mtp_block_spec",
     "disable_cpu_mode", "enable_cpu_mode", "model_parallel_manual_seed",
 ]
 
@@ -219,6 +222,26 @@ def _patch_moe() -> None:
         _PATCHES.set(grouped_gemm_util, "ops", stand_in.ops)
 
 
+def _patch_mla() -> None:
+    """Multi-latent attention builds its YaRN RoPE without ``use_cpu_initialization``, so the rotary
+    tables go to ``torch.device(torch.cuda.current_device())``, which a CPU build refuses to enter."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+    from megatron.core.transformer import multi_latent_attention
+
+    if not isinstance(multi_latent_attention.TELinear, type):  # no Transformer Engine: its classes are None
+        _PATCHES.set(multi_latent_attention, "HAVE_TE", False)
+    init = YarnRotaryEmbedding.__init__
+    if getattr(init, "_cpu_mode", False):
+        return
+
+    def init_on_cpu(self, *args, **kwargs):
+        kwargs["use_cpu_initialization"] = True
+        init(self, *args, **kwargs)
+
+    init_on_cpu._cpu_mode = True
+    _PATCHES.set(YarnRotaryEmbedding, "__init__", init_on_cpu)
+
+
 def _patch_schedules() -> None:
     from megatron.core.pipeline_parallel import schedules
 
@@ -334,6 +357,7 @@ def enable_cpu_mode(seed: int) -> None:
     parallel_state._GLOBAL_MEMORY_BUFFER = _CpuMemoryBuffer()
     model_parallel_manual_seed(seed)
     _patch_moe()
+    _patch_mla()
     _patch_schedules()
     _redirect_cuda_to_cpu()
 
@@ -362,5 +386,5 @@ def cpu_mode_enabled() -> bool:
 
 # The CPU model parts, kept importable from here.
 from .cpu_layers import (  # noqa: E402,F401
-    CpuNorm, SDPACoreAttention, _AllGatherSequence, _load_balanced_positions, cpu_layer_spec,
+    CpuNorm, SDPACoreAttention, _AllGatherSequence, _load_balanced_positions, cpu_layer_spec, cpu_mtp_block_spec,
 )

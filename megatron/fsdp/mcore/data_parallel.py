@@ -127,19 +127,24 @@ def check_configs(config: TransformerConfig, ddp_config: DistributedDataParallel
 
 
 def _tied_embedding_units(module: torch.nn.Module):
-    """With tied embeddings split over pipeline stages, the shared weight gets a unit of its own.
+    """With tied embeddings split over pipeline stages, the shared weight gets a unit of its own;
+    so does the word embedding of the first stage and its copy on the multi-token prediction stage.
 
     Both stages then lay it out identically, so its gradient pieces line up
     across the embedding group and can be all-reduced shard by shard.
     """
-    if not getattr(module, "share_embeddings_and_output_weights", False):
+    shared = getattr(module, "share_embeddings_and_output_weights", False)
+    mtp = getattr(module, "mtp_process", False)  # the MTP stage keeps a copy of the word embedding
+    if not (shared or getattr(getattr(module, "config", None), "mtp_num_layers", None)):
         return []
     pre, post = getattr(module, "pre_process", False), getattr(module, "post_process", False)
-    if pre and not post:
+    if pre and (post or mtp):
+        return []  # both on this chunk: one parameter, in the root unit
+    if pre or mtp:
         return [module.embedding.word_embeddings]
-    if post and not pre:
+    if post and shared:
         return [module.output_layer]
-    return []  # both on this chunk: one parameter, in the root unit
+    return []
 
 
 def meta_init_arguments(module: torch.nn.Module) -> dict:

@@ -52,8 +52,12 @@ def _tensor_parallel_grads(model, config, tp_group) -> None:
             piece.div_(size)
 
 
-def _tied_embedding_grads(model, embd_group) -> None:
-    """Sum the shared word-embedding / output-layer gradient over the first and last stage."""
+def _tied_embedding_grads(model, config, embd_group) -> None:
+    """Sum the shared word-embedding / output-layer gradient over the first and last stage.
+
+    With multi-token prediction the last stage holds a copy of the word embedding (its MTP layers
+    embed the shifted tokens) even when the output layer is untied: Megatron-Core sums that copy's
+    gradient with the first stage's as well (``_get_shared_word_embedding_weight``)."""
     if embd_group is None or dist.get_world_size(embd_group) == 1:
         return
     if dist.get_rank() not in dist.get_process_group_ranks(embd_group):
@@ -62,12 +66,42 @@ def _tied_embedding_grads(model, embd_group) -> None:
 
     chunk = model[0] if ps.is_pipeline_first_stage(ignore_virtual=True) else model[-1]
     module = get_attr_wrapped_model(chunk, "pre_process", return_model_obj=True)
-    if not getattr(module, "share_embeddings_and_output_weights", False):
+    if not (getattr(module, "share_embeddings_and_output_weights", False) or getattr(config, "mtp_num_layers", None)):
         return
     weight = module.shared_embedding_or_output_weight()
     if weight is None or not weight.requires_grad:
         return
     _all_reduce_pieces([chunk.fsdp.main_grad_piece(chunk.fsdp.param_name(weight))], embd_group)
+
+
+def _routers_with_expert_bias(model):
+    for chunk in model:
+        for module in chunk.fsdp.module.modules():
+            if getattr(module, "expert_bias", None) is not None:
+                yield module
+
+
+def _update_router_expert_bias(model, config) -> None:
+    """Aux-loss-free balancing: move each router's expert bias against its load, once per step.
+
+    The bias is a buffer, outside the optimizer and outside the flat buffers: every rank holds it
+    whole. The tokens each expert received this step are summed over the tensor x data (x context)
+    parallel group of this stage, which saw the whole global batch, so every replica computes the
+    same update from the same counts and the bias stays identical everywhere, at any level and on
+    any mesh (Megatron-Core's ``_update_router_expert_bias``, its ``get_updated_expert_bias``).
+    The counts are then cleared for the next step.
+    """
+    from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
+
+    routers = list(_routers_with_expert_bias(model))
+    if not routers:  # a stage of dense layers only
+        return
+    counts = torch.stack([router.local_tokens_per_expert for router in routers])
+    biases = torch.stack([router.expert_bias for router in routers])
+    updated = get_updated_expert_bias(counts, biases, config.moe_router_bias_update_rate)
+    for router, bias in zip(routers, updated):
+        router.expert_bias.copy_(bias)
+        router.local_tokens_per_expert.zero_()
 
 
 def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torch.Tensor] = None,
@@ -81,7 +115,9 @@ def finalize_model_grads(model: List[torch.nn.Module], num_tokens: Optional[torc
         chunk.finish_grad_sync()
     index = model[0].index
     _tensor_parallel_grads(model, config, index.tp)
-    _tied_embedding_grads(model, index.embd)
+    _tied_embedding_grads(model, config, index.embd)
+    if getattr(config, "moe_router_enable_expert_bias", False):
+        _update_router_expert_bias(model, config)
     if num_tokens is not None:
         pp_group = index.pp if index.pp is not None else ps.get_pipeline_model_parallel_group()
         last = dist.get_process_group_ranks(pp_group)[-1]

@@ -23,7 +23,9 @@ library; instead :func:`build_on_meta_device` runs the model's constructors unde
 replays that submodule's records in recorded order. The replay draws the same random
 numbers as the eager constructors whenever the constructors drew them in
 ``modules()`` order; :meth:`MetaInitRecipe.out_of_order` names any module for which
-they did not (none in Megatron-Core 0.16.1's GPT: DP, TP, PP, MoE; see docs/adapter.md).
+they did not (none in Megatron-Core 0.16.1's GPT: DP, TP, PP, MoE; see docs/adapter.md). A weight a
+constructor draws and then drops (multi-latent attention's first ``linear_proj``) is drawn again,
+into scratch, before the next kept one (``_attach_discarded_draws``).
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ class _Record:
     size: Tuple[int, ...] = ()
     stride: Tuple[int, ...] = ()
     whole: bool = True             # applies to the whole tensor (a factory or a call), not a view
+    # Draws of tensors the constructors made and then dropped, due just before this record:
+    # (meta tensor, its records, its eager device). Replayed into scratch so the generators advance as eagerly.
+    discarded: List[Tuple[torch.Tensor, List["_Record"], torch.device]] = dataclasses.field(default_factory=list)
 
 
 class _Tape:
@@ -72,10 +77,12 @@ class _Tape:
         self.order: List[Tuple[int, _Record]] = []
         self.devices: Dict[int, torch.device] = {}  # where the eager constructor would have put each tensor
         self.keep: List[torch.Tensor] = []  # recorded storages stay alive, so their keys stay unique
+        self.tensors: Dict[int, torch.Tensor] = {}  # the first recorded tensor of each storage
         self.suppressed = 0
 
     def add(self, target: torch.Tensor, record: _Record) -> None:
         self.keep.append(target)
+        self.tensors.setdefault(_key(target), target)
         self.records.setdefault(_key(target), []).append(record)
         self.order.append((_key(target), record))
 
@@ -103,6 +110,8 @@ class _Recorder(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func in _FACTORIES or func in _LIKE:
             device = kwargs.get("device")
+            if isinstance(device, int) and not isinstance(device, bool):
+                device = torch.device("cuda", device)  # torch.cuda.current_device()'s index (the router's buffers)
             if device is not None and torch.device(device).type == "cpu":
                 return func(*args, **kwargs)  # an explicit CPU tensor (index tables...): built for real
             real_kwargs = {k: v for k, v in kwargs.items() if k != "device"}
@@ -284,6 +293,11 @@ class MetaInitRecipe:
             tensor.copy_(staged)
             return
         for record in holder.records:
+            for dropped, records, device in record.discarded:
+                scratch = torch.empty(dropped.untyped_storage().nbytes() // dropped.element_size(), dtype=dropped.dtype,
+                                      device=device).as_strided(dropped.shape, dropped.stride(), dropped.storage_offset())
+                MetaInitRecipe._replay(_Holder(records, dropped.storage_offset(), device), scratch, None,
+                                       "a dropped tensor")
             if record.replay is None:
                 raise RuntimeError(
                     f"{type(module).__name__ if module is not None else ''}.{name}: its constructor ran {record.name} with another meta tensor "
@@ -300,9 +314,30 @@ def build_on_meta_device(build: Callable[[], Any]) -> Any:
     tape = _Tape()
     with _patched_affine_inits(tape), _deferred_all_reduce(tape), torch.device("meta"), _Recorder(tape):
         built = build()
-    for chunk in (built if isinstance(built, (list, tuple)) else [built]):
+    chunks = built if isinstance(built, (list, tuple)) else [built]
+    _attach_discarded_draws(tape, chunks)
+    for chunk in chunks:
         _RECIPES[chunk] = MetaInitRecipe(chunk, tape)
     return built
+
+
+def _attach_discarded_draws(tape: _Tape, chunks) -> None:
+    """A constructor may draw a weight and then replace its module (Megatron-Core 0.16.1's
+    multi-latent attention builds ``linear_proj`` in ``Attention.__init__`` and again in its own):
+    the eager build's generators advanced for the dropped weight. Its draws are replayed, into
+    scratch, just before the next draw of a tensor the model kept, so every later weight matches."""
+    kept = {_key(t) for chunk in chunks for t in list(chunk.parameters()) + list(chunk.buffers())}
+    pending: List[int] = []
+    for key, record in tape.order:
+        if record.name not in _RANDOM:
+            continue
+        if key not in kept:
+            if key not in pending:
+                pending.append(key)
+        elif pending:
+            record.discarded.extend((tape.tensors[k], tape.records[k], tape.devices.get(k, torch.device("cpu")))
+                                    for k in pending)
+            pending = []
 
 
 def recipe_of(module: torch.nn.Module) -> Optional[MetaInitRecipe]:

@@ -166,7 +166,9 @@ def get_fsdp_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.Modu
         engines, cls, clip_grad=config.clip_grad, **decoupled_lr_groups(config, model_chunks),
         no_weight_decay=no_weight_decay_cond or mfsdp.megatron_no_weight_decay,
         counts_in_norm=_counts_in_norm(index.tp_rank),
-        norm_groups=[index.mp], expert_norm_groups=[index.expt_mp],
+        # With experts in the model every stage joins the expert norm, also a stage without MoE layers.
+        norm_groups=[index.mp],
+        expert_norm_groups=[index.expt_mp] if getattr(model_chunks[0].config, "num_moe_experts", None) else None,
         state_dtype={"exp_avg": precision.exp_avg_dtype, "exp_avg_sq": precision.exp_avg_sq_dtype},
         main_grads_dtype=precision.main_grads_dtype, **kwargs)
     # Keys Megatron's OptimizerParamScheduler reads from every param group (the matrix group decays);

@@ -99,6 +99,11 @@ class FullyShardedOptimizer:
                                      for k, group in enumerate(self.expert_norm_groups if section == EXPERT
                                                                else self.norm_groups)]
                            for section in first.sections}
+        # Given expert norm groups but no expert section here (a pipeline stage of dense layers only,
+        # DeepSeek's first layers): this rank still joins the expert norm's sums over those groups,
+        # with nothing to add, or the stages that hold experts would wait for it.
+        self._absent_expert_axes = [] if expert_norm_groups is None or EXPERT in first.sections else [
+            CommAxis(f"{EXPERT}_norm_group{k}", group, first.ledger) for k, group in enumerate(self.expert_norm_groups)]
         weight_decay = optimizer_kwargs.get("weight_decay", 0.0)
         group_options = dict(group_options or {})
         if "" in group_options:
@@ -263,6 +268,11 @@ class FullyShardedOptimizer:
             if tensors:
                 sq += torch.stack([t.float().pow(2).sum() for t in tensors]).sum()
             total += float(self.reduce_over_section(sq, section).item())
+        if self._absent_expert_axes:
+            sq = torch.zeros(1, dtype=torch.float32, device=self._grads[0].device if self._grads else "cpu")
+            for axis in self._absent_expert_axes:
+                axis.all_reduce(sq, tag="grad_norm").wait()
+            total += float(sq.item())
         return math.sqrt(total)
 
     def finish_grad_sync(self) -> None:

@@ -19,7 +19,11 @@ from typing import Any, List, Mapping, Optional
 MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length",
                     "max_position_embeddings", "true_vocab_size", "padded_vocab_size", "num_experts",
                     "moe_ffn_hidden_size", "untie_embeddings_and_output_weights", "add_bias_linear",
-                    "moe_grouped_gemm")
+                    "moe_grouped_gemm",
+                    # DeepSeek-V3 shapes: multi-latent attention's projections, the MTP layers, which layers
+                    # are MoE, and the router's expert-bias buffer.
+                    "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                    "v_head_dim", "mtp_num_layers", "moe_layer_freq", "moe_router_enable_expert_bias")
 # Arguments that change what the same weights compute (compared from common.json's "args", where every
 # argument is recorded, so checkpoints written before this list existed are compared too).
 # (--rotary-base and --rotary-percent stay free: context extension changes them on purpose.)

@@ -41,11 +41,42 @@ def moe_aux_losses(args, device: torch.device) -> Dict[str, float]:
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker, track_moe_metrics
 
     tracker = get_moe_layer_wise_logging_tracker()
+    # The routers of MTP layers log after the decoder's (Megatron-Core's tracker holds both): every
+    # pipeline stage needs the same length, since the reduction sums the stages' tensors.
+    layers = args.num_layers + (getattr(args, "mtp_num_layers", None) or 0)
     for name in names:
         if name not in tracker:
-            tracker[name] = {"values": torch.zeros(args.num_layers, device=device), "reduce_group": None,
+            tracker[name] = {"values": torch.zeros(layers, device=device), "reduce_group": None,
                              "avg_group": None, "reduce_group_has_dp": False}
     totals: Dict[str, torch.Tensor] = {}
     track_moe_metrics(loss_scale=1.0 / args.num_micro_batches, iteration=0, total_loss_dict=totals,
-                      track_names=names, num_layers=args.num_layers)
+                      track_names=names, num_layers=args.num_layers,
+                      moe_layer_freq=args.moe_layer_freq, mtp_num_layers=getattr(args, "mtp_num_layers", None))
     return {name: float(totals[name]) for name in names if name in totals}
+
+
+def mtp_losses(args, device: torch.device) -> Dict[str, float]:
+    """This iteration's multi-token prediction losses, ``mtp_1 loss`` ... as Megatron-LM logs them
+    (``MTPLossLoggingHelper.track_mtp_metrics``: each MTP layer's mean token loss, averaged over the
+    data-parallel ranks and the micro-batches); clears the tracker.
+
+    The MTP layers sit on the last pipeline stage: the values come from there, broadcast over the
+    pipeline group so every rank (rank 0 prints) has them. Call it on every rank, every iteration.
+    """
+    layers = getattr(args, "mtp_num_layers", None)
+    if not layers:
+        return {}
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    values = torch.zeros(layers, dtype=torch.float64, device=device)
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        totals: Dict[str, torch.Tensor] = {}
+        MTPLossLoggingHelper.track_mtp_metrics(loss_scale=1.0 / args.num_micro_batches, iteration=0, writer=None,
+                                               total_loss_dict=totals)
+        for i in range(layers):
+            if f"mtp_{i + 1} loss" in totals:
+                values[i] = float(totals[f"mtp_{i + 1} loss"])
+    dist.broadcast(values, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+    return {f"mtp_{i + 1} loss": float(values[i]) for i in range(layers)}

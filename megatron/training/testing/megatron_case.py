@@ -81,3 +81,6 @@ def megatron_case():
             from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
             get_moe_layer_wise_logging_tracker().clear()
+            from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+            MTPLossLoggingHelper.tracker.clear()  # the MTP loss tracker too (its averaging group)
