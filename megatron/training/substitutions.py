@@ -19,12 +19,13 @@ import argparse
 from typing import Callable, List, Tuple
 
 from .compat_args import compat_substitutions
+from .fsdp_recipe import fsdp_recipe_substitutions
 from .profiling import profiling_substitutions
 from .substitution_record import Substitution
 
 
 Provider = Callable[[argparse.Namespace], List[Substitution]]
-PROVIDERS: Tuple[Provider, ...] = (compat_substitutions, profiling_substitutions)
+PROVIDERS: Tuple[Provider, ...] = (compat_substitutions, profiling_substitutions, fsdp_recipe_substitutions)
 
 
 def substitutions(args: argparse.Namespace, providers: Tuple[Provider, ...] = None) -> List[Substitution]:
