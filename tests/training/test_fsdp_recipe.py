@@ -15,7 +15,7 @@ REQUIRED = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_g
 RECOMMENDED = ["--calculate-per-token-loss", "--init-model-with-meta-device", "--grad-reduce-in-bf16",
                "--fsdp-double-buffer", "--use-nccl-ub"]
 SHORT = PRETRAIN_MODEL + ["--bf16", "--train-iters", "3", "--eval-interval", "3"]
-BF16_RTOL = 2 ** -7  # two bf16 roundings (the bf16 gradient, its bf16 sum) of the same quantities
+BF16_RTOL = 2 ** -8  # bf16's rounding unit; measured: losses within 9e-6, grad norms within 1.4e-4
 
 
 def _run(argv):
