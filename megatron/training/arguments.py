@@ -17,6 +17,7 @@ from .compat_args import add_compat_args, validate_compat
 from .profiling import add_profiling_args, validate_profiling
 from .schedule import add_schedule_args, check_learning_rates, resolve_train_length
 from .errors import ArgumentError
+from .fsdp_recipe import add_fsdp_recipe_args, validate_fsdp_recipe
 from .argument_help import DefaultsHelpFormatter, show_every_default
 from .logs.writers import add_writer_args, validate_writers
 
@@ -118,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="size of the outer axis: the data-parallel ranks split into this many domains")
     g.add_argument("--no-grad-reduce-in-fp32", dest="grad_reduce_in_fp32", action="store_false",
                    help="reduce gradients in the compute dtype instead of fp32")
+    add_fsdp_recipe_args(p)
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--data-path", nargs="*", default=None)
@@ -265,6 +267,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.eval_interval = args.train_iters
     _validate_moe(args, world_size)
     _validate_initialisation(args)
+    validate_fsdp_recipe(args)
     _validate_precision_aware_optimizer(args)
     _validate_checkpointing(args)
     _validate_data(args)

@@ -18,6 +18,7 @@ def transformer_config(args, cpu: bool):
 
     from .architecture import transformer_config_fields
     from .compat_args import transformer_config_fields as compat_config_fields
+    from .fsdp_recipe import gradient_accumulation_fusion
 
     interleaved = args.virtual_pipeline_model_parallel_size is not None
     # Megatron-LM's core_transformer_config_from_args: multi-latent attention has a config class of its own.
@@ -37,9 +38,11 @@ def transformer_config(args, cpu: bool):
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
         recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
-        # Fused CUDA kernels do not exist on CPU; gradient-accumulation fusion writes
-        # into param.main_grad, which the sharded engine replaces. The fusion flags: compat_args.py.
-        gradient_accumulation_fusion=False, bias_dropout_fusion=not cpu, persist_layer_norm=not cpu,
+        # Fused CUDA kernels do not exist on CPU. Gradient-accumulation fusion (Megatron-LM's default, off
+        # with --no-gradient-accumulation-fusion) only where APEX's kernel exists (fsdp_recipe.py).
+        # The other fusion flags: compat_args.py.
+        gradient_accumulation_fusion=gradient_accumulation_fusion(args),
+        bias_dropout_fusion=not cpu, persist_layer_norm=not cpu,
         deallocate_pipeline_outputs=True, **compat_config_fields(args, cpu),
         overlap_p2p_comm=interleaved, batch_p2p_comm=not interleaved,
         add_bias_linear=args.add_bias_linear, **_moe_settings(args), **transformer_config_fields(args),
@@ -49,7 +52,7 @@ def transformer_config(args, cpu: bool):
 def _moe_settings(args) -> dict:
     if args.num_experts is None:
         return {}
-    from .substitutions import dispatcher_settings
+    from .moe_dispatch import dispatcher_settings
 
     return dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
                 **dispatcher_settings(args),
@@ -201,7 +204,9 @@ def wrap_and_optimize(args, config, chunks):
             expert_data_parallel_sharding_strategy=args.expert_data_parallel_sharding_strategy,
             expert_outer_dp_sharding_strategy=args.expert_outer_dp_sharding_strategy,
             expert_num_distributed_optimizer_instances=args.expert_num_distributed_optimizer_instances,
-            grad_reduce_in_fp32=args.grad_reduce_in_fp32, check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad)
+            grad_reduce_in_fp32=args.grad_reduce_in_fp32,
+            check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
+            fsdp_double_buffer=getattr(args, "fsdp_double_buffer", False))
         model = [FullyShardedDataParallel(config, ddp_config, chunk) for chunk in chunks]
         optimizer = get_fsdp_optimizer(opt_config, model, precision=optimizer_precision(args))
 

@@ -12,6 +12,11 @@ renaming and a reshape, in one process without a process group:
   torch_dist and ``[2, ffn, hidden]`` in fsdp_dtensor (the same row-major data).
   fsdp_dtensor's model weights are the fp32 main weights: from torch_dist they come from
   the optimizer's fp32 copy (``optimizer.state.param``/``fp32_param``) where there is one;
+- MoE (torch_dist -> fsdp_dtensor only): Megatron-Core's SequentialMLP experts are stacked
+  ``[layers, experts, ...]`` (``decoder.layers.mlp.experts.experts.<name>``, global expert
+  numbers), fsdp_dtensor keeps ``decoder.layers.<i>.mlp.experts.local_experts.<e>.<name>``; the
+  ChainedOptimizer's states (dense, experts) give the param groups and the step. GroupedMLP
+  (``--moe-grouped-gemm``) experts are refused;
 - Adam state: torch_dist's model-space layouts (the baseline's ``fully_reshardable``
   DistributedOptimizer, Megatron-Core's non-distributed optimizers:
   ``optimizer.state.{exp_avg,exp_avg_sq}.<key>``) <-> ``optimizer.state.<key>.<name>``;
@@ -41,6 +46,9 @@ import torch
 
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 STACKED = re.compile(r"^decoder\.layers\.(.+)$")
+# Megatron-Core's SequentialMLP in torch_dist: the layers and the (global) experts both stacked,
+# [layers, experts, ...]; fsdp_dtensor: one tensor per layer and expert, global expert numbers.
+EXPERTS = re.compile(r"^decoder\.layers\.mlp\.experts\.experts\.(.+)$")
 ADAM = ("exp_avg", "exp_avg_sq")
 # Megatron-Core's checkpoint names for the local spec's separate norms (its sharded_state_dict_keys_map: the
 # Transformer Engine layout, where the norm is fused into the next linear) <-> the module names.
@@ -137,6 +145,12 @@ def _fc1_gated(key: str, args) -> bool:
     return bool(getattr(args, "swiglu", False)) and re.search(r"\.linear_fc1\.(weight|bias)$", key) is not None
 
 
+def _refuse_grouped_experts(args) -> None:
+    if getattr(args, "num_experts", None) and getattr(args, "moe_grouped_gemm", False):
+        raise SystemExit("the torch_dist converter handles MoE models with Megatron-Core's SequentialMLP experts; "
+                         "--moe-grouped-gemm (GroupedMLP) experts are stored in another layout and are not converted yet")
+
+
 def _refuse_moe(args) -> None:
     if getattr(args, "num_experts", None):
         raise SystemExit("the torch_dist converter handles dense GPT models; MoE expert layouts differ between "
@@ -144,6 +158,19 @@ def _refuse_moe(args) -> None:
 
 
 # ------------------------------------------------------------ torch_dist -> fsdp
+def _indices(shape, layers: int, stacked, experts):
+    """The pieces of one torch_dist tensor: itself, one per layer, or one per layer and expert."""
+    if experts:
+        return [(i, e) for i in range(layers) for e in range(shape[1])]
+    return [(i,) for i in range(layers)] if stacked else [()]
+
+
+def _fsdp_name(td_key: str, index: tuple, stacked, experts) -> str:
+    if experts:
+        return module_name(f"decoder.layers.{index[0]}.mlp.experts.local_experts.{index[1]}.{experts.group(1)}")
+    return module_name(f"decoder.layers.{index[0]}.{stacked.group(1)}" if stacked else td_key)
+
+
 def _adam_group(source: Dict[str, Any], weight_decay: float) -> Dict[str, Any]:
     """One param group's hyperparameters as the engine's AdamW holds them (Megatron's extras left out)."""
     probe = torch.optim.AdamW([torch.zeros(1)], lr=float(source.get("lr", 1e-3)),
@@ -158,11 +185,17 @@ def _adam_group(source: Dict[str, Any], weight_decay: float) -> Dict[str, Any]:
 
 
 def _torch_dist_groups_and_step(optimizer: Dict[str, Any]) -> Tuple[list, int]:
-    inner = optimizer.get("optimizer", optimizer)
-    groups = list(inner.get("param_groups", []))
-    step = next((g["step"] for g in groups if g.get("step") is not None), None)
-    if step is None:
-        step = (inner.get("state") or {}).get("common_step")  # Megatron-Core's non-distributed optimizers
+    """Every param group and the step count; a ChainedOptimizer (MoE: the dense and the expert optimizer)
+    saves one state per optimizer under keys 0, 1, ..."""
+    parts = [optimizer[k] for k in sorted(k for k in optimizer if isinstance(k, int))] or [optimizer]
+    groups, step = [], None
+    for part in parts:
+        inner = part.get("optimizer", part)
+        groups += list(inner.get("param_groups", []))
+        if step is None:
+            step = next((g["step"] for g in groups if g.get("step") is not None), None)
+        if step is None:
+            step = (inner.get("state") or {}).get("common_step")  # Megatron-Core's non-distributed optimizers
     return groups, int(float(step)) if step is not None else 0
 
 
@@ -178,7 +211,7 @@ def from_torch_dist(source: str, out: str, iteration: Optional[int] = None) -> P
         raise SystemExit(f"{directory}: not a torch_dist checkpoint (no metadata.json naming torch_dist)")
     common = read_common(directory)
     args = common["args"]
-    _refuse_moe(args)
+    _refuse_grouped_experts(args)
     saved = _tensor_keys(_metadata(directory))
     layers = int(args.num_layers)
     optimizer = common.get("optimizer") or {}
@@ -187,22 +220,22 @@ def from_torch_dist(source: str, out: str, iteration: Optional[int] = None) -> P
         print(f"  optimizer state not converted: its layout ({optimizer.get('param_state_sharding_type')}) is not "
               "per parameter (Megatron-LM's default dp_reshardable; save with --dist-ckpt-optim-fully-reshardable "
               "there); load the result with --no-load-optim")
-    plan: Dict[str, Tuple[str, Optional[int]]] = {}  # fsdp key -> (torch_dist key, layer index or None)
+    plan: Dict[str, Tuple[str, tuple]] = {}  # fsdp key -> (torch_dist key, index into it: (), (layer,), (layer, expert))
     shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
     for k in sorted(k for k in saved if not k.startswith("optimizer.")):
         shape = saved[k][0]
-        stacked = STACKED.match(k)
+        stacked, experts = STACKED.match(k), EXPERTS.match(k)
         main = next((f"optimizer.state.{m}.{k}" for m in MAIN_COPIES if f"optimizer.state.{m}.{k}" in saved), k)
         sources = [("model.{}", main)] + ([(f"optimizer.state.{{}}.{n}", f"optimizer.state.{n}.{k}") for n in ADAM]
                                          if with_optimizer else [])
         # Grouped by source tensor: the writer takes them in this order (within a size), one read each.
         for pattern, td_key in sources:
-            for i in (range(layers) if stacked else [None]):
-                name = module_name(f"decoder.layers.{i}.{stacked.group(1)}" if stacked else k)
-                inner = shape[1:] if stacked else shape
+            for index in _indices(shape, layers, stacked, experts):
+                name = _fsdp_name(k, index, stacked, experts)
+                inner = shape[len(index):]
                 if _fc1_gated(name, args):
                     inner = (2, inner[0] // 2) + inner[1:]
-                plan[pattern.format(name)] = (td_key, i)
+                plan[pattern.format(name)] = (td_key, index)
                 shapes[pattern.format(name)] = (inner, torch.float32)
     objects: Dict[str, Any] = {}
     step = 0
@@ -220,11 +253,11 @@ def from_torch_dist(source: str, out: str, iteration: Optional[int] = None) -> P
     def produce(key: str) -> torch.Tensor:
         if key.endswith(".state.step"):
             return torch.tensor(float(step))
-        td_key, layer = plan[key]
+        td_key, index = plan[key]
         if td_key not in cache:  # one (stacked) torch_dist tensor in memory at a time
             cache.clear()
             cache.update(_read(directory, {td_key: saved[td_key]}))
-        value = cache[td_key] if layer is None else cache[td_key][layer]
+        value = cache[td_key][index]
         return value.to(torch.float32).reshape(shapes[key][0]).contiguous()
     it = int(common["iteration"])
     root, tmp = _new_tmp(out, it)

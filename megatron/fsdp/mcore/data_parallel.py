@@ -43,7 +43,7 @@ DEFAULT_UNIT_CLASSES = (TransformerLayer, MoELayer)
 # Megatron's own bucketed buffers or NCCL registration; the engine has its own
 # per-unit schedule). Setting one warns once; semantics-changing ones raise.
 _TUNING_FIELDS = ("bucket_size", "pad_buckets_for_high_nccl_busbw",
-                  "nccl_ub", "fsdp_double_buffer", "fsdp_manual_registration", "disable_symmetric_registration",
+                  "nccl_ub", "fsdp_manual_registration", "disable_symmetric_registration",
                   "align_param_gather", "check_for_large_grads")
 _warned = set()
 
@@ -204,6 +204,8 @@ class FullyShardedDataParallel(_BaseDataParallel):
             mixed_precision=mp,
             average_grads=average,
             experts=self._expert_sharding(module, experts, average),
+            # Persistent gather buffers (Megatron-Core's field; gather_buffers.py in the engine).
+            double_buffer=bool(getattr(ddp_config, "fsdp_double_buffer", False)),
             **overlap_arguments(ddp_config, module, unit_classes),
             **meta_init_arguments(module),
         ))

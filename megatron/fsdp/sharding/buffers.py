@@ -143,11 +143,26 @@ class UnitStorage:
         # Allocated at the first reduction into it, freed by ``zero_grads(set_to_none=True)``.
         self._bind_grads(_freed(accum_size, main_dtype, device))
         self.residency = Residency.SHARDED if self.releases else Residency.FULL
+        self.gather_buffer = None  # a persistent buffer for ``full`` (gather_buffers.py), or per-gather allocation
+        self._gather_name = ""
         if self.releases:
             _free(self.full)
             self._detach_params()
         else:
             self._attach_params()
+
+    def use_gather_buffer(self, buffer, name: str) -> None:
+        """Gather into ``buffer`` (a ``GatherBuffer``) from now on instead of allocating per gather.
+
+        Called once, while the unit is sharded: ``full`` and the parameter views become views
+        of the buffer, at the address every later gather of this unit reuses.
+        """
+        if not self.releases or self.residency is not Residency.SHARDED:
+            raise RuntimeError("a gather buffer is for a ZeRO-3 unit between uses")
+        self.gather_buffer, self._gather_name = buffer, name
+        self.full = buffer.view(self.layout.padded_size)
+        self._full_out = self.full.data
+        self.views = self._views_of(self.full)
 
     def _bind_grads(self, accum: torch.Tensor) -> None:
         """Make ``accum`` the gradient accumulator, ``main_grad`` its optimizer range, and decide
@@ -290,7 +305,10 @@ class UnitStorage:
         """ZeRO-3: materialise the full compute weights from the persistent shard."""
         if self.resident:
             return Handle()
-        _alloc(self.full)
+        if self.gather_buffer is not None:
+            self.gather_buffer.claim(self._gather_name)
+        else:
+            _alloc(self.full)
         self.residency = Residency.GATHERING  # FULL once the last stage has landed (_attach_params)
         lo, hi = self.regions.inner
         gather_buf = self._full_out
@@ -326,7 +344,10 @@ class UnitStorage:
         if self.residency is not Residency.FULL or not self.releases:
             return
         self._detach_params()
-        _free(self.full)
+        if self.gather_buffer is not None:
+            self.gather_buffer.release(self._gather_name)
+        else:
+            _free(self.full)
         self.residency = Residency.SHARDED
 
     def install_main_weights(self, tag: str) -> Handle:

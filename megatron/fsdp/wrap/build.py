@@ -17,6 +17,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple, Type
 import torch
 import torch.distributed as dist
 
+from ..sharding import gather_buffers
 from ..sharding.buffers import UnitStorage
 from ..collectives.comm import CommAxis, Ledger, collective
 from ..sharding.experts import DENSE, EXPERT, ExpertSharding, Section
@@ -103,6 +104,7 @@ def fully_shard(
     reductions_in_flight: Optional[int] = None,
     device: Optional[torch.device] = None,
     init_weights: Optional[Callable[[torch.nn.Module], None]] = None,
+    double_buffer: bool = False,
 ) -> FullyShardedModule:
     """Shard ``module``'s parameters, gradients and optimizer state over the data-parallel ranks.
 
@@ -119,6 +121,9 @@ def fully_shard(
     (default: the current CUDA device, else CPU), each submodule initialised by
     ``init_weights(submodule)`` or its own ``reset_parameters()`` in
     ``module.modules()`` order, keeping only this rank's shards (``meta_init.py``).
+    ``double_buffer=True`` gathers ZeRO-3 units into persistent buffers allocated once
+    (two per section and nesting depth, or the prefetch depth + 1) instead of allocating
+    at every gather (``gather_buffers.py``; Megatron-LM's ``--fsdp-double-buffer``).
     Every check that can fail runs before the first collective; the first
     collective here (a digest of parameter names, shapes and dtypes) makes all
     ranks fail together when the models differ. Then, as DDP does, every
@@ -192,6 +197,7 @@ def fully_shard(
 
     units: List[FSDPUnit] = []
     modules = dict(module.named_modules())
+    placed: List[gather_buffers.Candidate] = []
     for uname in unit_names:
         for section in (dense, expert):
             storage = storages.get((uname, section.name)) if section is not None else None
@@ -200,6 +206,11 @@ def fully_shard(
             label = uname if section is dense else f"{uname or '<root>'}[experts]"
             units.append(FSDPUnit(len(units), label, modules[uname], storage,
                                   [s.spec.name for s in storage.layout.slots]))
+            placed.append(gather_buffers.Candidate(units[-1].name, section.name, -1 if not uname else
+                                                   gather_buffers.nesting_depth(uname, unit_names),
+                                                   storage.layout.padded_size, storage.compute_dtype))
+    if double_buffer:
+        _use_gather_buffers(units, placed, max(overlap.forward_prefetch, overlap.backward_prefetch), device)
     root = units[0] if units and units[0].name == "<root>" else None
     runtime = Schedule(units, root, overlap)
     track(runtime)  # shutdown() waits for what it leaves in flight
@@ -212,6 +223,15 @@ def fully_shard(
     _guard_submodules(units, modules)
     sections = {DENSE: dense} if expert is None else {DENSE: dense, EXPERT: expert}
     return FullyShardedModule(module, runtime, units, sections, mp)
+
+
+def _use_gather_buffers(units: List[FSDPUnit], placed, depth: int, device: torch.device) -> None:
+    """The units that release their full weights (and have gradients) gather into persistent buffers."""
+    chosen = [(unit, c) for unit, c in zip(units, placed) if unit.storage.releases and unit.num_trainable]
+    assignment, shapes = gather_buffers.plan([c for _, c in chosen], depth)
+    buffers = gather_buffers.allocate(shapes, device)
+    for (unit, _), index in zip(chosen, assignment):
+        unit.storage.use_gather_buffer(buffers[index], unit.name)
 
 
 def _device_of_eager(named, device, init_weights) -> torch.device:

@@ -186,6 +186,9 @@ class FullyShardedModule(torch.nn.Module):
             compute += _nbytes(s.shard) if s.releases else _nbytes(s.full)
             main += 0 if s.shares_main else _nbytes(s.main)
             grads += _nbytes(s.grad_accum)
+        buffers = {id(u.storage.gather_buffer): u.storage.gather_buffer for u in self._units
+                   if u.storage.gather_buffer is not None}
+        compute += sum(b.nbytes for b in buffers.values())  # persistent gather buffers (double_buffer)
         state = optimizer.state_bytes() if optimizer is not None else 0
         return PersistentMemory(compute, main, grads, state)
 

@@ -1,0 +1,70 @@
+"""``--moe-token-dispatcher-type flex`` and ``--moe-permute-fusion`` where their kernels are missing.
+
+DeepSeek-V3's script asks for the flex dispatcher (DeepEP / HybridEP kernels) and Transformer Engine's
+fused permutation. Both only choose kernels: the same tokens reach the same experts with the same
+weights. Where the kernels are absent the job runs the alltoall dispatcher and the unfused
+permutation, says so in the start-up substitution line (``moe_dispatcher_substitutions``, listed in
+``substitutions.PROVIDERS``), and builds the TransformerConfig from the same decision
+(``dispatcher_settings``), so what is said and what runs cannot differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import List
+
+from .substitution_record import Substitution
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+# The modules each flex-dispatcher backend needs (Megatron-Core's fused_a2a imports them).
+FLEX_BACKEND_MODULES = {"deepep": "deep_ep", "hybridep": "deep_ep", "ncclep": "transformer_engine"}
+
+
+def _flex_runs_here(args) -> bool:
+    import torch
+
+    module = FLEX_BACKEND_MODULES.get(getattr(args, "moe_flex_dispatcher_backend", "deepep"))
+    return torch.cuda.is_available() and module is not None and _installed(module)
+
+
+def _permute_fusion_runs_here() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and _installed("transformer_engine")
+
+
+def moe_dispatcher_substitutions(args: argparse.Namespace) -> List[Substitution]:
+    """``--moe-token-dispatcher-type flex`` (DeepEP/HybridEP kernels) -> the alltoall dispatcher, and
+    ``--moe-permute-fusion`` (Transformer Engine's kernels) -> the unfused permutation: the same tokens
+    reach the same experts with the same weights, only the kernels differ."""
+    if getattr(args, "num_experts", None) is None:
+        return []
+    found = []
+    if args.moe_token_dispatcher_type == "flex" and not _flex_runs_here(args):
+        backend = args.moe_flex_dispatcher_backend
+        found.append(Substitution(f"--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend {backend}",
+                                  "alltoall", f"{FLEX_BACKEND_MODULES[backend]} and a GPU are not here"))
+    if getattr(args, "moe_permute_fusion", False) and not _permute_fusion_runs_here():
+        found.append(Substitution("--moe-permute-fusion", "unfused permute",
+                                  "Transformer Engine's fused permute needs it and a GPU"))
+    return found
+
+
+def dispatcher_settings(args: argparse.Namespace) -> dict:
+    """The TransformerConfig dispatcher fields after the substitutions above (one truth for both)."""
+    flex = args.moe_token_dispatcher_type == "flex" and _flex_runs_here(args)
+    settings = dict(moe_token_dispatcher_type="flex" if flex else (
+        "alltoall" if args.moe_token_dispatcher_type == "flex" else args.moe_token_dispatcher_type),
+        moe_permute_fusion=bool(getattr(args, "moe_permute_fusion", False)) and _permute_fusion_runs_here())
+    if flex:
+        settings["moe_flex_dispatcher_backend"] = args.moe_flex_dispatcher_backend
+    return settings
