@@ -29,7 +29,7 @@ _MEANINGS = {
     "--num-layers": "transformer layers", "--hidden-size": "model width",
     "--num-attention-heads": "attention heads", "--seq-length": "tokens per sample",
     "--init-method-std": "standard deviation of the normal initialisation of the weights",
-    "--transformer-impl": "layer implementation (transformer_engine needs Transformer Engine installed)",
+    "--transformer-impl": "layer implementation (transformer_engine without Transformer Engine installed: local, said at start-up)",
     "--untie-embeddings-and-output-weights": "a separate output layer instead of the input embedding's transpose",
     "--recompute-granularity": "activation recompute: full (whole layers) or selective (core attention)",
     "--recompute-method": "with --recompute-granularity full: uniform (every N layers) or block (the first N)",

@@ -7,6 +7,7 @@ in one message that names the arguments and the fix.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from typing import List, Optional
 
@@ -276,11 +277,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     validate_profiling(args)
     _validate_async_save(args)
     _validate_fault_tolerance(args, world_size)
-    if args.transformer_impl == "transformer_engine":
-        try:
-            import transformer_engine  # noqa: F401
-        except ImportError:
-            _fail("--transformer-impl transformer_engine needs Transformer Engine installed; use --transformer-impl local")
+    if args.transformer_impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
+        # Only the layers' implementation differs (the same mathematics): Megatron-Core's own layers run instead,
+        # said in the start-up substitution line (compat_args.compat_substitutions reads what was asked for).
+        args.transformer_impl_requested, args.transformer_impl = args.transformer_impl, "local"
     return args
 
 

@@ -148,8 +148,8 @@ def validate_compat(args: argparse.Namespace) -> None:
         _fail("--recompute-modules needs --recompute-granularity selective")
     if args.recompute_modules and "moe_act" in args.recompute_modules and not args.moe_grouped_gemm:
         _fail("--recompute-modules moe_act needs --moe-grouped-gemm (Megatron-Core's rule)")
-    if args.recompute_modules and "mla_up_proj" in args.recompute_modules:
-        _fail("--recompute-modules mla_up_proj needs multi-latent attention, which this job does not build")
+    if args.recompute_modules and "mla_up_proj" in args.recompute_modules and not args.multi_latent_attention:
+        _fail("--recompute-modules mla_up_proj needs --multi-latent-attention")
     if args.manual_gc_interval < 0:
         _fail(f"--manual-gc-interval={args.manual_gc_interval} must be at least 0")
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins < 0:
@@ -220,6 +220,10 @@ def compat_substitutions(args: argparse.Namespace) -> List[Substitution]:
     cpu = not _cuda()
     te = args.transformer_impl == "transformer_engine"
     out = []
+    if getattr(args, "transformer_impl_requested", None) not in (None, args.transformer_impl):
+        out.append(Substitution(f"--transformer-impl {args.transformer_impl_requested}",
+                                f"--transformer-impl {args.transformer_impl} (Megatron-Core's own layers)",
+                                "Transformer Engine not installed"))
     attention = "PyTorch SDPA" if cpu else "Megatron-Core's local DotProductAttention"
     if args.attention_backend not in ("auto", "local") and (cpu or not te):
         out.append(Substitution(f"--attention-backend {args.attention_backend}", attention,

@@ -116,17 +116,23 @@ def _layer_maps(module: torch.nn.Module):
     return offsets, experts
 
 
+def _local_layer(name: str):
+    """The key of ``_layer_maps`` for the layer ``name`` lies in: a decoder layer's local index, ``("mtp", j)``
+    for a multi-token-prediction layer, None outside layers."""
+    m = _LAYER.search(name)
+    if m is not None:
+        return int(m.group(2))
+    mtp = _MTP_LAYER.search(name)
+    return ("mtp", int(mtp.group(2))) if mtp is not None else None
+
+
 def global_key(name: str, module: torch.nn.Module, ranks: ParallelRanks, maps=None) -> str:
     """The checkpoint key of parameter or buffer ``name`` of ``module``."""
     offsets, experts = maps if maps is not None else _layer_maps(module)
-    key, local_layer = name, None
+    key, local_layer = name, _local_layer(name)
     m = _LAYER.search(key)
     if m is not None:
-        local_layer = int(m.group(2))
         key = f"{key[:m.start(2)]}{offsets.get(local_layer, local_layer)}{key[m.end(2):]}"
-    else:
-        mtp = _MTP_LAYER.search(key)
-        local_layer = ("mtp", int(mtp.group(2))) if mtp is not None else None
     e = _EXPERT.search(key)
     if e is not None and local_layer in experts:
         key = f"{key[:e.start(1)]}{experts[local_layer][int(e.group(1))]}{key[e.end(1):]}"
@@ -245,8 +251,7 @@ def tp_placements(module: torch.nn.Module, shapes: Mapping[str, Tuple[int, ...]]
             continue
         shape = tuple(shape)
         if _GROUPED.search(f".{name}"):
-            layer = int(_LAYER.search(name).group(2))
-            out[name] = _grouped_placement(module, name, shape, ranks, experts[layer][0])
+            out[name] = _grouped_placement(module, name, shape, ranks, experts[_local_layer(name)][0])
             continue
         if not getattr(param, "tensor_model_parallel", False):
             continue

@@ -242,6 +242,28 @@ def _patch_mla() -> None:
     _PATCHES.set(YarnRotaryEmbedding, "__init__", init_on_cpu)
 
 
+def _patch_recompute_without_te() -> None:
+    """Selective recompute (``--recompute-modules layernorm mla_up_proj ...``) without Transformer Engine.
+
+    ``CheckpointWithoutOutput(fp8=...)`` stores ``fp8 is not None``, and multi-latent attention passes
+    ``config.fp8 or config.fp4`` (``False`` when neither is set), so its up-projection recompute takes the
+    FP8 path and calls Transformer Engine's ``FP8GlobalStateManager``, undefined without it. Without
+    Transformer Engine there is no FP8: the flag is cleared.
+    """
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    if mcore_random.HAVE_TE or getattr(mcore_random.CheckpointWithoutOutput.__init__, "_cpu_mode", False):
+        return
+    init = mcore_random.CheckpointWithoutOutput.__init__
+
+    def init_without_fp8(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.fp8 = False
+
+    init_without_fp8._cpu_mode = True
+    _PATCHES.set(mcore_random.CheckpointWithoutOutput, "__init__", init_without_fp8)
+
+
 def _patch_schedules() -> None:
     from megatron.core.pipeline_parallel import schedules
 
@@ -358,6 +380,7 @@ def enable_cpu_mode(seed: int) -> None:
     model_parallel_manual_seed(seed)
     _patch_moe()
     _patch_mla()
+    _patch_recompute_without_te()
     _patch_schedules()
     _redirect_cuda_to_cpu()
 
