@@ -27,7 +27,6 @@ at a time (``hf_convert.py``; docs/checkpoints.md, "HuggingFace").
 
 import argparse
 import os
-import shlex
 import sys
 import time
 import warnings
@@ -171,6 +170,7 @@ def _add_hf_commands(sub) -> None:
 
 
 def _run_hf_command(args, start: float) -> None:
+    from tools.checkpoint import hf_tokenizer
     from tools.checkpoint.hf_convert import from_hf, to_hf
     from tools.checkpoint.hf_layouts import ConversionError
 
@@ -186,9 +186,10 @@ def _run_hf_command(args, start: float) -> None:
                   "time) ...", flush=True)
             report, arch = from_hf(args.hf_dir, args.save_dir)
             print(f"wrote {report.written}{_rate(report.written, start)}")
-            print("train from it with: pretrain_gpt.py --load " + args.save_dir + " --finetune "
-                  + shlex.join(arch.megatron_flags()) + " --make-vocab-size-divisible-by 1 (and a tokenizer of "
-                  f"{arch.vocab_size} ids)")
+            print("train from it with: " + hf_tokenizer.training_command(arch, args.hf_dir, args.save_dir))
+            note = hf_tokenizer.tokenizer_note(arch, args.hf_dir)
+            if note:
+                print(note)
     except (ConversionError, FileNotFoundError) as exc:
         raise SystemExit(f"error: {exc}") from None
     print(report.line())

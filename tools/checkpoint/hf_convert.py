@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from tools.checkpoint import hf_io
+from tools.checkpoint import hf_io, hf_tokenizer
 from tools.checkpoint.hf_layouts import (Arch, ConversionError, Rule, arch_from_hf, check_exportable, hf_config,
                                          rules_for)
 
@@ -127,6 +127,7 @@ def to_hf(checkpoint: str, out: str, model_type: Optional[str] = None, iteration
     written = hf_io.write_safetensors_shards(root, entries, tensors(), max_shard_bytes)
     config = saved_hf.get("config") if saved_hf.get("model_type") == model_type else None
     config = dict(config or hf_config(model_type, arch, torch_dtype))
+    config = hf_tokenizer.write_generation_files(root, config, common)
     (root / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     model_bytes = sum(p.stat().st_size for p in written if p.suffix == ".safetensors")
     return ConversionReport(root, model_bytes, rss_before, hf_io.peak_rss_bytes())
