@@ -95,5 +95,6 @@ def training_command(arch, hf_dir: str, save_dir: str) -> str:
 def tokenizer_note(arch, hf_dir: str) -> Optional[str]:
     if has_tokenizer(Path(hf_dir)):
         return None
+    hint = " (ByteLevelTokenizer has 257)" if arch.vocab_size == 257 else ""
     return (f"({hf_dir} has no tokenizer files: add --tokenizer-type and its files for a tokenizer of "
-            f"{arch.vocab_size} ids, e.g. ByteLevelTokenizer for 257)")
+            f"{arch.vocab_size} ids{hint})")
