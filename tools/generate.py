@@ -30,8 +30,8 @@ from typing import Callable, List, Optional
 
 # Run as a script, tools/ would come first on sys.path: the repository root instead.
 if __name__ == "__main__":
-    _HERE = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+    _HERE = os.path.dirname(os.path.realpath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _HERE]
     sys.path.insert(0, os.path.dirname(_HERE))
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 

@@ -68,3 +68,11 @@ def test_verdicts_say_noise_when_the_spread_hides_the_effect():
     assert report.resolved(0.5, 0.15, 0.1, True) is True and report.resolved(0.1, 0.15, 0.1, True) is None
     native, reason = bf16_support.native_bf16()
     assert isinstance(native, bool) and reason
+
+
+def test_bf16_support_prints_its_verdict(capsys):
+    """``python tools/bench/bf16_support.py`` says native or emulated, why, and the benchmarks' default (issue 27)."""
+    native, reason = bf16_support.native_bf16()
+    assert bf16_support.main() == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"bf16: {'native' if native else 'emulated'} ({reason})"), printed

@@ -36,8 +36,8 @@ from typing import Any, Dict, Optional
 # Run as a script, this file's directory would come first on sys.path, and its
 # sibling inspect.py would shadow the standard library's ``inspect``.
 if __name__ == "__main__":
-    _HERE = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+    _HERE = os.path.dirname(os.path.realpath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _HERE]
     sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))
 
 
