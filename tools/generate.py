@@ -195,6 +195,8 @@ def run(args: argparse.Namespace, out=None) -> List[int]:
     """Build, load, generate; returns the generated ids (every rank). ``out``: where rank 0 streams the text."""
     import torch.distributed as dist
 
+    from megatron.training.checkpointing.files import TRACKER, CheckpointError
+    from megatron.training.checkpointing.paths import find_checkpoint
     from megatron.training.checkpointing.save_load import load_checkpoint
     from megatron.training.errors import ArgumentError
     from megatron.training.logs.lines import print_rank_0
@@ -205,6 +207,9 @@ def run(args: argparse.Namespace, out=None) -> List[int]:
         if value != 1:
             raise ArgumentError(f"{flag} {value}: generation runs the whole model on each rank's stage; use "
                                 f"{flag} 1 (the checkpoint loads at any layout: DCP reshards it)")
+    if args.ckpt_format != "torch_dist" and find_checkpoint(args) is None:  # the job would start from scratch
+        raise CheckpointError(f"{args.load}: no checkpoint to generate from (no {TRACKER}): pass the --save "
+                              "directory of a run that saved, or --ckpt-step N for one of its iter_* directories")
     device, tokenizer, model, optimizer, scheduler = setup(args)
     load_checkpoint(args, model, optimizer, scheduler)
     prompt_ids = tokenizer.tokenize(args.prompt) if args.prompt else []
@@ -226,22 +231,9 @@ def run(args: argparse.Namespace, out=None) -> List[int]:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    import torch.distributed as dist
+    from megatron.training.training import run_entry_point
 
-    from megatron.training.checkpointing.files import CheckpointError
-    from megatron.training.errors import ArgumentError
-    from megatron.training.initialize import shutdown
-    from megatron.training.logs.lines import print_rank_0
-
-    args = parse_args(argv)
-    try:
-        run(args)
-    except (ArgumentError, CheckpointError) as exc:
-        print_rank_0(f"error: {exc}")
-        raise SystemExit(2)
-    finally:
-        if dist.is_initialized():
-            shutdown()
+    run_entry_point(run, parse_args(argv))
 
 
 if __name__ == "__main__":

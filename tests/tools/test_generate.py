@@ -8,6 +8,7 @@
   inside the top-k set, and a seed repeats a sample.
 """
 
+import pytest
 import torch
 
 from tests.cases.generation import generate_in_pool
@@ -62,3 +63,11 @@ def test_sampling_filters():
     assert drawn <= {1, 2, 4} and len(drawn) >= 2  # nucleus of 0.5 at temperature 5: a few leaders
     first = [generate.choose_token(logits, 1.0, 0, 1.0, torch.Generator().manual_seed(9)) for _ in range(3)]
     assert len(set(first)) == 1
+
+
+def test_a_directory_without_a_checkpoint_is_refused(tmp_path):
+    """Not a model with random weights (the job itself would start from scratch there): one error."""
+    from megatron.training.checkpointing.files import CheckpointError
+
+    with pytest.raises(CheckpointError, match="no checkpoint to generate from"):
+        generate.run(generate.parse_args(["--load", str(tmp_path / "none"), "--prompt", "x"]))
