@@ -13,6 +13,9 @@ from typing import List, Optional
 import megatron.fsdp as mfsdp
 
 from .architecture import add_architecture_args, validate_architecture
+from .compat_args import add_compat_args, validate_compat
+from .profiling import add_profiling_args, validate_profiling
+from .schedule import add_schedule_args, check_learning_rates, resolve_train_length
 from .errors import ArgumentError
 from .argument_help import DefaultsHelpFormatter, show_every_default
 from .logs.writers import add_writer_args, validate_writers
@@ -57,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=4)
     g.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x data parallel size")
-    g.add_argument("--train-iters", type=int, default=20)
+    g.add_argument("--train-iters", type=int, default=None, help="default: 20, or --train-samples // global batch")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
@@ -166,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "on CPU the groups are gloo already and the twins are never created")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM, save a checkpoint at the next iteration boundary (every rank), then exit")
+    add_schedule_args(p)
+    add_compat_args(p)
+    add_profiling_args(p)
     return show_every_default(p)
 
 
@@ -179,7 +185,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     for name, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
                         ("--context-parallel-size", cp), ("--micro-batch-size", args.micro_batch_size),
-                        ("--train-iters", args.train_iters), ("--num-layers", args.num_layers)):
+                        ("--num-layers", args.num_layers)):
         if value < 1:
             _fail(f"{name}={value} must be at least 1")
     if world_size % (tp * pp * cp):
@@ -193,6 +199,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         _fail(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
               f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {per_step}")
     args.num_micro_batches = args.global_batch_size // per_step
+    resolve_train_length(args)
+    if args.train_iters < 1:
+        _fail(f"--train-iters={args.train_iters} must be at least 1")
     if args.use_megatron_fsdp:
         try:
             mfsdp.parse_strategy(args.data_parallel_sharding_strategy)
@@ -227,7 +236,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         _fail("--fp16 needs loss scaling, which is not implemented here; use --bf16")
     if args.bf16 and not args.use_megatron_fsdp and not args.use_distributed_optimizer:
         pass  # Megatron-Core's Float16 optimizer handles bf16 itself
-    if not args.mock_data and not args.data_path:
+    if not args.mock_data and not (args.data_path or args.train_data_path):
         _fail("no data: pass --mock-data, or --data-path PREFIX (built by tools/preprocess_data.py) "
               "with --tokenizer-type")
     if args.data_path and not args.tokenizer_type:
@@ -238,6 +247,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         _fail(f"--max-position-embeddings {args.max_position_embeddings} is shorter than --seq-length {args.seq_length}")
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     _validate_lr_warmup(args)
+    check_learning_rates(args)
     if args.lr_warmup_iters >= args.lr_decay_iters:
         _fail(f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters (default --train-iters) "
               f"{args.lr_decay_iters}")
@@ -249,6 +259,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _validate_checkpointing(args)
     _validate_data(args)
     validate_writers(args)
+    validate_compat(args)
+    validate_profiling(args)
     _validate_async_save(args)
     _validate_fault_tolerance(args, world_size)
     if args.transformer_impl == "transformer_engine":

@@ -84,6 +84,15 @@ def initialize(args):
     return torch.device("cpu")
 
 
+def announce_substitutions(args) -> None:
+    """Rank 0 says once, in one line, which kernels and backends the job substituted (substitutions.py)."""
+    from .substitutions import substitution_line
+
+    line = substitution_line(args)
+    if line and dist.get_rank() == 0:
+        print(line, flush=True)
+
+
 def shutdown() -> None:
     """Wait for the engine's in-flight collectives and ring workers, then destroy the groups."""
     from megatron.core import parallel_state as ps

@@ -17,6 +17,7 @@ def transformer_config(args, cpu: bool):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from .architecture import transformer_config_fields
+    from .compat_args import transformer_config_fields as compat_config_fields
 
     interleaved = args.virtual_pipeline_model_parallel_size is not None
     return TransformerConfig(
@@ -35,10 +36,9 @@ def transformer_config(args, cpu: bool):
         recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
         recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
         # Fused CUDA kernels do not exist on CPU; gradient-accumulation fusion writes
-        # into param.main_grad, which the sharded engine replaces.
-        gradient_accumulation_fusion=False, bias_activation_fusion=not cpu, bias_dropout_fusion=not cpu,
-        masked_softmax_fusion=not cpu, persist_layer_norm=not cpu, apply_rope_fusion=False,
-        cross_entropy_loss_fusion=False, deallocate_pipeline_outputs=True,
+        # into param.main_grad, which the sharded engine replaces. The fusion flags: compat_args.py.
+        gradient_accumulation_fusion=False, bias_dropout_fusion=not cpu, persist_layer_norm=not cpu,
+        deallocate_pipeline_outputs=True, **compat_config_fields(args, cpu),
         overlap_p2p_comm=interleaved, batch_p2p_comm=not interleaved,
         add_bias_linear=args.add_bias_linear, **_moe_settings(args), **transformer_config_fields(args),
     )
@@ -127,7 +127,8 @@ def optimizer_config(args):
                            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                            sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16,
                            params_dtype=torch.float32, use_distributed_optimizer=args.use_distributed_optimizer,
-                           **_muon_config(args))
+                           decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
+                           log_num_zeros_in_grad=args.log_num_zeros_in_grad, **_muon_config(args))
 
 
 def _muon_config(args) -> dict:
@@ -163,7 +164,7 @@ def wrap_and_optimize(args, config, chunks):
             expert_data_parallel_sharding_strategy=args.expert_data_parallel_sharding_strategy,
             expert_outer_dp_sharding_strategy=args.expert_outer_dp_sharding_strategy,
             expert_num_distributed_optimizer_instances=args.expert_num_distributed_optimizer_instances,
-            grad_reduce_in_fp32=args.grad_reduce_in_fp32, check_for_nan_in_grad=True)
+            grad_reduce_in_fp32=args.grad_reduce_in_fp32, check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad)
         model = [FullyShardedDataParallel(config, ddp_config, chunk) for chunk in chunks]
         optimizer = get_fsdp_optimizer(opt_config, model, precision=optimizer_precision(args))
 
@@ -183,7 +184,9 @@ def wrap_and_optimize(args, config, chunks):
         chunks = [Float16Module(config, chunk) for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=args.grad_reduce_in_fp32, use_distributed_optimizer=args.use_distributed_optimizer,
-        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances, check_for_nan_in_grad=True)
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad, overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather)
     model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
              for i, chunk in enumerate(chunks)]
     optimizer = get_megatron_optimizer(opt_config, model, config_overrides=get_standard_config_overrides(opt_config),
@@ -197,14 +200,43 @@ def wrap_and_optimize(args, config, chunks):
 
 
 def scheduler(args, optimizer):
+    """Megatron-LM's ``get_optimizer_param_scheduler``: lengths in samples (schedule.py), warm-up from
+    ``--lr-warmup-init``; the decoupled groups carry their own max/min lr."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    samples = args.global_batch_size
-    decay_steps = args.lr_decay_iters * samples
-    fraction = getattr(args, "lr_warmup_fraction", None)  # Megatron-LM: a fraction of the decay steps
-    warmup_steps = fraction * decay_steps if fraction is not None else args.lr_warmup_iters * samples
+    from .schedule import scheduler_steps
+
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if warmup_steps else args.lr, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps,
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * samples, wd_incr_style="constant")
+        wd_incr_style="constant", **scheduler_steps(args))
+
+
+def params_norm(model, optimizer) -> float:
+    """Megatron-LM's ``calc_params_l2_norm`` for ``--log-params-norm``: the fp32 main weights, each
+    element once (tensor-parallel duplicates on TP rank 0, pipeline-shared copies skipped)."""
+    engine = getattr(optimizer, "engine", None)
+    if engine is not None:  # megatron.fsdp: its shards, counted as its gradient norm counts them
+        return engine.params_norm()
+    import math
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    dense, expert = torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    for chunk in model:
+        if chunk.ddp_config.overlap_param_gather:  # the updated weights would arrive in the next forward
+            chunk.start_param_sync(force_sync=True)
+        for param in chunk.parameters():
+            if getattr(param, "shared", False) or not (getattr(param, "tensor_model_parallel", False) or tp_rank == 0):
+                continue
+            main = getattr(param, "main_param", None)
+            value = float((main if main is not None else param).detach().double().pow(2).sum())
+            if getattr(param, "allreduce", True):
+                dense += value
+            else:
+                expert += value
+    dist.all_reduce(dense, group=ps.get_model_parallel_group())
+    dist.all_reduce(expert, group=ps.get_expert_tensor_model_pipeline_parallel_group())
+    return math.sqrt(float(dense + expert))

@@ -14,13 +14,16 @@ from .data import datasets as data
 from . import model as model_lib
 from .checkpointing.async_save import CheckpointSaver
 from .checkpointing.files import CheckpointError
-from .initialize import initialize, shutdown
+from .initialize import announce_substitutions, initialize, shutdown
 from .logs.lines import IntervalLog, end_of_run_line, format_fields, gather_per_rank, insert_field, memory_line, memory_mib, persistent_line, print_rank_0, reset_peak_memory, summary
 from .logs.moe_losses import moe_aux_losses
 from .signal_handler import ExitSignalHandler
 from .logs.throughput import throughput
 from .logs.timers import IterationTimers
 from .logs.writers import ScalarWriters
+from .loop_controls import LoopControls, extra_fields, extra_scalars, validation_scalars
+from .profiling import Profiler
+from .schedule import global_batch_at
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -90,6 +93,7 @@ def setup(args):
     Returns ``(device, tokenizer, model chunks, optimizer, scheduler)``.
     """
     device = initialize(args)
+    announce_substitutions(args)
     cpu = device.type == "cpu"
     tokenizer = data.build_tokenizer(args)
     args.true_vocab_size = tokenizer.vocab_size  # checkpoints cut or add padding rows against it
@@ -108,6 +112,7 @@ def pretrain(args) -> dict:
     """Train a GPT as Megatron-LM does; returns the per-iteration losses and grad norms (for tests)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    job_start = time.perf_counter()  # --exit-duration-in-mins counts from here, as Megatron-LM's pretrain
     device, tokenizer, model, optimizer, scheduler = setup(args)
     train_ds, valid_ds, _test_ds = data.build_datasets(args, tokenizer)
     summary(args, model, optimizer)
@@ -122,7 +127,7 @@ def pretrain(args) -> dict:
         valid = evaluate(forward_backward, forward_step, model, valid_ds, args,
                          (iteration // args.eval_interval - 1) * args.eval_iters * args.global_batch_size)
         if valid is not None:
-            board.scalars(iteration, {"lm loss validation": valid})
+            board.scalars(iteration, validation_scalars(args, valid))
             print_rank_0(f" validation loss at iteration {iteration}{note} | lm loss value: {valid:.6E} |")
         return valid
 
@@ -135,25 +140,29 @@ def pretrain(args) -> dict:
             history["valid_at_load"] = validate(start_iteration, " (loaded checkpoint)")
     saver = CheckpointSaver(args)
     saver.prepare(model, optimizer)  # --async-save: its host staging buffers, once
+    controls, profiler = LoopControls(args, job_start), Profiler(args, dist.get_rank(), start_iteration)
     try:
         _train(args, device, model, optimizer, scheduler, forward_backward, forward_step, train_ds, board, timers,
-               history, validate, saver, start_iteration, consumed)
+               history, validate, saver, start_iteration, consumed, controls, profiler)
     except BaseException:
         saver.abandon()  # no collective: another rank may be elsewhere
         raise
+    finally:  # the process lives on after a failed run (a test pool's worker): its collector back on
+        profiler.stop()
+        controls.close()
     board.close()
     return history
 
 
 def _train(args, device, model, optimizer, scheduler, forward_backward, forward_step, train_ds, board,
            timers: IterationTimers, history, validate, saver: CheckpointSaver, start_iteration: int,
-           consumed: int) -> int:
+           consumed: int, controls: LoopControls, profiler: Profiler) -> int:
     """The iterations from ``start_iteration``; returns the last one (saves through ``saver``)."""
     saved_at = start_iteration
     exit_signal = ExitSignalHandler() if args.exit_signal_handler else None
     for chunk in model:
         chunk.train()
-    iteration = start_iteration
+    iteration, consumed_at_start = start_iteration, consumed
     interval, highest_peak, trained_seconds, loop_start = IntervalLog(), 0.0, 0.0, time.perf_counter()
     reset_peak_memory()
     for iteration in range(start_iteration + 1, args.train_iters + 1):
@@ -161,15 +170,21 @@ def _train(args, device, model, optimizer, scheduler, forward_backward, forward_
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
+        batch = global_batch_at(args, consumed)  # --rampup-batch-size: this iteration's global batch
         reduced = timers.wrap("forward-backward", forward_backward)(
             forward_step_func=forward_step, data_iterator=_iterators(model, train_ds, args, consumed),
-            model=model if len(model) > 1 else model[0], num_microbatches=args.num_micro_batches,
+            model=model if len(model) > 1 else model[0],
+            num_microbatches=batch // (args.micro_batch_size * args.data_parallel_size),
             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
             decoder_seq_length=args.seq_length, forward_only=False)
+        controls.after_forward_backward()
         saver.before_optimizer_step()  # a save in flight may still be copying what the step changes
-        ok, grad_norm, _zeros = timers.wrap("optimizer", optimizer.step)()
-        consumed += args.global_batch_size
-        scheduler.step(increment=args.global_batch_size)
+        ok, grad_norm, num_zeros = timers.wrap("optimizer", optimizer.step)()
+        controls.after_step(iteration)
+        profiler.step()
+        norm_of_params = model_lib.params_norm(model, optimizer) if args.log_params_norm else None
+        consumed += batch
+        scheduler.step(increment=batch)
         losses = {"lm loss": _mean_loss(reduced), **moe_aux_losses(args, device)}
         elapsed = time.perf_counter() - start
         trained_seconds += elapsed
@@ -180,18 +195,21 @@ def _train(args, device, model, optimizer, scheduler, forward_backward, forward_
         for name, value in losses.items():
             if name != "lm loss":
                 history.setdefault(name, []).append(value)
-        rates = throughput(args, elapsed, dist.get_world_size()) if args.log_throughput else None
+        rates = throughput(args, elapsed, dist.get_world_size(), batch) if args.log_throughput else None
         peak_mib = memory_mib()["peak"]  # one reading for the board and the log line
-        board.scalars(iteration, _iteration_scalars(args, losses, grad_norm, lr, elapsed, rates, peak_mib))
+        board.scalars(iteration, _iteration_scalars(args, losses, grad_norm, lr, elapsed, rates, peak_mib, batch))
         board.scalars(iteration, timers.take())
+        board.scalars(iteration, extra_scalars(args, num_zeros, norm_of_params, memory_mib()))
         if iteration == start_iteration + 1:  # the optimizer state exists only now
             line = persistent_line(args, model, optimizer)
             if line is not None:
                 print_rank_0(" " + line)
         if iteration % args.log_interval == 0:
-            fields = interval.fields(iteration, args.train_iters, consumed, lr, args.global_batch_size, grad_norm)
+            fields = interval.fields(iteration, args.train_iters, consumed, lr, batch, grad_norm)
+            for name, value in reversed(extra_fields(args, num_zeros, norm_of_params)):
+                insert_field(fields, name, value, after="grad norm")
             if args.log_throughput:  # over the interval, after the elapsed time, where Megatron-LM prints it
-                rates = throughput(args, interval.seconds / max(1, interval.iterations), dist.get_world_size())
+                rates = throughput(args, interval.seconds / max(1, interval.iterations), dist.get_world_size(), batch)
                 for name, value in reversed(rates.log_fields()):
                     insert_field(fields, name, value, after="elapsed time per iteration (ms)")
             print_rank_0(format_fields(fields))
@@ -201,17 +219,22 @@ def _train(args, device, model, optimizer, scheduler, forward_backward, forward_
             print_rank_0(" " + memory_line(peaks))
             reset_peak_memory()
         if args.eval_interval and iteration % args.eval_interval == 0:
+            controls.around_evaluation()
             valid = validate(iteration)
+            controls.around_evaluation()
             if valid is not None:
                 history["valid"].append(valid)
-        exiting = bool(args.exit_interval) and iteration % args.exit_interval == 0
+        out_of_time = controls.out_of_time()
+        exiting = (bool(args.exit_interval) and iteration % args.exit_interval == 0) or out_of_time
         if args.save and ((args.save_interval and iteration % args.save_interval == 0) or exiting):
             saver.save(iteration, consumed, model, optimizer, scheduler)
             saved_at = iteration
         else:
             saver.poll(iteration)
         if exiting:
-            print_rank_0(f" exiting after iteration {iteration} (--exit-interval {args.exit_interval})")
+            why = f"--exit-duration-in-mins {args.exit_duration_in_mins}" if out_of_time else \
+                f"--exit-interval {args.exit_interval}"
+            print_rank_0(f" exiting after iteration {iteration} ({why})")
             break
         if exit_signal is not None and exit_signal.any_rank_received():
             if saved_at < iteration:
@@ -229,7 +252,7 @@ def _train(args, device, model, optimizer, scheduler, forward_backward, forward_
     done = iteration - start_iteration
     history.update(max_peak_mib=highest_peak, iterations=done)
     print_rank_0(end_of_run_line(done, time.perf_counter() - loop_start, trained_seconds,
-                                 done * args.global_batch_size * args.seq_length, highest_peak))
+                                 (consumed - consumed_at_start) * args.seq_length, highest_peak))
     return iteration
 
 
@@ -241,9 +264,9 @@ def _time_grad_sync(model, timers: IterationTimers) -> None:
     config.finalize_model_grads_func = timers.wrap("all-grads-sync", config.finalize_model_grads_func)
 
 
-def _iteration_scalars(args, losses, grad_norm, lr, elapsed_seconds, rates, peak_mib) -> dict:
+def _iteration_scalars(args, losses, grad_norm, lr, elapsed_seconds, rates, peak_mib, batch: int) -> dict:
     """The iteration line's values under Megatron-LM's TensorBoard names (every loss under its own name)."""
-    values = {**losses, "learning-rate": lr, "grad-norm": grad_norm, "batch-size": args.global_batch_size,
+    values = {**losses, "learning-rate": lr, "grad-norm": grad_norm, "batch-size": batch,
               "iteration-time": elapsed_seconds, "mem-max-allocated-bytes": peak_mib * 2**20}
     if rates is not None:
         values.update({"throughput": rates.tflops_per_gpu, "tokens-per-second-per-rank": rates.tokens_per_second_per_rank})

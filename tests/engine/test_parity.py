@@ -39,6 +39,16 @@ def test_other_elementwise_optimizers(pool, optimizer):
     assert_parity(run(pool, cfg, 4), reference(cfg), FP32_RTOL, 1e-5)
 
 
+def test_labelled_param_group_parity(pool):
+    """A labelled group (the embedding at its own lr: Megatron-LM's --decoupled-lr) trains as torch's optimizer
+    with the same groups; the engine keeps its groups' order and labels on every rank."""
+    cfg = RunConfig(strategy="optim_grads_params", micro_batches=2, labelled_lr=1e-3)
+    result = run(pool, cfg, 3)
+    assert_parity(result, reference(cfg), FP32_RTOL, 1e-5)
+    plain = reference(dataclasses.replace(cfg, labelled_lr=None))
+    assert rel(result["losses"][-1], plain["losses"][-1]) > 1e-4  # the group's lr is used
+
+
 @pytest.mark.parametrize("strategy", LEVELS)
 def test_bf16_mixed_precision_parity(pool, strategy):
     """bf16 compute against the fp32 reference: equal within bf16 rounding."""

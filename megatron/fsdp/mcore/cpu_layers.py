@@ -120,6 +120,32 @@ class SDPACoreAttention(MegatronModule):
         return key, value, allowed
 
 
+class ZeroCentredLayerNorm(torch.nn.LayerNorm):
+    """``layernorm_zero_centered_gamma`` (Megatron-LM's ``--apply-layernorm-1p``), as apex's and
+    Transformer Engine's norms have it: gamma is stored minus one (initialised to 0) and the
+    norm scales by ``1 + gamma``, so weight decay pulls the scale towards 1."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.elementwise_affine:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x):
+        return torch.nn.functional.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+class ZeroCentredRMSNorm(torch.nn.RMSNorm):
+    """RMSNorm with the zero-centred gamma of ``ZeroCentredLayerNorm``."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if self.elementwise_affine:
+            torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x):
+        return torch.nn.functional.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
 class CpuNorm:
     """torch LayerNorm/RMSNorm that accepts sequence parallel (WrappedTorchNorm asserts).
 
@@ -128,12 +154,12 @@ class CpuNorm:
     """
 
     def __new__(cls, config, hidden_size, eps=1e-5, **_unused):
-        if config.layernorm_zero_centered_gamma:
-            raise NotImplementedError("CpuNorm: layernorm_zero_centered_gamma")
+        centred = config.layernorm_zero_centered_gamma  # --apply-layernorm-1p
         if config.normalization == "RMSNorm":
-            norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+            norm = (ZeroCentredRMSNorm if centred else torch.nn.RMSNorm)(hidden_size, eps=eps, dtype=config.params_dtype)
         elif config.normalization == "LayerNorm":
-            norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+            norm = (ZeroCentredLayerNorm if centred else torch.nn.LayerNorm)(hidden_size, eps=eps,
+                                                                               dtype=config.params_dtype)
         else:
             raise NotImplementedError(f"CpuNorm: normalization={config.normalization!r}")
         for p in norm.parameters():

@@ -182,6 +182,10 @@ class FullyShardedDataParallel(_BaseDataParallel):
             grad_reduce_dtype=torch.float32 if ddp_config.grad_reduce_in_fp32 else (
                 torch.bfloat16 if config.bf16 else torch.float32),
         )
+        # Megatron-Core marks the input embedding and output layer (LanguageModule); --decoupled-lr
+        # gives them their own learning rate. Read before wrapping, under the engine's names.
+        self.embedding_or_output_names = frozenset(
+            n for n, p in module.named_parameters() if getattr(p, "is_embedding_or_output_parameter", False))
         units = tuple(unit_classes) + tuple(_tied_embedding_units(module))
         # Per-token loss normalisation sums gradients and divides by the token count later.
         average = not getattr(config, "calculate_per_token_loss", False)

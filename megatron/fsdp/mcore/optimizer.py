@@ -163,17 +163,37 @@ def get_fsdp_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.Modu
         raise ValueError(f"optimizer {config.optimizer!r} is not supported by megatron.fsdp; "
                          "use 'adam', 'sgd' or 'muon'")
     engine = mfsdp.FullyShardedOptimizer(
-        engines, cls, clip_grad=config.clip_grad,
+        engines, cls, clip_grad=config.clip_grad, **decoupled_lr_groups(config, model_chunks),
         no_weight_decay=no_weight_decay_cond or mfsdp.megatron_no_weight_decay,
         counts_in_norm=_counts_in_norm(index.tp_rank),
         norm_groups=[index.mp], expert_norm_groups=[index.expt_mp],
         state_dtype={"exp_avg": precision.exp_avg_dtype, "exp_avg_sq": precision.exp_avg_sq_dtype},
         main_grads_dtype=precision.main_grads_dtype, **kwargs)
-    # Keys Megatron's OptimizerParamScheduler reads from every param group (the matrix group decays).
-    for group, no_decay in zip(engine.param_groups, (False, True, False)):
-        group.update(max_lr=config.lr, min_lr=config.min_lr, lr_mult=1.0,
+    # Keys Megatron's OptimizerParamScheduler reads from every param group (the matrix group decays);
+    # Megatron-Core's decoupled groups carry --decoupled-lr / --decoupled-min-lr as their max/min lr.
+    for group, (label, no_decay) in zip(engine.param_groups, engine.group_labels + [("", False)]):
+        decoupled = label == DECOUPLED
+        group.update(max_lr=config.decoupled_lr if decoupled else config.lr,
+                     min_lr=(config.decoupled_min_lr if config.decoupled_min_lr is not None else config.min_lr)
+                     if decoupled else config.min_lr, lr_mult=1.0,
                      wd_mult=0.0 if no_decay else 1.0, is_expert_parallel=False, is_decoupled_lr=False)
     return FullyShardedMegatronOptimizer(engine, config, model_chunks)
+
+
+DECOUPLED = "decoupled_lr"
+
+
+def decoupled_lr_groups(config: OptimizerConfig, model_chunks) -> dict:
+    """``FullyShardedOptimizer`` arguments for Megatron-Core's ``decoupled_lr``: the parameters Megatron-Core
+    marks ``is_embedding_or_output_parameter`` (input embedding, output layer) in groups of their own,
+    as ``get_standard_config_overrides`` does; nothing without it."""
+    if getattr(config, "decoupled_lr", None) is None:
+        return {}
+    names = frozenset().union(*(chunk.embedding_or_output_names for chunk in model_chunks))
+
+    def group(name: str, _param) -> str:  # the chunks share names; only chunks holding the layer have it
+        return DECOUPLED if name in names else ""
+    return dict(param_group=group, group_options={DECOUPLED: {"lr": config.decoupled_lr}})
 
 
 def muon_engine_kwargs(config: OptimizerConfig, engines, index) -> dict:

@@ -59,6 +59,14 @@ class FullyShardedOptimizer:
     ``main_grads_dtype`` (the gradient accumulators' dtype) other than fp32 keep Adam/AdamW
     state or gradients in bf16 and update in fp32 (``precision/optimizer_state.py``); the default
     runs ``optimizer_cls`` unchanged.
+
+    ``param_group(name, param)`` may put a parameter in a labelled group of its own and
+    ``group_options`` give each label its hyperparameters (e.g. ``{"decoupled": {"lr": 5e-4}}``:
+    Megatron-LM's ``--decoupled-lr`` for the embedding and output layer); ``""`` is the default
+    group. The inner optimizer's groups are the default's (decay, no decay) then each label's
+    in ``group_options`` order, the same on every rank (empty ones kept); ``group_labels[g]``
+    says the ``(label, no_weight_decay)`` of group ``g``. Their hyperparameters are checkpointed
+    per group like the default ones.
     """
 
     def __init__(self, models: Models, optimizer_cls: Callable = torch.optim.AdamW, clip_grad: float = 0.0,
@@ -66,7 +74,9 @@ class FullyShardedOptimizer:
                  norm_groups: Sequence = (), expert_norm_groups: Optional[Sequence] = None,
                  matrix_optimizer: Optional[Callable] = None, matrix_kwargs: Optional[dict] = None,
                  matrix_params: Optional[Callable] = None, matrix_shards: Optional[Callable] = None,
-                 matrix_split: Optional[Callable] = None, state_dtype=None, main_grads_dtype: Optional[torch.dtype] = None, **optimizer_kwargs):
+                 matrix_split: Optional[Callable] = None, state_dtype=None, main_grads_dtype: Optional[torch.dtype] = None,
+                 param_group: Optional[Callable] = None, group_options: Optional[Dict[str, dict]] = None,
+                 **optimizer_kwargs):
         self.models: List[FullyShardedModule] = [models] if isinstance(models, FullyShardedModule) else list(models)
         if not self.models or not all(isinstance(m, FullyShardedModule) for m in self.models):
             raise TypeError("FullyShardedOptimizer needs the model(s) returned by megatron.fsdp.fully_shard")
@@ -90,7 +100,12 @@ class FullyShardedOptimizer:
                                                                else self.norm_groups)]
                            for section in first.sections}
         weight_decay = optimizer_kwargs.get("weight_decay", 0.0)
-        groups = {False: [], True: [], MATRIX: []}
+        group_options = dict(group_options or {})
+        if "" in group_options:
+            raise ValueError("group_options: the label '' is the default group (its options are the keyword arguments)")
+        labels = [""] + list(group_options)
+        groups = {MATRIX: []}
+        groups.update({(label, nwd): [] for label in labels for nwd in (False, True)})
         self._grads: List[torch.Tensor] = []
         # (optimizer tensor, its gradient view): attached by ``finish_grad_sync`` (after the
         # models' own ``finish_grad_sync`` has allocated every accumulator), detached when
@@ -98,6 +113,7 @@ class FullyShardedOptimizer:
         self._grad_of: List[tuple] = []
         self._grads_attached = False
         self._norm_grads: Dict[str, List[torch.Tensor]] = {name: [] for name in first.sections}
+        self._norm_weights: Dict[str, List[torch.Tensor]] = {name: [] for name in first.sections}
         # Matrix parameters (Muon): stepped by matrix_optimizer.py, outside the elementwise runs.
         self.matrix = None if matrix_optimizer is None else make_matrix_optimizer(
             self.models, matrix_optimizer, matrix_kwargs, matrix_params, matrix_shards, matrix_split)
@@ -105,33 +121,49 @@ class FullyShardedOptimizer:
             for unit in model.units:
                 s = unit.storage
                 flags = [MATRIX if self.matrix is not None and self.matrix.is_matrix(k, name)
-                         else self._no_decay(no_weight_decay, slot.spec)
+                         else (self._label(param_group, slot.spec, labels),
+                               self._no_decay(no_weight_decay, slot.spec))
                          for name, slot in zip(unit.param_names, s.layout.slots)]
                 lo, hi = s.regions.main
-                for a, b, nwd in s.layout.runs(lo, hi, flags):
+                for a, b, key in s.layout.runs(lo, hi, flags):  # key: (label, no decay) or MATRIX
                     weight = s.main[a - lo:b - lo]
                     grad = s.grad_slice(a - lo, b - lo)
                     self._grad_of.append((weight, grad))
-                    groups[nwd].append(weight)
+                    groups[key].append(weight)
                     self._grads.append(grad)
                     if counts_in_norm is None:
                         self._norm_grads[s.section].append(grad)
+                        self._norm_weights[s.section].append(weight)
                 if counts_in_norm is not None:
                     for name, slot, param in zip(unit.param_names, s.layout.slots, s.params):
                         if slot.spec.trainable and counts_in_norm(name, param):
                             piece = model.main_grad_piece(name)
                             if piece.numel():
                                 self._norm_grads[s.section].append(piece)
+                                self._norm_weights[s.section].append(model.main_weight_piece(name))
         device = first.units[0].storage.full.device if first.units else torch.device("cpu")
         param_groups = []
-        for nwd in (False, True):
-            params = groups[nwd]
+        self.group_labels = [(label, nwd) for label in labels for nwd in (False, True)]
+        for label, nwd in self.group_labels:
+            params = groups[label, nwd]
             if not params:  # keep the same groups on every rank, even one that owns nothing
                 empty = torch.zeros(0, device=device)
                 empty.grad = torch.zeros(0, device=device)
                 params = [empty]
-            param_groups.append({"params": params, "weight_decay": 0.0 if nwd else weight_decay})
+            options = dict(group_options.get(label, {}))
+            decay = options.pop("weight_decay", weight_decay)
+            param_groups.append({"params": params, **options, "weight_decay": 0.0 if nwd else decay})
         self.optimizer = optimizer_cls(param_groups, **optimizer_kwargs)
+
+    @staticmethod
+    def _label(rule: Optional[Callable], spec, labels: List[str]) -> str:
+        """The labelled group of one parameter ("" without a rule); the rule sees what ``_no_decay``'s sees."""
+        if rule is None:
+            return ""
+        label = rule(spec.name, torch.nn.Parameter(torch.empty(spec.shape, device="meta"), spec.trainable)) or ""
+        if label not in labels:
+            raise ValueError(f"param_group put {spec.name} in group {label!r}, which group_options does not define")
+        return label
 
     @staticmethod
     def _no_decay(rule: Optional[Callable], spec) -> bool:
@@ -214,12 +246,22 @@ class FullyShardedOptimizer:
     def grad_norm(self) -> float:
         """Global L2 norm of the gradients: every element of every section counted exactly once."""
         self._require_synced_grads("grad_norm")
+        return self._global_norm(self._norm_grads)
+
+    @torch.no_grad()
+    def params_norm(self) -> float:
+        """Global L2 norm of the fp32 main weights, each element counted once as in ``grad_norm``
+        (Megatron-LM's ``--log-params-norm``)."""
+        return self._global_norm(self._norm_weights)
+
+    def _global_norm(self, pieces: Dict[str, List[torch.Tensor]]) -> float:
+        """sqrt of the squares of ``pieces`` (per section) summed over every rank holding a distinct part."""
         total = 0.0
-        for section, grads in self._norm_grads.items():
+        for section, tensors in pieces.items():
             device = self._grads[0].device if self._grads else torch.device("cpu")
             sq = torch.zeros(1, dtype=torch.float32, device=device)
-            if grads:
-                sq += torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+            if tensors:
+                sq += torch.stack([t.float().pow(2).sum() for t in tensors]).sum()
             total += float(self.reduce_over_section(sq, section).item())
         return math.sqrt(total)
 

@@ -53,6 +53,16 @@ class RunConfig:
     # Lower-precision optimizer state / main gradients ("bf16"; None: fp32), precision/optimizer_state.py.
     state_dtype: Optional[str] = None
     main_grads_dtype: Optional[str] = None
+    # The embedding in a labelled parameter group of its own at this learning rate (None: one group),
+    # as Megatron-LM's --decoupled-lr puts the embedding and output layer.
+    labelled_lr: Optional[float] = None
+
+
+LABEL = "embedding"
+
+
+def labelled(name: str, _param) -> str:
+    return LABEL if name.startswith("embed.") else ""
 
 
 def is_expert(name: str, param) -> bool:
@@ -64,19 +74,26 @@ def build_model(cfg: RunConfig) -> TinyLM:
     return TinyLM(hidden=cfg.hidden, layers=cfg.layers, recompute=cfg.recompute)
 
 
-def _optimizer_groups(model: torch.nn.Module, weight_decay: float):
-    decay, no_decay = [], []
+def _optimizer_groups(model: torch.nn.Module, weight_decay: float, labelled_lr: Optional[float] = None):
+    """Decay / no decay, then the labelled group's decay / no decay with its own lr (the engine's order)."""
+    groups = {(label, nwd): [] for label in ("", LABEL) for nwd in (False, True)}
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (no_decay if mfsdp.megatron_no_weight_decay(name, p) else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+            label = labelled(name, p) if labelled_lr is not None else ""
+            groups[label, mfsdp.megatron_no_weight_decay(name, p)].append(p)
+    out = [{"params": groups["", nwd], "weight_decay": 0.0 if nwd else weight_decay} for nwd in (False, True)]
+    if labelled_lr is not None:
+        out += [{"params": groups[LABEL, nwd], "weight_decay": 0.0 if nwd else weight_decay, "lr": labelled_lr}
+                for nwd in (False, True)]
+    return [g for g in out if g["params"]]
 
 
 def reference_run(cfg: RunConfig) -> Dict[str, object]:
     """Plain single-process training on the whole global batch."""
     model = build_model(cfg)
     cls, kwargs = OPTIMIZERS[cfg.optimizer]
-    return reference_training(model, cfg, [cls(_optimizer_groups(model, kwargs.get("weight_decay", 0.0)), **kwargs)])
+    groups = _optimizer_groups(model, kwargs.get("weight_decay", 0.0), cfg.labelled_lr)
+    return reference_training(model, cfg, [cls(groups, **kwargs)])
 
 
 def reference_training(model: torch.nn.Module, cfg: RunConfig, optimizers) -> Dict[str, object]:
@@ -123,6 +140,8 @@ def wrap(ctx, cfg: RunConfig, **fully_shard_kwargs):
     dtypes = mfsdp.precision.optimizer_state.DTYPE_NAMES
     precision = {key: dtypes[value] for key, value in (("state_dtype", cfg.state_dtype),
                                                        ("main_grads_dtype", cfg.main_grads_dtype)) if value}
+    if cfg.labelled_lr is not None:
+        kwargs = dict(kwargs, param_group=labelled, group_options={LABEL: {"lr": cfg.labelled_lr}})
     opt = mfsdp.FullyShardedOptimizer(fsdp, cls, clip_grad=cfg.clip_grad, **precision, **kwargs)
     return fsdp, opt
 

@@ -183,6 +183,14 @@ class FullyShardedModule(torch.nn.Module):
         lo, hi = max(a, slot.start), min(b, slot.end)
         return s.grad_slice(lo - a, hi - a) if lo < hi else s.grad_slice(0, 0)
 
+    def main_weight_piece(self, name: str) -> torch.Tensor:
+        """This rank's piece of parameter ``name`` in the fp32 main weights (as ``main_grad_piece``)."""
+        unit, slot = self._slot_of[name]
+        s = unit.storage
+        a, b = s.regions.main
+        lo, hi = max(a, slot.start), min(b, slot.end)
+        return s.main[lo - a:hi - a] if lo < hi else s.main[0:0]
+
     def memory_report(self, optimizer=None) -> PersistentMemory:
         compute = main = grads = 0
         for unit in self._units:

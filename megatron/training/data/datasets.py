@@ -39,16 +39,21 @@ def build_datasets(args, tokenizer):
 
     from .splits import split_samples, used_split_matrix
 
+    per_split = args.train_data_path  # --train/valid/test-data-path: a blend per split
+    blends = dict(blend_per_split=[get_blend_from_list(getattr(args, f"{s}_data_path"))
+                                   for s in ("train", "valid", "test")]) if per_split else dict(
+        blend=None if args.mock_data else get_blend_from_list(args.data_path), split=args.split)
     config = GPTDatasetConfig(
-        random_seed=args.seed, sequence_length=args.seq_length,
-        blend=None if args.mock_data else get_blend_from_list(args.data_path),
-        split=args.split, tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
-        eod_mask_loss=False, create_attention_mask=True,
-        path_to_cache=args.data_cache_path, mmap_bin_files=True)
-    used = used_split_matrix(args)
-    config.split_matrix = [bookend if wanted is not None else None
-                           for bookend, wanted in zip(config.split_matrix, used)]
+        random_seed=args.seed, sequence_length=args.seq_length, tokenizer=tokenizer, reset_position_ids=False,
+        reset_attention_mask=False, eod_mask_loss=False,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files, **blends)
     sizes = [size or 0 for size in split_samples(args)]  # an unbuilt split's size is never read
+    if per_split:  # a split without its path is not built
+        sizes = [size if path else 0 for size, path in zip(sizes, blends["blend_per_split"])]
+    else:
+        config.split_matrix = [bookend if wanted is not None else None
+                               for bookend, wanted in zip(config.split_matrix, used_split_matrix(args))]
     cls = MockGPTDataset if args.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
 

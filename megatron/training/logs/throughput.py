@@ -19,7 +19,7 @@ Recomputation is not counted (Megatron-LM counts model FLOPs, not hardware FLOPs
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from dataclasses import dataclass
 
@@ -60,9 +60,11 @@ class Throughput:
                 ("tokens per second per rank", f"{self.tokens_per_second_per_rank:.1f}")]
 
 
-def throughput(args, elapsed_seconds: float, world_size: int) -> Throughput:
-    """Rates of one iteration of ``--global-batch-size`` sequences that took ``elapsed_seconds``."""
+def throughput(args, elapsed_seconds: float, world_size: int, batch: Optional[int] = None) -> Throughput:
+    """Rates of one iteration of ``batch`` sequences (default ``--global-batch-size``; smaller during
+    ``--rampup-batch-size``) that took ``elapsed_seconds``."""
     elapsed = max(elapsed_seconds, 1e-12)
-    flops = num_floating_point_operations(args, args.global_batch_size)
-    tokens = args.global_batch_size * args.seq_length
+    batch = args.global_batch_size if batch is None else batch
+    flops = num_floating_point_operations(args, batch)
+    tokens = batch * args.seq_length
     return Throughput(flops / (elapsed * 1e12 * world_size), tokens / elapsed / world_size)

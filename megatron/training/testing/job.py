@@ -45,9 +45,9 @@ def pretrain(ranks, argv, **kwargs):
 def torchrun(nproc, argv):
     """``torchrun pretrain_gpt.py argv``: the logged (iteration, lm loss, grad norm) rows (one per
     iteration of ``--train-iters``) and the output."""
-    from megatron.training.arguments import parse_args
+    from megatron.training.arguments import parse_args, validate_args
 
-    iterations = parse_args(argv).train_iters
+    iterations = validate_args(parse_args(argv), nproc).train_iters  # also from --train-samples
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                           "--master_port", "29533", os.path.join(ROOT, "pretrain_gpt.py")] + argv,

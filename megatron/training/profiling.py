@@ -1,0 +1,102 @@
+"""Megatron-LM's ``--profile``: a window of iterations recorded for Perfetto / TensorBoard or Nsight.
+
+``--use-pytorch-profiler`` (and ``--profile`` on a machine without CUDA, where there is no CUDA
+profiler to start; said in the substitution line) records iterations
+``--profile-step-start`` + 1 .. ``--profile-step-end`` with ``torch.profiler`` as Megatron-LM does
+(``schedule(wait=start-1, warmup=1, active=end-start)``) and writes one Chrome trace per
+profiled rank into ``--tensorboard-dir`` (``torch.profiler.tensorboard_trace_handler``): open it in
+Perfetto (ui.perfetto.dev) or TensorBoard's profiler plugin. The engine's schedule shows in it
+as named ranges ``fsdp.all_gather <unit>``, ``fsdp.reduce <unit>``, ``fsdp.wait.<kind> <unit>``
+(megatron/fsdp/collectives/profiling.py). On CUDA, ``--profile`` alone starts and stops the CUDA
+profiler over the same window (``nsys profile --capture-range=cudaProfilerApi``), where the
+engine's ranges are NVTX ranges.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import List, Optional
+
+import torch
+
+from .errors import ArgumentError
+from .substitution_record import Substitution
+
+
+def add_profiling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("profiling (Megatron-LM's flags)")
+    g.add_argument("--profile", action="store_true",
+                   help="profile iterations --profile-step-start+1 .. --profile-step-end: the CUDA profiler range "
+                        "for nsys, or a torch.profiler trace with --use-pytorch-profiler (always on CPU)")
+    g.add_argument("--profile-step-start", type=int, default=10, help="iteration after which profiling starts")
+    g.add_argument("--profile-step-end", type=int, default=12, help="iteration at which profiling stops")
+    g.add_argument("--profile-ranks", nargs="+", type=int, default=[],
+                   help="global ranks to profile (default: all, as Megatron-LM)")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="record with torch.profiler; the trace goes to --tensorboard-dir")
+
+
+def uses_torch_profiler(args) -> bool:
+    return args.profile and (args.use_pytorch_profiler or not torch.cuda.is_available())
+
+
+def validate_profiling(args) -> None:
+    if args.use_pytorch_profiler and not args.profile:
+        raise ArgumentError("--use-pytorch-profiler needs --profile")
+    if not args.profile:
+        return
+    if not 0 <= args.profile_step_start < args.profile_step_end:
+        raise ArgumentError(f"--profile-step-start {args.profile_step_start} must be at least 0 and below "
+                            f"--profile-step-end {args.profile_step_end}")
+    if uses_torch_profiler(args) and not args.tensorboard_dir:
+        raise ArgumentError("--profile with torch.profiler writes its trace to --tensorboard-dir: set it")
+
+
+def profiling_substitutions(args) -> List[Substitution]:
+    if args.profile and not args.use_pytorch_profiler and not torch.cuda.is_available():
+        return [Substitution("--profile", f"torch.profiler trace in {args.tensorboard_dir}",
+                             "no CUDA profiler without CUDA")]
+    return []
+
+
+class Profiler:
+    """Started before the first iteration, ``step()`` after each; a no-op unless this rank profiles."""
+
+    def __init__(self, args, rank: int, start_iteration: int = 0):
+        self.args = args
+        self.on = args.profile and (not args.profile_ranks or rank in args.profile_ranks)
+        self.torch: Optional[torch.profiler.profile] = None
+        self.iteration = start_iteration
+        if self.on and uses_torch_profiler(args):
+            start, end = args.profile_step_start, args.profile_step_end
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.torch = torch.profiler.profile(
+                activities=activities,
+                schedule=torch.profiler.schedule(wait=max(start - 1 - start_iteration, 0),
+                                                 warmup=1 if start > start_iteration else 0,
+                                                 active=end - max(start, start_iteration), repeat=1),
+                on_trace_ready=torch.profiler.tensorboard_trace_handler(args.tensorboard_dir),
+                record_shapes=True, with_stack=False)
+            self.torch.start()
+
+    def step(self) -> None:
+        """After iteration ``self.iteration + 1``."""
+        self.iteration += 1
+        if not self.on:
+            return
+        if self.torch is not None:
+            self.torch.step()
+            if self.iteration >= self.args.profile_step_end:
+                self.stop()
+        elif self.iteration == self.args.profile_step_start:
+            torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStart())
+        elif self.iteration == self.args.profile_step_end:
+            torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStop())
+
+    def stop(self) -> None:
+        """End of training (or of the window): write the trace once."""
+        if self.torch is not None:
+            self.torch.stop()
+            self.torch = None
