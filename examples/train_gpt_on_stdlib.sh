@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export TORCHDYNAMO_DISABLE=1 OMP_NUM_THREADS=1
 
-out="${DATA_DIR:-/tmp/mfsdp-stdlib}"
+out="${DATA_DIR:-${TMPDIR:-/tmp}/mfsdp-stdlib}"
 mkdir -p "$out"
 stdlib="$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')"
 if [ ! -f "$out/stdlib_text_document.idx" ]; then

@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export TORCHDYNAMO_DISABLE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 
-out="${DATA_DIR:-/tmp/mfsdp-stdlib-llama}"
+out="${DATA_DIR:-${TMPDIR:-/tmp}/mfsdp-stdlib-llama}"
 mkdir -p "$out"
 stdlib="$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')"
 if [ ! -f "$out/bpe/tokenizer.json" ]; then

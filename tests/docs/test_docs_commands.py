@@ -40,7 +40,7 @@ _ATTR = re.compile(r'([a-z-]+)(?:="((?:[^"\\]|\\.)*)")?')
 _TRAINS = re.compile(r"(pretrain_gpt\.py|examples/\S+\.sh)")
 _DONE = re.compile(r"training done \| iterations: (\d+)")
 MAX_SKIPPED = 3  # blocks that need a GPU or SLURM: few, and each says why
-# what every run gets: the repository's code first, one thread per rank, the examples' data in the run's directory
+# what every run gets: the repository's code first, one thread per rank (and TMPDIR in the run's directory)
 ENV = {"PYTHONPATH": str(ROOT), "TORCHDYNAMO_DISABLE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -153,7 +153,8 @@ def run_block(block: Block, cwd: Path) -> List[Tuple[str, str]]:
     for entry in ("pretrain_gpt.py", "tools", "examples", "megatron", "tests", "pyproject.toml"):
         if not (cwd / entry).exists():
             (cwd / entry).symlink_to(ROOT / entry)
-    env = {**os.environ, **ENV, "DATA_DIR": str(cwd / "example-data")}
+    (cwd / "tmp").mkdir(exist_ok=True)  # the examples' data (each its own folder under TMPDIR), the pools' files
+    env = {**os.environ, **ENV, "TMPDIR": str(cwd / "tmp")}
     done = []
     for command in commands(block):
         result = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
