@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export TORCHDYNAMO_DISABLE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 
-out="${DATA_DIR:-/tmp/mfsdp-stdlib-llama}"
+out="${DATA_DIR:-${TMPDIR:-/tmp}/mfsdp-stdlib-llama}"
 mkdir -p "$out"
 stdlib="$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')"
 if [ ! -f "$out/bpe/tokenizer.json" ]; then
@@ -24,7 +24,10 @@ fi
 
 # Llama-3's shape, scaled down: 8 query heads sharing 2 key/value groups, SwiGLU MLP,
 # RMSNorm, RoPE (base 500000), untied input/output embeddings, no linear biases.
-torchrun --nproc_per_node 4 pretrain_gpt.py \
+# Each run trains afresh into the example's own checkpoint directory (what the sample below reads).
+ckpt="$out/checkpoints"
+rm -rf "$ckpt"
+torchrun --nproc_per_node 4 pretrain_gpt.py --save "$ckpt" \
     --data-path "$out/stdlib_text_document" --split 98,2,0 \
     --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$out/bpe" \
     --num-layers 4 --hidden-size 128 --ffn-hidden-size 448 --num-attention-heads 8 \
@@ -35,3 +38,9 @@ torchrun --nproc_per_node 4 pretrain_gpt.py \
     --lr 3e-3 --min-lr 3e-4 --lr-warmup-fraction 0.05 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 \
     --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params \
     --log-interval 10 --log-throughput --eval-interval 50 --eval-iters 2 "$@"
+
+# What the trained model says: a short sample continuing a prompt (shape and tokenizer come
+# from the checkpoint; tools/generate.py --help lists the sampling flags).
+echo "> sample from the trained model:"
+python tools/generate.py --load "$ckpt" --prompt "def " --max-new-tokens 64 \
+    --temperature 0.7 --top-k 40 --seed 1

@@ -177,6 +177,15 @@ def _records(files: Sequence[str], input_format: str) -> Iterator[Tuple[str, int
 # ---------------------------------------------------------------------------------------
 
 
+def _progress_bar(files: Sequence[str]):
+    """tqdm over the input bytes, on a terminal, for inputs of 32 MiB and more (small ones finish at once)."""
+    from tqdm import tqdm
+
+    total = sum(os.path.getsize(f) for f in files)
+    return tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", mininterval=1.0,
+                disable=None if total >= 32 << 20 else True)
+
+
 def _publish(tmp_prefix: str, final_prefix: str) -> None:
     """Move a finished dataset to its final name: the old ``.idx`` goes first, so a crash
     between the renames leaves a ``.bin`` without ``.idx`` (which fails to load) and
@@ -233,12 +242,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         start = time.perf_counter()
         n_records = n_bytes = 0
+        progress = _progress_bar(files)
         docs = {k: 0 for k in keys}
         tokens = {k: 0 for k in keys}
         skipped = {k: 0 for k in keys}
         for out, nbytes in encoded:
             n_records += 1
             n_bytes += nbytes
+            progress.update(nbytes)
             for k, arr in out.items():
                 if arr is None:
                     skipped[k] += 1
@@ -250,6 +261,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 elapsed = max(time.perf_counter() - start, 1e-9)
                 print(f"Processed {n_records} documents ({n_records / elapsed:.1f} docs/s, "
                       f"{n_bytes / elapsed / 1024 ** 2:.2f} MB/s).", file=sys.stderr, flush=True)
+        progress.close()
         if pool is not None:
             pool.close()
             pool.join()

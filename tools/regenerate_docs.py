@@ -55,7 +55,16 @@ def _default_text(action: argparse.Action) -> str:
 
 
 def _help_text(action: argparse.Action) -> str:
-    text = _OWN_DEFAULT.sub("", action.help or "").strip().rstrip(";,")
+    """The help without its default (the table's own column): ``(default: X)`` dropped, ``(default: X; more)``
+    kept as ``(more)``; ``%(default)s`` expanded first (its parenthesis is not the clause's end)."""
+    text = action.help or ""
+    if "%(default)" in text:
+        text = text.replace("%(default)s", str(action.default))
+        text = re.sub(r"\s*\(default: [^;,)]*\)", "", text)
+        text = re.sub(r"default: [^;,)]*[;,]\s*", "", text)
+    else:  # its own words for the default: the default column shows them
+        text = re.sub(r"\s*" + _OWN_DEFAULT.pattern, "", text)
+    text = text.strip().rstrip(";,")
     if action.choices:
         text = (text + "; " if text else "") + "choices: " + ", ".join(f"`{c}`" for c in action.choices)
     return text.replace("|", "\\|")

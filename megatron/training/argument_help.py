@@ -63,6 +63,12 @@ _MEANINGS = {
     "--eval-interval": "iterations between validations (default: --train-iters, i.e. once at the end)",
     "--eval-iters": "validation batches per validation (0: no validation, no validation split built)",
     "--tensorboard-dir": "write scalars here (needs tensorboard)",
+    "--muon-momentum": "Muon's momentum (with --optimizer muon)",
+    "--muon-use-nesterov": "Nesterov momentum in Muon",
+    "--muon-num-ns-steps": "Newton-Schulz iterations that orthogonalise each update",
+    "--muon-scale-mode": "how the orthogonalised update is scaled to the matrix's shape",
+    "--muon-extra-scale-factor": "a further factor on Muon's update",
+    "--muon-tp-mode": "under TP: orthogonalise each rank's block (blockwise) or the gathered matrix (duplicated)",
 }
 
 

@@ -296,11 +296,17 @@ def _iteration_scalars(args, losses, grad_norm, lr, elapsed_seconds, rates, peak
 
 def main(argv=None) -> None:
     from .arguments import parse_args
+
+    run_entry_point(pretrain, parse_args(argv))
+
+
+def run_entry_point(body, args):
+    """``body(args)`` as a command runs it: a user error is one line (rank 0) and exit code 2, and the
+    process groups are shut down however it ends (pretrain_gpt.py, tools/generate.py)."""
     from .errors import ArgumentError
 
-    args = parse_args(argv)
     try:
-        pretrain(args)
+        return body(args)
     except (ArgumentError, CheckpointError) as exc:
         print_rank_0(f"error: {exc}")
         raise SystemExit(2)

@@ -124,7 +124,9 @@ def build_peak(ctx, layers: int = 8, hidden: int = 256, vocab: int = 4096) -> Di
         reset_peak_rss()
         fsdp = _build(ctx, ("optim_grads_params", None, False), meta=meta, model_kwargs=kwargs)
         out["meta" if meta else "eager"] = peak_rss_bytes() - start
-        out["persistent_bytes"] = fsdp.memory_report().total  # this rank's weight shards (no gradients yet)
+        report = fsdp.memory_report()  # without the optimizer: its state is not counted, and it says so
+        out["persistent_bytes"] = report.total  # this rank's weight shards (no gradients yet)
+        out["report_repr"] = repr(report)
         sizes = {u.name: 4 * u.storage.layout.padded_size for u in fsdp.units}
         del fsdp
         gc.collect()

@@ -51,6 +51,8 @@ def test_meta_build_peak_memory_is_bounded():
         bound = r["persistent_bytes"] + r["root_bytes"] + 2 * r["largest_unit_bytes"] + (4 << 20)
         assert r["eager"] >= r["model_bytes"], r  # the instrument sees the full model in the eager build
         assert r["meta"] <= bound, f"meta build peak {r['meta'] / 2**20:.1f} MiB > bound {bound / 2**20:.1f} MiB: {r}"
+        assert r["report_repr"].endswith("optimizer_state=0) (optimizer_state is 0: no optimizer was passed; "
+                                         "memory_report(optimizer) counts its state)"), r["report_repr"]
 
 
 @pytest.mark.parametrize("case, pattern", [

@@ -7,6 +7,9 @@ holds leaked groups past a thread limit is replaced before the next case.
 """
 
 import gc
+import os
+import subprocess
+import sys
 import weakref
 
 import torch
@@ -52,8 +55,26 @@ def test_a_worker_holding_too_many_threads_is_replaced_before_the_next_case():
     pool.MAX_WORKER_THREADS = 50
     try:
         assert pool.run(pid_after_starting_threads, threads=60) == first  # the case itself runs where it was
+        old_dir = pool._dir
         renewed = pool.run(pid_after_starting_threads)
         assert all(a != b for a, b in zip(renewed, first))
+        assert not os.path.exists(old_dir) and os.path.isdir(pool._dir)  # the old rendezvous folder is gone
         assert pool.run(pid_after_starting_threads) == renewed  # lean again: kept
     finally:
         del pool.MAX_WORKER_THREADS
+
+
+def test_a_closed_pool_leaves_the_temp_folder_as_it_found_it(tmp_path):
+    """A fresh process that starts a pool, runs a case and closes it leaves nothing in its TMPDIR (issue 27:
+    every run of the suite left ``mfsdp-pool-*`` folders behind)."""
+    script = ("from megatron.fsdp.testing.pool import WorkerPool\n"
+              "from tests.cases.harness import pid_after_starting_threads\n"
+              "pool = WorkerPool(1)\n"
+              "pool.run(pid_after_starting_threads)\n"
+              "pool.close()\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300, cwd=root,
+                   env={**os.environ, "TMPDIR": str(temp), "PYTHONPATH": root})
+    assert sorted(os.listdir(temp)) == []

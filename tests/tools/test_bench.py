@@ -115,3 +115,11 @@ def test_floor_targets_every_shape_and_not_runnable_rows(monkeypatch):
     # The shapes beyond 5M/50M exist as the issue defines them.
     assert SIZES["root-heavy"].vocab >= 8192 and SIZES["root-heavy"].layers <= 4
     assert SIZES["deep-narrow"].layers >= 24 and SIZES["deep-narrow"].hidden <= 256
+
+
+def test_bf16_support_prints_its_verdict(capsys):
+    """``python tools/bench/bf16_support.py`` says native or emulated, why, and the benchmarks' default (issue 27)."""
+    native, reason = bf16_support.native_bf16()
+    assert bf16_support.main() == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"bf16: {'native' if native else 'emulated'} ({reason})"), printed

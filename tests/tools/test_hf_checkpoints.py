@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -80,6 +81,11 @@ def _export_matches_megatron_logits(pool, tmp_path, name):
     model, info = AutoModelForCausalLM.from_pretrained(str(hf_dir), output_loading_info=True)
     assert all(not info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert model.config.model_type == model_type and model.config.vocab_size == 257  # padding rows dropped
+    # the job's tokenizer (ByteLevelTokenizer: eod 256, no padding id) gives the special ids
+    ids = {"bos_token_id": 256, "eos_token_id": 256, "pad_token_id": 256}
+    assert json.loads((hf_dir / "generation_config.json").read_text()) == ids
+    assert {k: getattr(model.generation_config, k) for k in ids} == ids
+    assert {k: getattr(model.config, k) for k in ids} == ids
     megatron = got["logits"]
     assert megatron.shape[-1] > 257  # the checkpoint's rows are padded (384 or 512)
     hf = model.eval()(tokens).logits.detach()
@@ -105,23 +111,55 @@ def _hf_llama(vocab=257, **overrides):
     return LlamaForCausalLM(config).eval()
 
 
-def test_finetune_from_a_huggingface_model_has_its_loss(mcore_pool, tmp_path):
-    """A Llama made and saved by transformers -> from-hf -> pretrain --load --finetune at ZeRO-3 on 4 ranks:
-    the first loss is the HF model's on the same batch; the weights then train (loss moves)."""
+def _byte_bpe(directory, text_dir):
+    """A 257-id HF tokenizer (the 256 bytes and eod, no merges) saved into ``directory``."""
+    from tools.train_hf_tokenizer import train_tokenizer
+
+    text_dir.mkdir()
+    (text_dir / "a.txt").write_text("def f(x):\n    return x\n" * 20)
+    train_tokenizer([str(text_dir / "a.txt")], 257, str(directory))
+
+
+def test_finetune_from_a_huggingface_model_has_its_loss(mcore_pool, tmp_path, capsys):
+    """A Llama made and saved by transformers (max_position_embeddings 64, below the job's default
+    --seq-length, with its tokenizer) -> ``convert.py from-hf``: the command line it prints, run at
+    ZeRO-3 on 4 ranks, has as first loss the HF model's on the same batch; the weights then train."""
     hf = _hf_llama()
     hf.save_pretrained(tmp_path / "hf")
-    report, arch = hf_convert.from_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
-    assert report.written.name == "iter_0000000"
-    argv = (BASE + arch.megatron_flags() + ZERO3 + ["--make-vocab-size-divisible-by", "1", "--hidden-dropout", "0",
-                                                    "--attention-dropout", "0", "--load", str(tmp_path / "ckpt"),
-                                                    "--finetune"])
+    _byte_bpe(tmp_path / "hf", tmp_path / "text")
+    convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")])
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("train from it with: "))
+    command = shlex.split(line[len("train from it with: "):])
+    assert command[:4] == ["pretrain_gpt.py", "--load", str(tmp_path / "ckpt"), "--finetune"]
+    assert "--tokenizer-model" in command and "--hidden-dropout" in command
+    argv = command[1:] + ["--mock-data", "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2",
+                          "--lr", "1e-2", "--eval-iters", "1", "--seed", "5"] + ZERO3
     got = mcore_pool.run(finetune_first_batch, timeout=300, argv=argv)[0]
-    assert got["start_iteration"] == 0 and bool(got["loss_mask"].all())
+    assert got["start_iteration"] == 0 and bool(got["loss_mask"].all()) and got["tokens"].shape[1] == 64
     with torch.no_grad():
         logits = hf(got["tokens"]).logits
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), got["labels"].reshape(-1))
     assert abs(got["losses"][0] - loss.item()) <= 1e-5 * loss.item(), (got["losses"], loss.item())
     assert got["losses"][1] != got["losses"][0]
+
+
+def test_export_writes_the_job_tokenizer(tmp_path):
+    """A job trained with an HF tokenizer: to-hf's directory holds that tokenizer (AutoTokenizer loads
+    it) and its eos as config.json's and generation_config.json's eos / bos / pad."""
+    from transformers import AutoTokenizer
+
+    from tools.checkpoint import hf_tokenizer
+
+    _byte_bpe(tmp_path / "bpe", tmp_path / "text")
+    out = tmp_path / "out"
+    out.mkdir()
+    common = {"args": {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(tmp_path / "bpe")}}
+    config = hf_tokenizer.write_generation_files(out, {"model_type": "llama"}, common)
+    loaded = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    eod = loaded.eos_token_id
+    assert loaded("def f").input_ids == AutoTokenizer.from_pretrained(str(tmp_path / "bpe"))("def f").input_ids
+    assert config == {"model_type": "llama", "bos_token_id": eod, "eos_token_id": eod, "pad_token_id": eod}
+    assert json.loads((out / "generation_config.json").read_text()) == {k: eod for k in hf_tokenizer.SPECIAL}
 
 
 def test_models_saved_by_transformers_round_trip(tmp_path):

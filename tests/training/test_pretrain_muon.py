@@ -26,8 +26,8 @@ TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 RTOL = {"losses": 1e-5, "valid": 1e-5, "grad_norms": 1e-4}
 
 
-def _pretrain(pool, argv):
-    return pool.run(pretrain_in_pool, timeout=300, argv=MODEL + MUON + argv)[0]
+def _pretrain(pool, argv, capture_log=False):
+    return pool.run(pretrain_in_pool, timeout=300, argv=MODEL + MUON + argv, capture_log=capture_log)[0]
 
 
 def _close(got, base, what):
@@ -38,8 +38,11 @@ def _close(got, base, what):
 
 
 def test_pretrain_muon_dp4_zero3_matches_no_shard(mcore_pool):
-    base = _pretrain(mcore_pool, fsdp("no_shard"))
+    base = _pretrain(mcore_pool, fsdp("no_shard"), capture_log=True)
     assert base["losses"][-1] < base["losses"][0]
+    # the log says Muon is on, with its settings (issue 27)
+    assert "> optimizer: Muon on the 2-D weight matrices (momentum 0.95, Nesterov on, 5 Newton-Schulz steps, " \
+           "scale spectral x 0.2, TP mode blockwise); Adam on the embedding" in base["log"], base["log"][:3000]
     _close(_pretrain(mcore_pool, fsdp("optim_grads_params")), base, "dp4 optim_grads_params")
 
 

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from megatron.training.checkpointing import files
+from megatron.training.checkpointing import files, manifest
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
 from megatron.fsdp.testing.common import rel
 from megatron.training.testing.job import B8, MODEL, assert_exact_resume, fsdp, pretrain
@@ -53,6 +53,7 @@ def test_torch_dist_baseline_to_fsdp_and_back(tmp_path):
     # (b) torch_dist -> fsdp_dtensor -> --use-megatron-fsdp ZeRO-3: the baseline's next iterations within 1e-5
     convert.main(["from-torch-dist", str(td), str(fsdp), "--iteration", "5"])
     assert files.read_tracker(fsdp) == 5
+    assert manifest.read_manifest(fsdp / "iter_0000005") and manifest.verify(fsdp / "iter_0000005") == []
     moved = pretrain(2, FSDP + ["--load", str(fsdp), "--save", str(fsdp), "--save-interval", "7"])
     assert moved["start_iteration"] == 5
     _close(moved["losses"], straight["losses"][5:])

@@ -176,6 +176,8 @@ def main(argv=None) -> None:
     p.add_argument("--mib", type=int, default=150, help="--writer-compare: bytes written per round")
     p.add_argument("--steps", type=int, default=60, help="--writer-compare: training-like steps per writer")
     args = p.parse_args(argv)
+    if args.writer_compare and args.steps <= 5:
+        p.error(f"--steps {args.steps}: the first 5 steps are warm-up, not counted; give at least 6")
     compare_writers(args) if args.writer_compare else compare_saves(args)
 
 

@@ -146,3 +146,15 @@ def upcast_bf16_kernels() -> None:
 
     fast_linear._upcast = True
     F.linear, F.scaled_dot_product_attention = fast_linear, fast_attention
+
+
+def main() -> int:
+    """Print the verdict the benchmarks use (``run.py`` and ``memory.py`` pick their default dtype by it)."""
+    native, reason = native_bf16()
+    print(f"bf16: {'native' if native else 'emulated'} ({reason}); the benchmarks default to "
+          f"{'bf16' if native else 'fp32 (run.py --dtype bf16 measures the emulation)'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

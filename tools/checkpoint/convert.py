@@ -27,7 +27,6 @@ at a time (``hf_convert.py``; docs/checkpoints.md, "HuggingFace").
 
 import argparse
 import os
-import shlex
 import sys
 import time
 import warnings
@@ -37,8 +36,8 @@ from typing import Any, Dict, Optional
 # Run as a script, this file's directory would come first on sys.path, and its
 # sibling inspect.py would shadow the standard library's ``inspect``.
 if __name__ == "__main__":
-    _HERE = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+    _HERE = os.path.dirname(os.path.realpath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _HERE]
     sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))
 
 
@@ -89,27 +88,27 @@ def model_state(state: Dict[str, Any]) -> Dict[str, Any]:
             for k, v in model.items()}
 
 
-def from_torch(path: str, save_dir: str) -> Path:
+def from_torch(path: str, save_dir: str, overwrite: bool = False) -> Path:
     """Write a ``to-torch`` file as ``save_dir/iter_XXXXXXX`` (temporary directory, rename, tracker)."""
     import torch
     import torch.distributed.checkpoint as dcp
 
     from megatron.training.checkpointing import files
+    from tools.checkpoint import output
 
     state = torch.load(path, weights_only=False)
-    if not isinstance(state, dict) or "common" not in state or "model" not in state:
+    # (a checkpoint from-hf wrote holds flat ``model.<name>`` keys instead of a nested ``model``)
+    if not isinstance(state, dict) or "common" not in state or not ("model" in state or any(
+            isinstance(k, str) and k.startswith("model.") for k in state)):
         raise SystemExit(f"{path}: not a file written by 'convert.py to-torch' (without --model-only): "
                          "it needs the 'model' and 'common' entries")
     common = state.pop("common")
-    root = Path(save_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = files.temporary_dir(root, common["iteration"], files.new_nonce())
+    root, tmp = output.destination(save_dir, common["iteration"], overwrite)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
     files.write_common(tmp, common)
-    files.fsync_dir(tmp)
-    return files.publish(tmp, root, common["iteration"])
+    return output.publish(tmp, root, common["iteration"])
 
 
 def main(argv=None) -> None:
@@ -123,12 +122,14 @@ def main(argv=None) -> None:
     b = sub.add_parser("from-torch", help="torch file (from to-torch) -> checkpoint in SAVE_DIR")
     b.add_argument("torch_file")
     b.add_argument("save_dir")
+    _add_overwrite(a, b)
     for name, what in (("from-torch-dist", "torch_dist checkpoint (Megatron-Core DDP baseline) -> fsdp_dtensor"),
                        ("to-torch-dist", "fsdp_dtensor checkpoint -> torch_dist (Megatron-Core DDP baseline)")):
         c = sub.add_parser(name, help=what)
         c.add_argument("checkpoint", help="a --save directory (its latest checkpoint) or one iter_* directory")
         c.add_argument("save_dir", help="written as SAVE_DIR/iter_XXXXXXX with the tracker (pretrain_gpt.py --load)")
         c.add_argument("--iteration", type=int, default=None)
+        _add_overwrite(c)
     _add_hf_commands(sub)
     args = p.parse_args(argv)
     start = time.perf_counter()
@@ -140,15 +141,18 @@ def main(argv=None) -> None:
         print(f"> converting {args.checkpoint} ({args.command}, one tensor at a time) ...", flush=True)
         convert = torch_dist_convert.from_torch_dist if args.command == "from-torch-dist" else \
             torch_dist_convert.to_torch_dist
-        written = convert(args.checkpoint, args.save_dir, args.iteration)
+        written = convert(args.checkpoint, args.save_dir, args.iteration, args.overwrite)
         print(f"wrote {written}{_rate(written, start)}")
     elif args.command == "to-torch":
         print(f"> reading {args.checkpoint} (full tensors, one process) ...", flush=True)
+        from tools.checkpoint import output
+
+        output.check_empty(args.out, args.overwrite)
         directory = to_torch(args.checkpoint, args.out, args.model_only, args.iteration)
         print(f"wrote {args.out} from {directory}{_rate(Path(args.out), start)}")
     else:
         print(f"> writing {args.torch_file} as a checkpoint under {args.save_dir} ...", flush=True)
-        written = from_torch(args.torch_file, args.save_dir)
+        written = from_torch(args.torch_file, args.save_dir, args.overwrite)
         print(f"wrote {written}{_rate(written, start)}")
 
 
@@ -168,9 +172,18 @@ def _add_hf_commands(sub) -> None:
     b = sub.add_parser("from-hf", help="HuggingFace directory -> checkpoint SAVE_DIR/iter_0000000 (weights only)")
     b.add_argument("hf_dir")
     b.add_argument("save_dir")
+    _add_overwrite(a, b)
+
+
+def _add_overwrite(*parsers) -> None:
+    for parser in parsers:
+        parser.add_argument("--overwrite", action="store_true",
+                            help="write into a directory (or file) that is not empty, replacing the iteration "
+                                 "converted; a tracker is never moved backwards (tools/checkpoint/output.py)")
 
 
 def _run_hf_command(args, start: float) -> None:
+    from tools.checkpoint import hf_tokenizer
     from tools.checkpoint.hf_convert import from_hf, to_hf
     from tools.checkpoint.hf_layouts import ConversionError
 
@@ -179,16 +192,17 @@ def _run_hf_command(args, start: float) -> None:
             print(f"> writing {args.checkpoint} as a HuggingFace model in {args.out} (streamed, one layer at a "
                   "time) ...", flush=True)
             report = to_hf(args.checkpoint, args.out, args.model_type, args.iteration, args.dtype,
-                           int(args.max_shard_size * 2 ** 30))
+                           int(args.max_shard_size * 2 ** 30), args.overwrite)
             print(f"wrote {report.written}{_rate(report.written, start)}")
         else:
             print(f"> writing {args.hf_dir} as a checkpoint under {args.save_dir} (streamed, one tensor at a "
                   "time) ...", flush=True)
-            report, arch = from_hf(args.hf_dir, args.save_dir)
+            report, arch = from_hf(args.hf_dir, args.save_dir, args.overwrite)
             print(f"wrote {report.written}{_rate(report.written, start)}")
-            print("train from it with: pretrain_gpt.py --load " + args.save_dir + " --finetune "
-                  + shlex.join(arch.megatron_flags()) + " --make-vocab-size-divisible-by 1 (and a tokenizer of "
-                  f"{arch.vocab_size} ids)")
+            print("train from it with: " + hf_tokenizer.training_command(arch, args.hf_dir, args.save_dir))
+            note = hf_tokenizer.tokenizer_note(arch, args.hf_dir)
+            if note:
+                print(note)
     except (ConversionError, FileNotFoundError) as exc:
         raise SystemExit(f"error: {exc}") from None
     print(report.line())

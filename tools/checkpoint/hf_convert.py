@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from tools.checkpoint import hf_io
+from tools.checkpoint import hf_io, hf_tokenizer, output
 from tools.checkpoint.hf_layouts import (Arch, ConversionError, Rule, arch_from_hf, check_exportable, hf_config,
                                          rules_for)
 
@@ -78,7 +78,7 @@ def _default_model_type(common: Dict[str, Any], arch: Arch) -> str:
 
 
 def to_hf(checkpoint: str, out: str, model_type: Optional[str] = None, iteration: Optional[int] = None,
-          dtype: Optional[str] = None, max_shard_bytes: int = 5 * 2 ** 30) -> ConversionReport:
+          dtype: Optional[str] = None, max_shard_bytes: int = 5 * 2 ** 30, overwrite: bool = False) -> ConversionReport:
     """Write ``checkpoint``'s model as a HuggingFace directory ``out`` (config.json, shards, index)."""
     from megatron.training.checkpointing import files
     from megatron.training.checkpointing.save_load import tp_global
@@ -118,22 +118,25 @@ def to_hf(checkpoint: str, out: str, model_type: Optional[str] = None, iteration
         entries += [(name, tuple(t.shape), t.dtype) for name, t in run(group, meta)]
 
     def tensors() -> Iterator[Tuple[str, torch.Tensor]]:
-        for group in groups:
-            loaded = reader.read(["model." + k for k in dict.fromkeys(k for r in group for k in r.megatron)])
-            yield from run(group, {k[len("model."):]: v for k, v in loaded.items()})
-            del loaded
+        with output.progress(len(groups), "to-hf (layers)") as bar:
+            for group in groups:
+                loaded = reader.read(["model." + k for k in dict.fromkeys(k for r in group for k in r.megatron)])
+                yield from run(group, {k[len("model."):]: v for k, v in loaded.items()})
+                del loaded
+                bar.update(1)
 
-    root = Path(out)
+    root = output.check_empty(out, overwrite)
     written = hf_io.write_safetensors_shards(root, entries, tensors(), max_shard_bytes)
     config = saved_hf.get("config") if saved_hf.get("model_type") == model_type else None
     config = dict(config or hf_config(model_type, arch, torch_dtype))
+    config = hf_tokenizer.write_generation_files(root, config, common)
     (root / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     model_bytes = sum(p.stat().st_size for p in written if p.suffix == ".safetensors")
     return ConversionReport(root, model_bytes, rss_before, hf_io.peak_rss_bytes())
 
 
 # ---------------------------------------------------------------------- from HF
-def from_hf(hf_dir: str, save_dir: str) -> Tuple[ConversionReport, Arch]:
+def from_hf(hf_dir: str, save_dir: str, overwrite: bool = False) -> Tuple[ConversionReport, Arch]:
     """Write HuggingFace model ``hf_dir`` as the fsdp_dtensor checkpoint ``save_dir/iter_0000000``."""
     from megatron.training.checkpointing import files
     from megatron.training.checkpointing.save_load import FORMAT, VERSION
@@ -172,16 +175,16 @@ def from_hf(hf_dir: str, save_dir: str) -> Tuple[ConversionReport, Arch]:
     cache: Dict[str, torch.Tensor] = {}
 
     def produce(key: str) -> torch.Tensor:
+        bar.update(1)
         if key not in cache:
             rule = owner[key]
             made = _apply(rule, {k: reader.read(k).to(torch.float32) for k in rule.hf}, to_hf=False)
             cache.update({"model." + name: t.contiguous() for name, t in made})
         return cache.pop(key)
 
-    root = Path(save_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = files.temporary_dir(root, 0, files.new_nonce())
-    hf_io.write_dcp_lazily(tmp, shapes, produce)
+    root, tmp = output.destination(save_dir, 0, overwrite)
+    with output.progress(len(shapes), "from-hf") as bar:
+        hf_io.write_dcp_lazily(tmp, shapes, produce)
     dtype = str(source_dtypes.pop()).replace("torch.", "") if len(source_dtypes) == 1 else "float32"
     files.write_common(tmp, {
         "format": FORMAT, "version": VERSION, "iteration": 0, "consumed_train_samples": 0, "world_size": 1,
@@ -191,8 +194,7 @@ def from_hf(hf_dir: str, save_dir: str) -> Tuple[ConversionReport, Arch]:
                             "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1},
         "hf": {"model_type": model_type, "dtype": dtype, "config": config, "source": str(source.resolve())},
     })
-    files.fsync_dir(tmp)
-    written = files.publish(tmp, root, 0)
+    written = output.publish(tmp, root, 0)
     model_bytes = sum(_nbytes(*v) for v in shapes.values())
     return ConversionReport(written, model_bytes, rss_before, hf_io.peak_rss_bytes()), arch
 

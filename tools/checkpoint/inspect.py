@@ -14,8 +14,8 @@ import sys
 # Run as a script, this file's directory comes first on sys.path and its name
 # would shadow the standard library's ``inspect`` (imported by torch itself).
 if __name__ == "__main__":
-    _HERE = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+    _HERE = os.path.dirname(os.path.realpath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _HERE]
     sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))
 
 import argparse  # noqa: E402

@@ -17,8 +17,8 @@ import sys
 import tempfile
 import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))  # its inspect.py would shadow the standard library's
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+_HERE = os.path.dirname(os.path.realpath(__file__))  # its inspect.py would shadow the standard library's
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _HERE]
 sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))
 
 import torch  # noqa: E402

@@ -44,6 +44,8 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
+from tools.checkpoint import output
+
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 STACKED = re.compile(r"^decoder\.layers\.(.+)$")
 # Megatron-Core's SequentialMLP in torch_dist: the layers and the (global) experts both stacked,
@@ -118,27 +120,14 @@ def _write(tmp: Path, shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], pr
 
     state: Dict[str, Any] = {k: torch.empty(shape, dtype=dtype, device="meta") for k, (shape, dtype) in shapes.items()}
     state.update(objects)
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), thread_count=1),
-                 planner=_lazy_planner(produce), no_dist=True)
-
-
-def _publish(tmp: Path, root: Path, iteration: int) -> Path:
-    from megatron.training.checkpointing import files
-
-    files.fsync_dir(tmp)
-    return files.publish(tmp, root, iteration)
-
-
-def _new_tmp(out: str, iteration: int) -> Tuple[Path, Path]:
-    from megatron.training.checkpointing import files
-
-    root = Path(out)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = files.temporary_dir(root, iteration, files.new_nonce())
-    tmp.mkdir()
-    return root, tmp
+    with output.progress(len(shapes), "converting") as bar:
+        def produce_one(key: str) -> torch.Tensor:
+            bar.update(1)
+            return produce(key)
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp), thread_count=1),
+                     planner=_lazy_planner(produce_one), no_dist=True)
 
 
 def _fc1_gated(key: str, args) -> bool:
@@ -199,7 +188,7 @@ def _torch_dist_groups_and_step(optimizer: Dict[str, Any]) -> Tuple[list, int]:
     return groups, int(float(step)) if step is not None else 0
 
 
-def from_torch_dist(source: str, out: str, iteration: Optional[int] = None) -> Path:
+def from_torch_dist(source: str, out: str, iteration: Optional[int] = None, overwrite: bool = False) -> Path:
     """A torch_dist checkpoint (the baseline's, or Megatron-LM's) as an fsdp_dtensor one under ``out``."""
     from megatron.training.checkpointing import files
     from megatron.training.checkpointing import save_load as checkpointing
@@ -260,7 +249,7 @@ def from_torch_dist(source: str, out: str, iteration: Optional[int] = None) -> P
         value = cache[td_key][index]
         return value.to(torch.float32).reshape(shapes[key][0]).contiguous()
     it = int(common["iteration"])
-    root, tmp = _new_tmp(out, it)
+    root, tmp = output.destination(out, it, overwrite)
     _write(tmp, shapes, produce, objects)
     layout = {name: getattr(args, name, None) for name in checkpointing.PARALLEL_ARGS}
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
@@ -272,7 +261,7 @@ def from_torch_dist(source: str, out: str, iteration: Optional[int] = None) -> P
         "model_args": checkpointing._model_args(args),
         "parallel_layout": {k: checkpointing._json_value(v) for k, v in layout.items()},
         "args": {k: checkpointing._json_value(v) for k, v in sorted(vars(args).items())}})
-    return _publish(tmp, root, it)
+    return output.publish(tmp, root, it)
 
 
 # ------------------------------------------------------------ fsdp -> torch_dist
@@ -287,7 +276,7 @@ def _is_layer(fsdp_key: str) -> bool:
     return LAYER.match(_param_of(fsdp_key)) is not None
 
 
-def to_torch_dist(source: str, out: str, iteration: Optional[int] = None) -> Path:
+def to_torch_dist(source: str, out: str, iteration: Optional[int] = None, overwrite: bool = False) -> Path:
     """An fsdp_dtensor checkpoint as a torch_dist one under ``out`` (the baseline loads it with its optimizer)."""
     from megatron.fsdp.mcore.checkpoint_keys import tp1_shape
 
@@ -340,7 +329,7 @@ def to_torch_dist(source: str, out: str, iteration: Optional[int] = None) -> Pat
     it = int(common["iteration"])
     args.consumed_train_samples = int(common.get("consumed_train_samples", 0))
     args.iteration = it
-    root, tmp = _new_tmp(out, it)
+    root, tmp = output.destination(out, it, overwrite)
     _write(tmp, shapes, produce, {})
     torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": it,
                 "opt_param_scheduler": common.get("scheduler"), "num_floating_point_operations_so_far": 0,
@@ -349,4 +338,4 @@ def to_torch_dist(source: str, out: str, iteration: Optional[int] = None) -> Pat
                               "missing": ["rng"] + ([] if with_optimizer else ["optimizer"])}},
                tmp / "common.pt")
     (tmp / "metadata.json").write_text(json.dumps(TORCH_DIST_METADATA))
-    return _publish(tmp, root, it)
+    return output.publish(tmp, root, it)

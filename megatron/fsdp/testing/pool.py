@@ -22,6 +22,7 @@ import importlib
 import multiprocessing as mp
 import os
 import sys
+import shutil
 import tempfile
 import time
 import traceback
@@ -296,3 +297,5 @@ class WorkerPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
+        # the rendezvous directory: every closed (or renewed) pool left one in the temp folder
+        shutil.rmtree(self._dir, ignore_errors=True)

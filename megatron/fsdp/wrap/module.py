@@ -40,6 +40,18 @@ class PersistentMemory:
         return self.compute_weights + self.main_weights + self.main_grads + self.optimizer_state
 
 
+@dataclasses.dataclass(frozen=True, repr=False)
+class PersistentMemoryWithoutOptimizer(PersistentMemory):
+    """``memory_report()`` called without the optimizer: its state is not counted, so ``optimizer_state``
+    is 0 by omission, not because the optimizer keeps nothing; the repr says so."""
+
+    note = "optimizer_state is 0: no optimizer was passed; memory_report(optimizer) counts its state"
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        return f"PersistentMemory({fields}) ({self.note})"
+
+
 def _nbytes(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.untyped_storage().nbytes()
 
@@ -189,8 +201,9 @@ class FullyShardedModule(torch.nn.Module):
         buffers = {id(u.storage.gather_buffer): u.storage.gather_buffer for u in self._units
                    if u.storage.gather_buffer is not None}
         compute += sum(b.nbytes for b in buffers.values())  # persistent gather buffers (double_buffer)
-        state = optimizer.state_bytes() if optimizer is not None else 0
-        return PersistentMemory(compute, main, grads, state)
+        if optimizer is None:
+            return PersistentMemoryWithoutOptimizer(compute, main, grads, 0)
+        return PersistentMemory(compute, main, grads, optimizer.state_bytes())
 
     # ------------------------------------------------------------ state dict
     def state_dict(self, *args, **kwargs) -> Dict[str, object]:

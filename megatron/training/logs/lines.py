@@ -149,6 +149,16 @@ def summary(args, model, optimizer) -> None:
     print_rank_0(f"> data parallel: {data_parallel_text(args, model)}")
     print_rank_0("> parameters per rank (model-parallel shard, before data-parallel sharding): "
                  + " ".join(str(int(c[0])) for c in everyone))
+    if args.optimizer == "muon":
+        print_rank_0("> " + muon_line(args))
+
+
+def muon_line(args) -> str:
+    """What ``--optimizer muon`` does, said once: nothing else in the log would show Muon is on."""
+    return (f"optimizer: Muon on the 2-D weight matrices (momentum {args.muon_momentum}, Nesterov "
+            f"{'on' if args.muon_use_nesterov else 'off'}, {args.muon_num_ns_steps} Newton-Schulz steps, scale "
+            f"{args.muon_scale_mode} x {args.muon_extra_scale_factor}, TP mode {args.muon_tp_mode}); Adam on the "
+            f"embedding, output layer, norms and biases (lr {args.lr}, weight decay {args.weight_decay})")
 
 
 def persistent_line(args, model, optimizer) -> Optional[str]:

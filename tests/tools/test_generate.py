@@ -1,0 +1,73 @@
+"""``tools/generate.py`` (issue 27): what a trained checkpoint says, decoded as HuggingFace decodes it.
+
+- a Llama-shaped model (GQA, SwiGLU, RoPE, RMSNorm, untied) made by transformers -> ``from-hf``
+  -> checkpoint (1 rank) -> ``to-hf``: generate.py's greedy tokens, on 4 ranks at TP 2 x DP 2
+  ZeRO-3 (the checkpoint resharded by DCP), equal ``generate()``'s of the exported model token
+  for token, and the text streamed is their decoding;
+- the sampling filters: top-k 1 and a tiny top-p are argmax at any temperature, samples stay
+  inside the top-k set, and a seed repeats a sample.
+"""
+
+import pytest
+import torch
+
+from tests.cases.generation import generate_in_pool
+from tools import generate
+from tools.checkpoint import hf_convert
+
+
+def _hf_llama(path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    # initializer_range 0.2: logits far apart, so float rounding never decides an argmax
+    config = LlamaConfig(vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False, rms_norm_eps=1e-5, initializer_range=0.2)
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
+def test_greedy_generation_equals_huggingface_generate(mcore_pool, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    _hf_llama(tmp_path / "made")
+    hf_convert.from_hf(str(tmp_path / "made"), str(tmp_path / "ckpt"))
+    hf_convert.to_hf(str(tmp_path / "ckpt"), str(tmp_path / "exported"))
+    prompt, new = "def f(x):", 24
+    got = mcore_pool.run(generate_in_pool, timeout=300, argv=[
+        "--load", str(tmp_path / "ckpt"), "--prompt", prompt, "--max-new-tokens", str(new), "--greedy",
+        "--no-stop-at-eod", "--tensor-model-parallel-size", "2", "--use-megatron-fsdp",
+        "--data-parallel-sharding-strategy", "optim_grads_params"])
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "exported")).eval()
+    prompt_ids = torch.tensor([list(prompt.encode())])
+    with torch.no_grad():
+        want = hf.generate(prompt_ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           attention_mask=torch.ones_like(prompt_ids), pad_token_id=256)[0, len(prompt):].tolist()
+    assert len(want) == new and len(set(want)) > 3  # a sequence, not one token repeated
+    assert all(rank["ids"] == want for rank in got), ([rank["ids"] for rank in got], want)
+    text = bytes(i for i in want if i < 256).decode("utf-8", errors="replace")
+    assert got[0]["text"].startswith(prompt) and text.rstrip("\ufffd") in got[0]["text"]
+
+
+def test_sampling_filters():
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0, 2.8])
+    for temperature in (0.5, 1.0, 5.0):
+        assert generate.choose_token(logits, temperature, 1, 1.0, torch.Generator().manual_seed(3)) == 1
+        assert generate.choose_token(logits, temperature, 0, 1e-6, torch.Generator().manual_seed(3)) == 1
+    assert generate.choose_token(logits, 0.0, 0, 1.0, None) == 1
+    gen = torch.Generator().manual_seed(0)
+    drawn = {generate.choose_token(logits, 5.0, 3, 1.0, gen) for _ in range(200)}
+    assert drawn == {1, 2, 4}  # the top 3, each drawn at a high temperature
+    gen = torch.Generator().manual_seed(0)
+    drawn = {generate.choose_token(logits, 5.0, 0, 0.5, gen) for _ in range(200)}
+    assert drawn <= {1, 2, 4} and len(drawn) >= 2  # nucleus of 0.5 at temperature 5: a few leaders
+    first = [generate.choose_token(logits, 1.0, 0, 1.0, torch.Generator().manual_seed(9)) for _ in range(3)]
+    assert len(set(first)) == 1
+
+
+def test_a_directory_without_a_checkpoint_is_refused(tmp_path):
+    """Not a model with random weights (the job itself would start from scratch there): one error."""
+    from megatron.training.checkpointing.files import CheckpointError
+
+    with pytest.raises(CheckpointError, match="no checkpoint to generate from"):
+        generate.run(generate.parse_args(["--load", str(tmp_path / "none"), "--prompt", "x"]))

@@ -1,0 +1,240 @@
+"""Prompt a checkpoint this project wrote and print what the model says, token by token.
+
+    python tools/generate.py --load CKPT_DIR --prompt "def main(" [--max-new-tokens 64]
+        [--greedy | --temperature 0.8 --top-k 50 --top-p 0.9] [--seed 1234]
+    torchrun --nproc_per_node 2 tools/generate.py --load CKPT_DIR --tensor-model-parallel-size 2 ...
+
+The model is built and loaded by the training job itself (``megatron.training.training.setup``
+and ``checkpointing.save_load.load_checkpoint``), so every checkpoint the job can resume from
+loads here, at any layout: DCP reshards it to this launch's TP / DP / ZeRO level. The job's
+flags are accepted as they are; the model's shape and tokenizer flags default to the values
+stored in the checkpoint's ``common.json``, so ``--load`` and a prompt are enough. The layout
+flags (``--tensor-model-parallel-size``, ``--data-parallel-sharding-strategy``, ...) are this
+launch's, not the checkpoint's: by default one process holds the whole model.
+
+Decoding recomputes the whole window at every step (no KV cache: this is a way to see what a
+trained model says, not a server). Every rank runs the same forward (ZeRO-3 gathers the
+weights); rank 0 samples, broadcasts the token and prints it as soon as it is chosen.
+``--temperature 0`` is ``--greedy``: argmax, which equals HuggingFace ``generate()``'s greedy
+decoding of the exported model (``convert.py to-hf``). Sampling follows HF's order:
+temperature, then top-k, then top-p. Generation stops after ``--max-new-tokens`` or at the
+tokenizer's end-of-document id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, List, Optional
+
+# Run as a script, tools/ would come first on sys.path: the repository root instead.
+if __name__ == "__main__":
+    _HERE = os.path.dirname(os.path.realpath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _HERE]
+    sys.path.insert(0, os.path.dirname(_HERE))
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+import torch  # noqa: E402
+
+# Job arguments taken from the checkpoint when the command line does not give them: the model's
+# shape and the tokenizer (the parallel layout, data, schedule and checkpoint flags stay this launch's).
+_SAVED_GROUPS = ("model", "model architecture", "mixture of experts")
+_NOT_SAVED = {"expert_model_parallel_size", "expert_tensor_parallel_size", "expert_data_parallel_sharding_strategy",
+              "expert_outer_dp_sharding_strategy", "expert_num_distributed_optimizer_instances",
+              "moe_token_dispatcher_type", "recompute_granularity", "transformer_impl"}
+_TOKENIZER = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size",
+              "make_vocab_size_divisible_by")
+
+
+def add_generation_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("generation (tools/generate.py)")
+    g.add_argument("--prompt", default="", help="text the model continues (default: none, start from nothing)")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
+    g.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
+    g.add_argument("--temperature", type=float, default=1.0, help="softmax temperature; 0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens whose "
+                   "probabilities add up to p (nucleus sampling; 1.0: all)")
+    g.add_argument("--no-stop-at-eod", dest="stop_at_eod", action="store_false",
+                   help="keep generating past the tokenizer's end-of-document id")
+
+
+# ------------------------------------------------------------------ sampling
+def choose_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                 generator: Optional[torch.Generator]) -> int:
+    """The next id from one row of logits: argmax at temperature 0, else a sample (HF's filter order)."""
+    logits = logits.float()
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    logits = logits / temperature
+    if 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(ordered, dim=-1).cumsum(dim=-1)
+        drop = cumulative - torch.softmax(ordered, dim=-1) >= top_p  # keep the token that crosses p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator))
+
+
+def _full_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """The last position's logits over the whole (padded) vocabulary, on every rank of the TP group."""
+    from megatron.core import tensor_parallel
+
+    seq = tokens.shape[1]
+    positions = torch.arange(seq, device=tokens.device).unsqueeze(0)
+    mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=tokens.device), diagonal=1)[None, None]
+    logits = model(tokens, positions, mask)  # [1, seq, vocab / TP]
+    return tensor_parallel.gather_from_tensor_model_parallel_region(logits[:, -1:, :].contiguous())[0, -1]
+
+
+@torch.no_grad()
+def generate(model, prompt_ids: List[int], *, vocab_size: int, window: int, max_new_tokens: int,
+             temperature: float, top_k: int, top_p: float, seed: int, eod: Optional[int],
+             device: torch.device, on_token: Callable[[int], None] = lambda token: None) -> List[int]:
+    """Extend ``prompt_ids`` by up to ``max_new_tokens`` ids (collective: every rank calls it).
+
+    ``vocab_size``: the tokenizer's size (padding rows of the output layer are never chosen);
+    ``window``: the longest context the model takes (the last ``window`` ids are fed).
+    """
+    import torch.distributed as dist
+
+    for chunk in model:
+        chunk.eval()
+    generator = torch.Generator().manual_seed(seed)
+    ids = list(prompt_ids) or ([eod] if eod is not None else [0])
+    start = len(ids)
+    for _ in range(max_new_tokens):
+        tokens = torch.tensor([ids[-window:]], dtype=torch.long, device=device)
+        logits = _full_logits(model[0], tokens)[:vocab_size].cpu()
+        token = torch.tensor([choose_token(logits, temperature, top_k, top_p, generator)], dtype=torch.long)
+        dist.broadcast(token.to(device), src=0)  # one decision for every rank
+        ids.append(int(token))
+        on_token(ids[-1])
+        if eod is not None and ids[-1] == eod:
+            break
+    return ids[start:] if prompt_ids else ids[1:]
+
+
+class Stream:
+    """Prints decoded text as tokens arrive; holds back an incomplete UTF-8 character (``\\ufffd``)."""
+
+    def __init__(self, tokenizer, out=None):
+        self.tokenizer, self.out, self.ids, self.shown = tokenizer, out or sys.stdout, [], ""
+
+    def __call__(self, token: int) -> None:
+        self.ids.append(token)
+        text = self.tokenizer.detokenize(self.ids)
+        if text.endswith("\ufffd"):
+            return
+        self.out.write(text[len(self.shown):])
+        self.out.flush()
+        self.shown = text
+
+
+# ------------------------------------------------------------------ the command
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The job's parser plus the generation flags, with the checkpoint's model and tokenizer as defaults."""
+    from megatron.training.arguments import build_parser
+
+    parser = build_parser()
+    parser.description = __doc__.split("\n")[0]
+    add_generation_args(parser)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--load")
+    pre.add_argument("--ckpt-step", type=int)
+    known, _ = pre.parse_known_args(argv)
+    if known.load:
+        parser.set_defaults(**_saved_defaults(parser, known.load, known.ckpt_step))
+    args = parser.parse_args(argv)
+    if not args.load:
+        parser.error("--load CKPT_DIR is required: the checkpoint to generate from")
+    if args.greedy:
+        args.temperature = 0.0
+    for name, ok in (("--max-new-tokens", args.max_new_tokens >= 0), ("--temperature", args.temperature >= 0),
+                     ("--top-k", args.top_k >= 0), ("--top-p", 0 < args.top_p <= 1)):
+        if not ok:
+            parser.error(f"{name} out of range (max-new-tokens >= 0, temperature >= 0, top-k >= 0, 0 < top-p <= 1)")
+    # Nothing is trained: no data, no save, the optimizer and RNG states are not read.
+    args.mock_data, args.data_path, args.save = True, None, None
+    args.no_load_optim = args.no_load_rng = True
+    args.micro_batch_size, args.global_batch_size = 1, None
+    args.eval_iters = 0
+    return args
+
+
+def _saved_defaults(parser: argparse.ArgumentParser, load: str, step: Optional[int]) -> dict:
+    """The checkpoint's stored shape and tokenizer arguments, as parser defaults (none when unreadable)."""
+    import json
+    from pathlib import Path
+
+    from megatron.training.checkpointing import files
+
+    root = Path(load)
+    iteration = step if step is not None else files.read_tracker(root) if root.is_dir() else None
+    common_path = files.checkpoint_dir(root, iteration) / files.COMMON if iteration is not None else None
+    if common_path is None or not common_path.is_file():
+        return {}  # the job's own loader says what is wrong with this directory
+    common = json.loads(common_path.read_text())
+    saved = dict(common.get("args", {}))
+    wanted = {a.dest for g in parser._action_groups if (g.title or "").startswith(_SAVED_GROUPS) for a in g._group_actions}
+    defaults = {k: saved[k] for k in (wanted - _NOT_SAVED) | set(_TOKENIZER) if k in saved}
+    defaults["use_megatron_fsdp"] = common.get("format") == "fsdp_dtensor"
+    model_args = common.get("model_args", {})
+    if "make_vocab_size_divisible_by" not in saved and model_args.get("padded_vocab_size") and \
+            model_args.get("padded_vocab_size") == model_args.get("true_vocab_size"):
+        defaults["make_vocab_size_divisible_by"] = 1  # a converted model: its rows, unpadded
+    if "seq_length" not in saved and saved.get("max_position_embeddings"):
+        defaults["seq_length"] = saved["max_position_embeddings"]
+    return defaults
+
+
+def run(args: argparse.Namespace, out=None) -> List[int]:
+    """Build, load, generate; returns the generated ids (every rank). ``out``: where rank 0 streams the text."""
+    import torch.distributed as dist
+
+    from megatron.training.checkpointing.files import TRACKER, CheckpointError
+    from megatron.training.checkpointing.paths import find_checkpoint
+    from megatron.training.checkpointing.save_load import load_checkpoint
+    from megatron.training.errors import ArgumentError
+    from megatron.training.logs.lines import print_rank_0
+    from megatron.training.training import setup
+
+    for flag, value in (("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
+                        ("--context-parallel-size", args.context_parallel_size)):
+        if value != 1:
+            raise ArgumentError(f"{flag} {value}: generation runs the whole model on each rank's stage; use "
+                                f"{flag} 1 (the checkpoint loads at any layout: DCP reshards it)")
+    if args.ckpt_format != "torch_dist" and find_checkpoint(args) is None:  # the job would start from scratch
+        raise CheckpointError(f"{args.load}: no checkpoint to generate from (no {TRACKER}): pass the --save "
+                              "directory of a run that saved, or --ckpt-step N for one of its iter_* directories")
+    device, tokenizer, model, optimizer, scheduler = setup(args)
+    load_checkpoint(args, model, optimizer, scheduler)
+    prompt_ids = tokenizer.tokenize(args.prompt) if args.prompt else []
+    window = args.max_position_embeddings
+    if len(prompt_ids) > window:
+        print_rank_0(f" prompt of {len(prompt_ids)} tokens: only its last {window} (the model's window) are read")
+    stream = Stream(tokenizer, out) if dist.get_rank() == 0 else (lambda token: None)
+    if dist.get_rank() == 0:
+        (out or sys.stdout).write(args.prompt)
+    ids = generate(model, prompt_ids, vocab_size=tokenizer.vocab_size, window=window,
+                   max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, eod=tokenizer.eod if args.stop_at_eod else None,
+                   device=device, on_token=stream)
+    if dist.get_rank() == 0:
+        (out or sys.stdout).write("\n")
+        ended = " (end of document)" if ids and args.stop_at_eod and ids[-1] == tokenizer.eod else ""
+        print_rank_0(f" generated {len(ids)} tokens{ended}")
+    return ids
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    from megatron.training.training import run_entry_point
+
+    run_entry_point(run, parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
