@@ -211,6 +211,9 @@ def run(args: argparse.Namespace, out=None) -> List[int]:
         raise CheckpointError(f"{args.load}: no checkpoint to generate from (no {TRACKER}): pass the --save "
                               "directory of a run that saved, or --ckpt-step N for one of its iter_* directories")
     device, tokenizer, model, optimizer, scheduler = setup(args)
+    # Weights only (Megatron-LM's --finetune load): generation resumes no optimizer, RNG, schedule or
+    # iteration, so the checks that guard a resumed run (--train-iters past the checkpoint's) do not apply.
+    args.finetune = True
     load_checkpoint(args, model, optimizer, scheduler)
     prompt_ids = tokenizer.tokenize(args.prompt) if args.prompt else []
     window = args.max_position_embeddings
