@@ -33,6 +33,13 @@ def add_fsdp_recipe_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--fsdp-double-buffer", action="store_true",
                    help="ZeRO-3 units gather into persistent buffers allocated once and reused every step (two "
                         "per section and nesting depth, or prefetch depth + 1) instead of allocating per gather")
+    g.add_argument("--megatron-fsdp-grad-comm-dtype", choices=("fp32", "fp16", "bf16", "auto"), default="auto",
+                   help="dtype gradients are reduced in (Megatron-LM's newer spelling; bf16 = --grad-reduce-in-bf16); "
+                        "auto: the main gradients' dtype")
+    g.add_argument("--megatron-fsdp-main-grads-dtype", choices=("fp32", "bf16", "fp16", "auto"), default="auto",
+                   help="dtype of the main-gradient accumulators (Megatron-LM's newer spelling of --main-grads-dtype "
+                        "under Megatron-FSDP; bf16 = --use-precision-aware-optimizer --main-grads-dtype bf16); auto: "
+                        "the model's gradient dtype (fp32 here)")
     g.add_argument("--use-nccl-ub", dest="nccl_ub", action="store_true",
                    help="register the data-parallel buffers as NCCL user buffers; on gloo it has no effect (said "
                         "at start-up), on CUDA it is refused until implemented")
@@ -48,12 +55,42 @@ def gradient_accumulation_fusion(args: argparse.Namespace) -> bool:
     return bool(getattr(args, "gradient_accumulation_fusion", False)) and fused_accumulation_kernel()
 
 
+def _map_megatron_fsdp_dtypes(args: argparse.Namespace) -> None:
+    """``--megatron-fsdp-grad-comm-dtype`` / ``--megatron-fsdp-main-grads-dtype`` (the DeepSeek-V3 script's newest
+    version) onto the flags that carry the same meaning here, so one rule and one code path serve both spellings."""
+    comm, main = args.megatron_fsdp_grad_comm_dtype, args.megatron_fsdp_main_grads_dtype
+    if (comm, main) == ("auto", "auto"):
+        return
+    if not args.use_megatron_fsdp:
+        raise ArgumentError("--megatron-fsdp-grad-comm-dtype / --megatron-fsdp-main-grads-dtype configure "
+                            "Megatron-FSDP: add --use-megatron-fsdp")
+    if "fp16" in (comm, main):
+        raise ArgumentError("--megatron-fsdp-grad-comm-dtype / --megatron-fsdp-main-grads-dtype fp16: this job trains "
+                            "in bf16 or fp32 (no fp16 loss scaling); use bf16")
+    if comm == "fp32" and args.grad_reduce_in_bf16:
+        raise ArgumentError("--megatron-fsdp-grad-comm-dtype fp32 contradicts --grad-reduce-in-bf16: give one")
+    if comm == "bf16":
+        args.grad_reduce_in_bf16 = True
+    if main == "bf16":
+        if args.main_grads_dtype != "fp32" and args.main_grads_dtype != "bf16":
+            raise ArgumentError(f"--megatron-fsdp-main-grads-dtype bf16 contradicts --main-grads-dtype "
+                                f"{args.main_grads_dtype}: give one")
+        if args.optimizer != "adam":
+            raise ArgumentError("--megatron-fsdp-main-grads-dtype bf16 is the precision-aware optimizer's bf16 main "
+                                f"gradients, which need --optimizer adam (not {args.optimizer})")
+        args.use_precision_aware_optimizer, args.main_grads_dtype = True, "bf16"
+        if comm == "fp32":
+            raise ArgumentError("--megatron-fsdp-grad-comm-dtype fp32 with --megatron-fsdp-main-grads-dtype bf16: "
+                                "bf16 main gradients are reduced in bf16 here; use auto or bf16")
+
+
 def validate_fsdp_recipe(args: argparse.Namespace) -> None:
     """Megatron-LM's rules for these flags, and what this backend cannot do with them (one message each)."""
     if args.gradient_accumulation_fusion and args.use_megatron_fsdp and fused_accumulation_kernel():
         raise ArgumentError("gradient accumulation fusion (on by default) writes weight gradients into "
                             "param.main_grad, which --use-megatron-fsdp replaces with flat sharded buffers: add "
                             "--no-gradient-accumulation-fusion (a required flag of the Megatron-FSDP user guide)")
+    _map_megatron_fsdp_dtypes(args)
     if args.grad_reduce_in_bf16:
         if not args.bf16:
             raise ArgumentError("--grad-reduce-in-bf16 needs --bf16 (an fp32 model's gradients are fp32)")

@@ -64,6 +64,9 @@ def test_fsdp_double_buffer_is_bitwise_the_run_without_it(guide):
     (["--fsdp-double-buffer"], "--fsdp-double-buffer keeps persistent buffers .* needs --use-megatron-fsdp"),
     (["--fsdp-double-buffer", "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"],
      "needs --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"),
+    (["--megatron-fsdp-grad-comm-dtype", "bf16"], "configure Megatron-FSDP: add --use-megatron-fsdp"),
+    (["--use-megatron-fsdp", "--bf16", "--megatron-fsdp-main-grads-dtype", "fp16"], "fp16: this job trains"),
+    (["--use-megatron-fsdp", "--megatron-fsdp-grad-comm-dtype", "bf16"], "--grad-reduce-in-bf16 needs --bf16"),
 ])
 def test_startup_rules(argv, pattern):
     with pytest.raises(ArgumentError, match=pattern):
@@ -81,3 +84,21 @@ def test_defaults_and_what_is_said_at_start_up():
     assert substitution_line(quiet) == ""
     both = validate_args(parse_args(["--mock-data", "--use-megatron-fsdp", "--use-distributed-optimizer"]), 2)
     assert both.use_distributed_optimizer and both.data_parallel_sharding_strategy == "no_shard"
+
+
+def test_the_newer_dtype_spellings_are_the_flags_they_replace():
+    """The DeepSeek-V3 script's newest version: --megatron-fsdp-grad-comm-dtype bf16 is --grad-reduce-in-bf16,
+    --megatron-fsdp-main-grads-dtype bf16 is --use-precision-aware-optimizer --main-grads-dtype bf16."""
+    base = ["--mock-data", "--bf16", "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+    fields = ("grad_reduce_in_bf16", "grad_reduce_in_fp32", "use_precision_aware_optimizer", "main_grads_dtype",
+              "exp_avg_dtype", "exp_avg_sq_dtype")
+
+    def settings(extra):
+        args = validate_args(parse_args(base + extra), 2)
+        return tuple(getattr(args, f) for f in fields)
+
+    assert settings(["--megatron-fsdp-grad-comm-dtype", "bf16"]) == settings(["--grad-reduce-in-bf16"])
+    assert settings(["--megatron-fsdp-grad-comm-dtype", "bf16", "--megatron-fsdp-main-grads-dtype", "bf16"]) == \
+        settings(["--grad-reduce-in-bf16", "--use-precision-aware-optimizer", "--main-grads-dtype", "bf16"])
+    assert settings(["--megatron-fsdp-grad-comm-dtype", "auto", "--megatron-fsdp-main-grads-dtype", "fp32"]) == \
+        settings([])
