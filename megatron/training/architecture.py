@@ -217,7 +217,8 @@ def gpt_model_fields(args) -> dict:
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ROUTER_DTYPES = ("fp32", "fp64")
-FLEX_BACKENDS = ("deepep", "hybridep", "ncclep")
+# --moe-flex-dispatcher-backend's choices and the module each needs (Megatron-Core's fused_a2a imports them).
+FLEX_BACKEND_MODULES = {"deepep": "deep_ep", "hybridep": "deep_ep", "ncclep": "transformer_engine"}
 # The MLA and MTP fields of (MLA)TransformerConfig, under the flags' own names (Megatron-LM passes them by name).
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
               "rotary_scaling_factor", "mscale", "mscale_all_dim")
@@ -265,7 +266,7 @@ def add_deepseek_args(p: argparse.ArgumentParser) -> None:
                    help="dtype of routing and of the weighted sum of expert outputs (default: the compute dtype)")
     g.add_argument("--moe-router-force-load-balancing", action="store_true",
                    help="[experimental, benchmarks only] route on random logits, evenly")
-    g.add_argument("--moe-flex-dispatcher-backend", choices=FLEX_BACKENDS, default="deepep",
+    g.add_argument("--moe-flex-dispatcher-backend", choices=tuple(FLEX_BACKEND_MODULES), default="deepep",
                    help="backend of --moe-token-dispatcher-type flex (GPU kernels; substituted by alltoall "
                         "where missing)")
     g.add_argument("--moe-permute-fusion", action="store_true",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import List
 
+from .architecture import FLEX_BACKEND_MODULES
 from .substitution_record import Substitution
 
 
@@ -25,8 +26,6 @@ def _installed(module: str) -> bool:
         return False
 
 
-# The modules each flex-dispatcher backend needs (Megatron-Core's fused_a2a imports them).
-FLEX_BACKEND_MODULES = {"deepep": "deep_ep", "hybridep": "deep_ep", "ncclep": "transformer_engine"}
 
 
 def _flex_runs_here(args) -> bool:
