@@ -40,6 +40,8 @@ def test_quick_torch_two_ranks(tmp_path, monkeypatch, capsys):
             assert rows.pop(system)["not_runnable"] == nv_fsdp.NOT_INSTALLED
             assert "not runnable: megatron-fsdp not installed (pip install -e .[bench])" in printed.out
     assert rows[FLOOR]["of_floor"] == 1.0 and not rows[FLOOR]["bytes"]  # the floor sends nothing
+    # ... and keeps what its recipe says (bf16: the bf16 model besides fp32 main weights and Adam)
+    assert abs(rows[FLOOR]["persistent_bytes"] / rows[FLOOR]["persistent_theory"] - 1) < 0.01, rows[FLOOR]
     for system, row in rows.items():
         assert row["rounds_ok"] == 1 and not row["crash_reasons"], row
         numbers = [row["step_s"]["median"], row["tokens_per_s"], row["persistent_bytes"],

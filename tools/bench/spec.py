@@ -104,8 +104,8 @@ def theory_persistent(system: str, params: int, world: int, compute_bytes: int) 
     """
     n, psi, c = world, params, compute_bytes
     m = 4 if c != 4 else 0
-    if system in ("unwrapped", FLOOR):
-        return 12.0 * psi
+    if system in ("unwrapped", FLOOR):  # under bf16 the floor also keeps its bf16 model (Megatron's recipe)
+        return 12.0 * psi + (c * psi if m and system == FLOOR else 0.0)
     if system == "fsdp2":
         return 12.0 * psi / n
     level = LEVEL_OF[system]
