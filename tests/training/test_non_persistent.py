@@ -12,6 +12,7 @@ import pytest
 
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
 from megatron.training.checkpointing import files
+from megatron.training.checkpointing.non_persistent import _local_verdict
 from megatron.training.testing.job import B8, MODEL, fsdp, pretrain
 from megatron.training.testing.pools import pool_of
 from tests.cases.non_persistent import crashed_after
@@ -114,8 +115,11 @@ def test_an_older_non_persistent_checkpoint_and_ckpt_step(tmp_path):
       "--non-persistent-local-ckpt-dir", "y"], "read only with --non-persistent-ckpt-type global"),
     (["--non-persistent-local-ckpt-algo", "atomic"], "read only with --non-persistent-ckpt-type local"),
     (["--non-persistent-ckpt-type", "global"], "only loads: it needs --load"),
+    (["--non-persistent-ckpt-type", "global", "--non-persistent-save-interval", "2",
+      "--non-persistent-global-ckpt-dir", "SAVE"], "is the --save directory"),
 ])
 def test_refusals(tmp_path, extra, pattern):
+    extra = [str(tmp_path) if a == "SAVE" else a for a in extra]
     with pytest.raises(ArgumentError, match=pattern):
         validate_args(parse_args(["--mock-data", "--save", str(tmp_path)] + fsdp("optim_grads_params") + extra), 2)
 
@@ -129,3 +133,27 @@ def test_refusals_without_save_or_fsdp(tmp_path, argv, pattern):
     argv = [str(tmp_path) if a == "SAVE" else a for a in argv]
     with pytest.raises(ArgumentError, match=pattern):
         validate_args(parse_args(["--mock-data"] + argv), 2)
+
+
+def test_local_verdict_names_why_a_local_checkpoint_is_not_used():
+    """Every rank's newest complete local checkpoint (gathered): used only if all agree, verify and fit."""
+    ok = {"iteration": 6, "layout": "", "problem": None}
+    assert _local_verdict([ok, ok], "L") == (6, None)
+    assert _local_verdict([ok, {"iteration": None}], "L") == (None, "rank 1 holds no complete local checkpoint in L")
+    assert _local_verdict([{"iteration": None}] * 2, "L") == (None, "no local checkpoint in L")
+    assert _local_verdict([ok, dict(ok, iteration=4)], "L") == (
+        None, "the ranks' newest complete local checkpoints differ (rank 1: iteration 4; rank 0: iteration 6)")
+    assert _local_verdict([ok, dict(ok, problem="L/x is missing")], "L") == (
+        None, "rank 1's is damaged: L/x is missing")
+    assert _local_verdict([dict(ok, layout="world_size 2 then, 4 now"), ok], "L")[1] == (
+        "it was saved with another layout (world_size 2 then, 4 now)")
+
+
+def test_a_load_directory_with_only_non_persistent_checkpoints_is_one(tmp_path):
+    """A job killed before its first persistent save leaves --save with only non_persistent/ inside: --load takes it."""
+    from megatron.training.checkpointing.paths import load_dir_problem
+
+    (tmp_path / "non_persistent").mkdir()
+    assert load_dir_problem(str(tmp_path)) is None
+    (tmp_path / "other").mkdir()
+    assert "is not a checkpoint directory" in load_dir_problem(str(tmp_path))

@@ -270,7 +270,8 @@ def _local_verdict(found: List[Dict[str, Any]], where: str) -> Tuple[Optional[in
     if len(missing) == len(found):
         return None, f"no local checkpoint in {where}"
     if missing:
-        return None, f"{_ranks(missing)} hold no complete local checkpoint in {where}"
+        verb = "holds" if len(missing) == 1 else "hold"
+        return None, f"{_ranks(missing)} {verb} no complete local checkpoint in {where}"
     iterations = sorted({info["iteration"] for info in found})
     if len(iterations) > 1:
         by = {i: [r for r, info in enumerate(found) if info["iteration"] == i] for i in iterations}
@@ -374,8 +375,8 @@ def check_newer(args, start_iteration: int) -> None:
     if not getattr(args, "non_persistent_save_interval", None) or dist.get_rank() != 0:
         return
     root = global_dir(args, args.save) if kind(args) == "global" else local_dir(args, 0)
-    newer = [i for i in paths.complete_iterations(root, lambda d: (d / files.COMMON).is_file()) if i > start_iteration] \
-        if root.is_dir() else []
+    saved = paths.complete_iterations(root, lambda d: (d / files.COMMON).is_file()) if root.is_dir() else []
+    newer = [i for i in saved if i > start_iteration]
     if newer:
         print_rank_0(f" {root} holds non-persistent iteration(s) {', '.join(map(str, sorted(newer)))}, newer than "
                      f"iteration {start_iteration} this run starts from: its first non-persistent save replaces "

@@ -81,12 +81,27 @@ def validate_non_persistent(args: argparse.Namespace) -> None:
     if interval is None and not args.load:
         _fail(f"--non-persistent-ckpt-type {kind} without --non-persistent-save-interval only loads: it needs "
               "--load DIR (or pass --non-persistent-save-interval N to save)")
+    _check_not_a_persistent_directory(args)
     if kind == "global" and interval is not None and args.non_persistent_global_ckpt_dir:
         from .paths import save_dir_problem
 
         problem = save_dir_problem(args.non_persistent_global_ckpt_dir)
         if problem:
             _fail(problem.replace("--save", "--non-persistent-global-ckpt-dir", 1))
+
+
+def _check_not_a_persistent_directory(args: argparse.Namespace) -> None:
+    """A non-persistent directory that is --save's or --load's own would share its tracker, and the removal of
+    older non-persistent checkpoints would remove the persistent ones."""
+    import os
+
+    for flag, given in (("--non-persistent-global-ckpt-dir", args.non_persistent_global_ckpt_dir),
+                        ("--non-persistent-local-ckpt-dir", args.non_persistent_local_ckpt_dir)):
+        for other, path in (("--save", args.save), ("--load", args.load)):
+            if given and path and os.path.realpath(given) == os.path.realpath(path):
+                _fail(f"{flag} {given} is the {other} directory: its non-persistent saves would replace the "
+                      "persistent checkpoints and their tracker; pass another directory (the global default is "
+                      "<--save>/non_persistent)")
 
 
 def non_persistent_substitutions(args: argparse.Namespace) -> List[Tuple[str, str, str]]:
