@@ -36,3 +36,33 @@ def crashed_after(ctx, argv: List[str], iteration: int) -> Dict[str, object]:
     finally:
         training.global_batch_at = original
     return {"crashed": crashed, "log": log.getvalue()}
+
+
+def local_write_fails(ctx, argv: List[str], rank: int, iteration: int) -> Dict[str, object]:
+    """``pretrain`` on ``argv`` (local non-persistent saves), with ``rank``'s write of ``iteration`` failing: the
+    one-line error every rank stops with."""
+    import torch.distributed as dist
+
+    from megatron.training import training
+    from megatron.training.arguments import parse_args
+    from megatron.training.checkpointing import non_persistent
+    from megatron.training.checkpointing.files import CheckpointError
+    from megatron.training.testing.megatron_case import megatron_case
+
+    original = non_persistent._write_local
+
+    def failing(args, root, at, *rest):
+        if at == iteration and dist.get_rank() == rank:
+            raise OSError(28, "No space left on device")
+        return original(args, root, at, *rest)
+
+    non_persistent._write_local = failing
+    error = None
+    try:
+        with megatron_case(), contextlib.redirect_stdout(io.StringIO()):
+            training.pretrain(parse_args(argv))
+    except CheckpointError as exc:
+        error = str(exc)
+    finally:
+        non_persistent._write_local = original
+    return {"error": error}

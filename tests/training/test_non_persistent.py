@@ -15,7 +15,7 @@ from megatron.training.checkpointing import files
 from megatron.training.checkpointing.non_persistent import _local_verdict
 from megatron.training.testing.job import B8, MODEL, fsdp, pretrain
 from megatron.training.testing.pools import pool_of
-from tests.cases.non_persistent import crashed_after
+from tests.cases.non_persistent import crashed_after, local_write_fails
 
 ARGV = MODEL + B8 + fsdp("optim_grads_params")
 
@@ -77,6 +77,21 @@ def test_local_resume_and_another_world_size(straight, tmp_path):
     assert (f"loading the local non-persistent checkpoint {local}/rank_*/iter_0000006 (iteration 6): newer than "
             "--load's iteration 4") in resumed["log"]
     _continues_bitwise(straight, resumed)
+
+
+def test_a_failed_local_save_keeps_the_previous_one_everywhere(tmp_path):
+    """Rank 1's local write of iteration 4 fails: every rank stops with one line; both keep iteration 2 only
+    (rank 0 drops its new one), so the ranks still agree on their newest."""
+    local = tmp_path / "local"
+    argv = ARGV + ["--save", str(tmp_path / "save"), "--non-persistent-save-interval", "2",
+                   "--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", str(local)]
+    errors = {r["error"] for r in pool_of(2).run(local_write_fails, timeout=300, argv=argv, rank=1, iteration=4)}
+    assert len(errors) == 1, errors
+    error = errors.pop()
+    assert error.startswith("the local non-persistent save of iteration 4 failed (rank 1: OSError: [Errno 28] No "
+                            "space left on device)"), error
+    for rank in (0, 1):
+        assert sorted(p.name for p in (local / f"rank_0000{rank}").iterdir()) == ["iter_0000002"]
 
 
 def test_an_older_non_persistent_checkpoint_and_ckpt_step(tmp_path):
