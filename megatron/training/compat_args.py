@@ -9,6 +9,8 @@ flag here is one of:
   and says so in the one start-up line of ``substitutions.py`` (``compat_substitutions``);
 * refused: it would change the mathematics or needs a feature not implemented; start-up
   stops with one line naming it (``validate_compat``).
+
+The non-persistent checkpoint flags have their own module (``checkpointing/non_persistent_args.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import importlib.util
 from typing import List
 import logging
 
+from .checkpointing.non_persistent_args import add_non_persistent_args, non_persistent_substitutions, \
+    validate_non_persistent
 from .errors import ArgumentError
 from .substitution_record import Substitution
 
@@ -113,10 +117,7 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dist-ckpt-strictness", choices=STRICTNESS, default="assume_ok_unexpected",
                    help="key mismatches on load. Here loads always stop on missing or unexpected keys "
                         "(raise_all); a value that would continue is said at start-up")
-    g.add_argument("--non-persistent-save-interval", type=int, default=None,
-                   help="iterations between non-persistent saves (not implemented: refused)")
-    g.add_argument("--non-persistent-ckpt-type", choices=("global", "local", "in_memory"), default=None,
-                   help="kind of the non-persistent checkpoints (not implemented: refused)")
+    add_non_persistent_args(g)
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_false", help="do not stop on a NaN gradient")
     g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true",
@@ -154,9 +155,7 @@ def validate_compat(args: argparse.Namespace) -> None:
         _fail(f"--manual-gc-interval={args.manual_gc_interval} must be at least 0")
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins < 0:
         _fail(f"--exit-duration-in-mins={args.exit_duration_in_mins} must be at least 0")
-    if args.non_persistent_save_interval is not None or args.non_persistent_ckpt_type is not None:
-        _fail("--non-persistent-save-interval / --non-persistent-ckpt-type are not implemented (Megatron-LM's local "
-              "type needs nvidia-resiliency-ext): use --save-interval")
+    validate_non_persistent(args)
     _validate_split_paths(args)
     if args.log_memory_to_tensorboard and not (args.tensorboard_dir or args.wandb_project):
         _fail("--log-memory-to-tensorboard needs --tensorboard-dir (or --wandb-project) to write to")
@@ -249,4 +248,4 @@ def compat_substitutions(args: argparse.Namespace) -> List[Substitution]:
                                 "a load never continues with missing or unexpected keys"))
     if args.use_mcore_models:
         out.append(Substitution("--use-mcore-models", "nothing", "models are always Megatron-Core's"))
-    return out
+    return out + [Substitution(*line) for line in non_persistent_substitutions(args)]

@@ -9,7 +9,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from .checkpointing import save_load as checkpointing
+from .checkpointing import non_persistent, save_load as checkpointing
 from .data import datasets as data
 from . import model as model_lib
 from .checkpointing.async_save import CheckpointSaver
@@ -96,6 +96,7 @@ def setup(args, hold_save: bool = False):
     device = initialize(args)
     if hold_save:
         checkpointing.hold_save_directory(args)  # a second job with this --save stops here, naming the first
+        non_persistent.hold(args)  # and one with these non-persistent directories
     announce_substitutions(args)
     cpu = device.type == "cpu"
     tokenizer = data.build_tokenizer(args)
@@ -126,6 +127,7 @@ def pretrain(args) -> dict:
         return _pretrain(args)
     finally:
         checkpointing.release_save_directory(args)
+        non_persistent.release(args)
 
 
 def _pretrain(args) -> dict:
@@ -152,9 +154,11 @@ def _pretrain(args) -> dict:
 
     start_iteration, consumed = 0, 0
     if args.load:
-        start_iteration, consumed = checkpointing.load_checkpoint(args, model, optimizer, scheduler)
+        # the newer of --load's and the non-persistent checkpoint
+        start_iteration, consumed = non_persistent.load_checkpoint(args, model, optimizer, scheduler)
         history["start_iteration"] = start_iteration
     checkpointing.check_save_directory(args, start_iteration)  # no save may overwrite a newer checkpoint
+    non_persistent.check_newer(args, start_iteration)
     if args.load and start_iteration and args.eval_interval and start_iteration % args.eval_interval == 0:
         # The saved run logged this validation loss too: equal values show the load is complete.
         history["valid_at_load"] = validate(start_iteration, " (loaded checkpoint)")
@@ -250,6 +254,9 @@ def _train(args, device, model, optimizer, scheduler, forward_backward, forward_
         if args.save and ((args.save_interval and iteration % args.save_interval == 0) or exiting):
             saver.save(iteration, consumed, model, optimizer, scheduler)
             saved_at = iteration
+        elif non_persistent.due(args, iteration):  # as Megatron-LM: where no persistent save runs
+            saver.wait(iteration)  # --async-save: a persistent save in flight first (non-persistent ones are sync)
+            non_persistent.save(args, iteration, consumed, model, optimizer, scheduler)
         else:
             saver.poll(iteration)
         if exiting:

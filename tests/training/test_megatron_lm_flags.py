@@ -178,6 +178,7 @@ NEW_FLAGS = """--train-samples --lr-decay-samples --lr-warmup-samples --lr-warmu
 --log-num-zeros-in-grad --log-memory-to-tensorboard --log-validation-ppl-to-tensorboard --logging-level
 --timing-log-level --profile --profile-step-start --profile-step-end --profile-ranks --use-pytorch-profiler
 --auto-detect-ckpt-format --dist-ckpt-strictness --non-persistent-save-interval --non-persistent-ckpt-type
+--non-persistent-global-ckpt-dir --non-persistent-local-ckpt-dir --non-persistent-local-ckpt-algo
 --no-check-for-nan-in-loss-and-grad --check-for-nan-in-loss-and-grad --enable-experimental --fp8-format
 --fp8-amax-history-len --fp8-amax-compute-algo --fp8-param-gather""".split()
 
@@ -208,7 +209,7 @@ def test_help_lists_every_new_flag_with_its_default():
     (["--overlap-param-gather"], "needs --use-distributed-optimizer"),
     (["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max",
       "--fp8-param-gather"], "--fp8-format, --fp8-param-gather, --fp8-amax-history-len, --fp8-amax-compute-algo: FP8"),
-    (["--non-persistent-save-interval", "5", "--non-persistent-ckpt-type", "local"], "not implemented"),
+    (["--non-persistent-save-interval", "5", "--non-persistent-ckpt-type", "local"], "needs --save DIR"),
     (["--profile", "--profile-step-start", "3", "--profile-step-end", "3"], "below --profile-step-end"),
     (["--profile", "--use-pytorch-profiler"], "set it"),
     (["--data-path", "x", "--train-data-path", "y", "--tokenizer-type", "NullTokenizer"], "exclusive"),

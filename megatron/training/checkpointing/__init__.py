@@ -4,7 +4,8 @@ Owns save and load (``save_load``), the three-step save (``save_steps``) and its
 (``async_save``), directories published atomically (``files``), who owns a temporary
 (``ownership``), start-up path checks and free space (``paths``), what a checkpoint must agree with
 (``compatibility``), the CRC manifest (``manifest``), layout-1 checkpoints (``layout_v1``) and the
-Megatron-Core DDP baseline's ``torch_dist`` format (``torch_dist``).
+Megatron-Core DDP baseline's ``torch_dist`` format (``torch_dist``), and Megatron-LM's non-persistent
+checkpoints (``non_persistent``, their flags ``non_persistent_args``).
 
 May import: the engine (``megatron.fsdp``), Megatron-Core, ``megatron.training.errors`` and
 ``megatron.training.logs``.

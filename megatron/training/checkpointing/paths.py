@@ -33,6 +33,8 @@ from .files import COMMON, TRACKER
 from .ownership import is_stale
 
 TEMPORARY_PREFIXES = (".tmp_iter_", ".old_iter_")
+# Megatron-LM's default directory of global non-persistent checkpoints, inside --save / --load.
+NON_PERSISTENT_SUBDIR = "non_persistent"
 Problems = Callable[[Path], List[str]]  # what is wrong with one checkpoint directory (empty: it verifies)
 
 
@@ -70,7 +72,7 @@ def load_dir_problem(path: str) -> Optional[str]:
         parent, name = root.parent, root.name
         step = f" --ckpt-step {int(name[5:])}" if name.startswith("iter_") and name[5:].isdigit() else ""
         return (f"--load {path} is one checkpoint, not a save directory; pass its parent: --load {parent}{step}")
-    entries = [e.name for e in root.iterdir() if not e.name.startswith(".")]
+    entries = [e.name for e in root.iterdir() if not e.name.startswith(".") and e.name != NON_PERSISTENT_SUBDIR]
     if entries and TRACKER not in entries and not any(n.startswith("iter_") for n in entries):
         return (f"--load {path} is not a checkpoint directory: no {TRACKER} and no iter_* inside "
                 f"(found {', '.join(sorted(entries)[:4])})")

@@ -230,14 +230,19 @@ def snapshot(args, iteration: int, consumed_samples: int, model, optimizer, sche
     files.check_fault_spec(dist.get_world_size())
     start = time.perf_counter()
     state = save_steps.host_copies(save_state_dict(model, optimizer, arena, defer))
-    common = None if dist.get_rank() != 0 else {
+    common = None if dist.get_rank() != 0 else common_record(args, iteration, consumed_samples, scheduler)
+    return Snapshot(iteration, state, common, time.perf_counter() - start)
+
+
+def common_record(args, iteration: int, consumed_samples: int, scheduler) -> Dict[str, Any]:
+    """What ``common.json`` says: iteration, samples, the schedule, the model's and the layout's arguments."""
+    return {
         "format": FORMAT, "version": VERSION, "manifest": manifest.MANIFEST, "iteration": iteration,
         "consumed_train_samples": consumed_samples, "world_size": dist.get_world_size(),
         "scheduler": scheduler.state_dict(), "model_args": _model_args(args),
         "parallel_layout": parallel_layout(args),
         "args": {k: _json_value(v) for k, v in sorted(vars(args).items())},
     }
-    return Snapshot(iteration, state, common, time.perf_counter() - start)
 
 
 def plan_snapshot(args, snap: Snapshot, group=None):
@@ -469,8 +474,25 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
     if directory is None:
         print_rank_0(f" no checkpoint in {args.load} (no {files.TRACKER}, no complete iter_*): starting from scratch")
         return 0, 0
+    return load_directory(args, model, optimizer, scheduler, directory, start)
+
+
+def _read_pieces(state: Dict[str, Any], directory: Path, prefixes: Tuple[str, ...], reader=None) -> None:
+    """Fill ``state`` from a checkpoint all ranks wrote together (a collective: the keys are checked first)."""
+    validate_keys(state, directory, prefixes, reader)
+    dcp.load(state, storage_reader=reader or dcp.FileSystemReader(str(directory)))
+
+
+def load_directory(args, model, optimizer, scheduler, directory: Path, start: float, verify: bool = True,
+                   read_pieces=_read_pieces) -> Tuple[int, int]:
+    """Load one checkpoint directory (``load_checkpoint`` after choosing it; ``non_persistent`` too).
+
+    ``verify``: check the manifest here (False: the caller verified it). ``read_pieces(state, directory,
+    prefixes, reader)`` fills the state dict (a per-rank reader for a local checkpoint: ``non_persistent``).
+    """
     _check_not_torch_dist(directory)
-    verify_checkpoint(directory)
+    if verify:
+        verify_checkpoint(directory)
     common = files.read_common(directory)
     check_model_args(common, args, directory)
     if not args.finetune and common["iteration"] > args.train_iters:
@@ -500,8 +522,7 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
     try:
         state, mains = _state_dict(model, optimizer, with_optimizer, with_rng)
         prefixes = ("model.",) + (("optimizer.",) if with_optimizer else ()) + (("rng.",) if with_rng else ())
-        validate_keys(state, directory, prefixes, reader)
-        dcp.load(state, storage_reader=reader or dcp.FileSystemReader(str(directory)))
+        read_pieces(state, directory, prefixes, reader)
         for chunk in model:
             keys = set(chunk.checkpoint_keys().to_global.values())
             chunk.load_state_dict({k: v for k, v in state["model"].items() if k in keys})
