@@ -118,6 +118,10 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
                    help="key mismatches on load. Here loads always stop on missing or unexpected keys "
                         "(raise_all); a value that would continue is said at start-up")
     add_non_persistent_args(g)
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="torch_dist saves of the DistributedOptimizer: its state per parameter in model space "
+                        "(loads at any TP/PP/DP) instead of Megatron-LM's default dp_reshardable flat buckets. "
+                        "fsdp_dtensor's optimizer state is always per parameter")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_false", help="do not stop on a NaN gradient")
     g.add_argument("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_true",

@@ -1,10 +1,11 @@
 """``--ckpt-format torch_dist`` (the Megatron-Core DDP baseline, Megatron-Core's dist_checkpointing) and its
 conversion to and from ``fsdp_dtensor``: a job moves between DistributedOptimizer and ``--use-megatron-fsdp``.
 
-One chain of four 2-rank runs in the shared pool (no new processes), fp32, dropout 0:
-the baseline saves torch_dist at 5 and 10; it resumes its own checkpoint bitwise; iteration 5
-converted to fsdp_dtensor resumes under ZeRO-3 within 1e-5 of the baseline continuing, saving
-at 7; that converted back to torch_dist resumes the baseline within 1e-5 again.
+One chain of four 2-rank runs in the shared pool (no new processes), fp32, dropout 0, per optimizer
+layout (Megatron-LM's default dp_reshardable, and fully_reshardable): the baseline saves torch_dist at 5
+and 10; it resumes its own checkpoint bitwise; iteration 5 converted to fsdp_dtensor (with the Adam
+state) resumes under ZeRO-3 within 1e-5 of the baseline continuing, saving at 7; that converted back
+to torch_dist (fully_reshardable) resumes the baseline within 1e-5 again.
 """
 
 import json
@@ -35,16 +36,23 @@ def _keys(directory):
             for k, md in FileSystemReader(str(directory)).read_metadata().state_dict_metadata.items()}
 
 
-def test_torch_dist_baseline_to_fsdp_and_back(tmp_path):
+BUCKET = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0.exp_avg"
+PER_PARAMETER = "optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.weight"
+
+
+@pytest.mark.parametrize("layout", ["dp_reshardable", "fully_reshardable"])
+def test_torch_dist_baseline_to_fsdp_and_back(tmp_path, layout):
+    """Megatron-LM's default optimizer layout (flat buckets) and --dist-ckpt-optim-fully-reshardable's."""
     td, fsdp, back = tmp_path / "torch_dist", tmp_path / "fsdp", tmp_path / "back"
-    straight = pretrain(2, BASELINE + ["--save", str(td), "--save-interval", "5"])
+    flag = ["--dist-ckpt-optim-fully-reshardable"] if layout == "fully_reshardable" else []
+    straight = pretrain(2, BASELINE + flag + ["--save", str(td), "--save-interval", "5"])
     assert sorted(p.name for p in td.iterdir()) == ["iter_0000005", "iter_0000010", files.TRACKER]
     assert files.read_tracker(td) == 10
     meta = json.loads((td / "iter_0000005" / "metadata.json").read_text())
     assert meta["sharded_backend"] == "torch_dist" and (td / "iter_0000005" / "common.pt").is_file()
     saved = _keys(td / "iter_0000005")
     assert "decoder.layers.self_attention.linear_qkv.weight" in saved  # Megatron-Core's stacked layers
-    assert "optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.weight" in saved  # fully_reshardable
+    assert (BUCKET in saved, PER_PARAMETER in saved) == (layout == "dp_reshardable", layout == "fully_reshardable")
 
     # (a) the baseline resumes its own torch_dist checkpoint exactly
     resumed = pretrain(2, BASELINE + ["--load", str(td), "--ckpt-step", "5"])
@@ -72,8 +80,9 @@ def test_torch_dist_baseline_to_fsdp_and_back(tmp_path):
     _close(returned["losses"], straight["losses"][7:])
     _close(returned["losses"], moved["losses"][2:])
     _close(returned["valid"], straight["valid"][1:])
-    assert {k: v for k, v in _keys(back / "iter_0000007").items() if v != "bytes"} == \
-           {k: v for k, v in saved.items() if v != "bytes"}  # the tensors a torch_dist save writes, no other
+    if layout == "fully_reshardable":  # to-torch-dist writes this layout: the tensors its save writes, no other
+        assert {k: v for k, v in _keys(back / "iter_0000007").items() if v != "bytes"} == \
+               {k: v for k, v in saved.items() if v != "bytes"}
 
 
 @pytest.mark.parametrize("argv, pattern", [

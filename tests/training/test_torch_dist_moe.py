@@ -1,5 +1,6 @@
 """Migrating a Megatron-Core DistributedOptimizer MoE run mid-training (the user guide's second half):
-EP 2, saved as torch_dist at iteration 5, converted, resumed with --use-megatron-fsdp at ZeRO-3, continues
+EP 2, dropout on, saved as torch_dist at iteration 5 in Megatron-LM's default optimizer layout
+(dp_reshardable: flat buckets), converted with its Adam state and RNG states, resumed with --use-megatron-fsdp at ZeRO-3, continues
 within 1e-5 of the same baseline resumed from its own checkpoint (losses and grad norms, iterations 6-10).
 The dense case: test_torch_dist.py."""
 
@@ -9,7 +10,8 @@ from tools.checkpoint import convert
 
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
        "--disable-bias-linear"]
-BASELINE = MODEL + B8 + MOE + ["--use-distributed-optimizer"]
+DROPOUT = ["--hidden-dropout", "0.1"]  # the converted RNG states give the resumed run the baseline's masks
+BASELINE = MODEL + B8 + MOE + DROPOUT + ["--use-distributed-optimizer"]
 
 
 def _close(got, expected, rtol=1e-5):
@@ -22,7 +24,7 @@ def test_moe_ep2_torch_dist_resumes_under_zero3(tmp_path):
     own = pretrain(2, BASELINE + ["--load", str(td), "--ckpt-step", "5"])  # the baseline resumed from its own checkpoint
     assert own["start_iteration"] == 5 and len(own["losses"]) == 5
     convert.main(["from-torch-dist", str(td), str(converted), "--iteration", "5"])
-    moved = pretrain(2, MODEL + B8 + MOE + fsdp("optim_grads_params") + ["--load", str(converted)])
+    moved = pretrain(2, MODEL + B8 + MOE + DROPOUT + fsdp("optim_grads_params") + ["--load", str(converted)])
     assert moved["start_iteration"] == 5
     _close(moved["losses"], own["losses"])
     _close(moved["grad_norms"], own["grad_norms"])

@@ -17,14 +17,15 @@ renaming and a reshape, in one process without a process group:
   numbers), fsdp_dtensor keeps ``decoder.layers.<i>.mlp.experts.local_experts.<e>.<name>``; the
   ChainedOptimizer's states (dense, experts) give the param groups and the step. GroupedMLP
   (``--moe-grouped-gemm``) experts are refused;
-- Adam state: torch_dist's model-space layouts (the baseline's ``fully_reshardable``
-  DistributedOptimizer, Megatron-Core's non-distributed optimizers:
-  ``optimizer.state.{exp_avg,exp_avg_sq}.<key>``) <-> ``optimizer.state.<key>.<name>``;
-  the step count and hyperparameters per param group. Megatron-LM's default
-  ``dp_reshardable`` layout (flat per-bucket buffers, depends on the DP layout) is not
-  convertible: weights only, then (say so) ``--no-load-optim``;
-- iteration, consumed samples and the LR schedule are carried; RNG states are not (one
-  format keeps them per rank, the other per model-parallel rank): the resumed run says so.
+- Adam state: torch_dist's model-space layouts (the DistributedOptimizer's ``fully_reshardable``,
+  Megatron-Core's non-distributed optimizers: ``optimizer.state.{exp_avg,exp_avg_sq}.<key>``)
+  <-> ``optimizer.state.<key>.<name>``; the step count and hyperparameters per param group.
+  Megatron-LM's (and the baseline's) default ``dp_reshardable`` layout (flat per-bucket
+  buffers) is sliced per parameter first (``torch_dist_dp_layout.py``; TP 1 and PP 1, else
+  refused naming ``--dist-ckpt-optim-fully-reshardable``);
+- iteration, consumed samples and the LR schedule are carried; RNG states torch_dist ->
+  fsdp_dtensor only (each rank of the saved layout gets its (PP, TP) rank's ``rng_state``;
+  a load at another world size says it skips them); fsdp_dtensor -> torch_dist has none.
 
 Memory: each tensor is read on its own (DCP reads only that key's chunks), and the
 writer asks for each tensor only when it writes it (``_LazyPlanner``): a stacked
@@ -45,6 +46,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from tools.checkpoint import output
+from tools.checkpoint.torch_dist_dp_layout import DpReshardable, is_dp_reshardable
 
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 STACKED = re.compile(r"^decoder\.layers\.(.+)$")
@@ -188,6 +190,32 @@ def _torch_dist_groups_and_step(optimizer: Dict[str, Any]) -> Tuple[list, int]:
     return groups, int(float(step)) if step is not None else 0
 
 
+RNG = re.compile(r"^rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")  # one object per (PP, TP) rank
+
+
+def _rng_objects(directory: Path, metadata, args, world: int) -> Dict[str, bytes]:
+    """fsdp_dtensor's ``rng.rank<r>`` of each rank of the saved layout, from torch_dist's ``rng_state`` of that
+    rank's (PP, TP) coordinates (Megatron's rank order: TP fastest, PP slowest; DP ranks share a state);
+    empty where the checkpoint lacks some."""
+    import pickle
+
+    from tools.checkpoint.torch_dist_dp_layout import read_objects
+
+    keys = {tuple(int(x) for x in m.groups()[:2]): k for k in metadata.state_dict_metadata if (m := RNG.match(k))}
+    tp, pp = int(args.tensor_model_parallel_size), int(args.pipeline_model_parallel_size)
+    if set(keys) != {(p, t) for p in range(pp) for t in range(tp)}:
+        return {}
+    states = read_objects(directory, keys.values())
+    out = {}
+    for rank in range(world):
+        state = states[keys[(rank // (world // pp), rank % tp)]]
+        state = state[0] if isinstance(state, list) else state
+        out[f"rng.rank{rank}"] = pickle.dumps({
+            "python": state["random_rng_state"], "numpy": state["np_rng_state"], "torch": state["torch_rng_state"],
+            "cuda": state.get("cuda_rng_state"), "tracker": state.get("rng_tracker_states")})
+    return out
+
+
 def from_torch_dist(source: str, out: str, iteration: Optional[int] = None, overwrite: bool = False) -> Path:
     """A torch_dist checkpoint (the baseline's, or Megatron-LM's) as an fsdp_dtensor one under ``out``."""
     from megatron.training.checkpointing import files
@@ -201,17 +229,24 @@ def from_torch_dist(source: str, out: str, iteration: Optional[int] = None, over
     common = read_common(directory)
     args = common["args"]
     _refuse_grouped_experts(args)
-    saved = _tensor_keys(_metadata(directory))
+    metadata = _metadata(directory)
+    saved = _tensor_keys(metadata)
     layers = int(args.num_layers)
     optimizer = common.get("optimizer") or {}
+    buckets = None
+    if is_dp_reshardable(saved):  # Megatron-LM's default layout: per parameter from the flat buckets
+        buckets = DpReshardable(directory, args, saved, metadata.state_dict_metadata,
+                                lambda keys: _read(directory, keys))
+        optimizer = buckets.optimizer_common()
+        saved.update({f"optimizer.state.{state}.{k}": saved[k] for (k, _) in buckets.slots
+                      for state in buckets.saved_states()})
     with_optimizer = any(k.startswith("optimizer.state.exp_avg.") for k in saved)
     if optimizer and not with_optimizer:
         print(f"  optimizer state not converted: its layout ({optimizer.get('param_state_sharding_type')}) is not "
-              "per parameter (Megatron-LM's default dp_reshardable; save with --dist-ckpt-optim-fully-reshardable "
-              "there); load the result with --no-load-optim")
+              "per parameter; load the result with --no-load-optim")
     plan: Dict[str, Tuple[str, tuple]] = {}  # fsdp key -> (torch_dist key, index into it: (), (layer,), (layer, expert))
     shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
-    for k in sorted(k for k in saved if not k.startswith("optimizer.")):
+    for k in sorted(k for k in saved if not k.startswith(("optimizer.", "chained_"))):
         shape = saved[k][0]
         stacked, experts = STACKED.match(k), EXPERTS.match(k)
         main = next((f"optimizer.state.{m}.{k}" for m in MAIN_COPIES if f"optimizer.state.{m}.{k}" in saved), k)
@@ -245,18 +280,27 @@ def from_torch_dist(source: str, out: str, iteration: Optional[int] = None, over
         td_key, index = plan[key]
         if td_key not in cache:  # one (stacked) torch_dist tensor in memory at a time
             cache.clear()
-            cache.update(_read(directory, {td_key: saved[td_key]}))
+            state_name, _, model_key = td_key[len("optimizer.state."):].partition(".")
+            if buckets is not None and td_key.startswith("optimizer.state."):
+                cache[td_key] = buckets.read(state_name, model_key)
+            else:
+                cache.update(_read(directory, {td_key: saved[td_key]}))
         value = cache[td_key][index]
         return value.to(torch.float32).reshape(shapes[key][0]).contiguous()
     it = int(common["iteration"])
-    root, tmp = output.destination(out, it, overwrite)
-    _write(tmp, shapes, produce, objects)
     layout = {name: getattr(args, name, None) for name in checkpointing.PARALLEL_ARGS}
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
-    layout.update(world_size=model_parallel * args.data_parallel_size, data_parallel_size=args.data_parallel_size)
+    world = model_parallel * args.data_parallel_size
+    layout.update(world_size=world, data_parallel_size=args.data_parallel_size)
+    rng = _rng_objects(directory, metadata, args, world)
+    objects.update(rng)
+    root, tmp = output.destination(out, it, overwrite)
+    _write(tmp, shapes, produce, objects)
     files.write_common(tmp, {
         "format": checkpointing.FORMAT, "version": checkpointing.VERSION, "iteration": it,
-        "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0)), "world_size": None,
+        "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0)),
+        # the RNG states are those of this world size's ranks (a load at another says so and skips them)
+        "world_size": world if rng else None, "converted_rng": bool(rng),
         "converted_from": "torch_dist", "scheduler": common.get("opt_param_scheduler"),
         "model_args": checkpointing._model_args(args),
         "parallel_layout": {k: checkpointing._json_value(v) for k, v in layout.items()},

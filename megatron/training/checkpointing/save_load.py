@@ -500,7 +500,7 @@ def load_directory(args, model, optimizer, scheduler, directory: Path, start: fl
                               f"({common['iteration']}): nothing would train; pass a larger --train-iters")
     with_optimizer = not (args.finetune or args.no_load_optim)
     with_rng = not (args.finetune or args.no_load_rng)
-    if with_rng and common.get("converted_from"):
+    if with_rng and common.get("converted_from") and not common.get("converted_rng"):
         print_rank_0(f" checkpoint converted from {common['converted_from']}: it has no RNG states (not restored)")
         with_rng = False
     if with_rng and common["world_size"] != dist.get_world_size():

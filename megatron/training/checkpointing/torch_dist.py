@@ -5,9 +5,11 @@ Why Megatron-Core's code and not ours: a Megatron-LM user's checkpoint must load
 ours in Megatron-LM, so the state dict is the one Megatron-LM builds: ``model`` (``model0``,
 ``model1``, ... under virtual pipelining) from each ``GPTModel.sharded_state_dict``
 (layers stacked along a leading layer dimension, TP shards as offsets of TP-global tensors),
-``optimizer`` from the optimizer's own ``sharded_state_dict`` (DistributedOptimizer in
-``fully_reshardable`` layout: per-parameter ``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>``
-in each parameter's global shape, so any TP/PP/DP loads it and a converter can read it),
+``optimizer`` from the optimizer's own ``sharded_state_dict`` (the DistributedOptimizer in
+Megatron-LM's default ``dp_reshardable`` layout: its flat buffers per bucket, loads at another DP
+size; with ``--dist-ckpt-optim-fully-reshardable`` in ``fully_reshardable`` layout: per-parameter
+``optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`` in each parameter's global shape, so any
+TP/PP/DP loads it; both convert to fsdp_dtensor; a load uses the layout the checkpoint names),
 ``rng_state`` (one ``ShardedObject`` per pipeline x tensor rank, as Megatron-LM), and the
 common values Megatron-LM keeps (``iteration``, ``args``, ``checkpoint_version``,
 ``opt_param_scheduler``). The directory layout is Megatron-LM's
@@ -47,10 +49,17 @@ from ..logs.lines import print_rank_0
 
 FORMAT = "torch_dist"
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's
-# Megatron-LM's sharded_state_dict metadata with --dist-ckpt-optim-fully-reshardable: optimizer state in
-# model space (convertible, reshardable), layers stacked, no chained-optimizer prefix.
-SHARDED_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
+# Megatron-LM's sharded_state_dict metadata: the DistributedOptimizer's layout (``dp_reshardable`` by default,
+# ``fully_reshardable`` with --dist-ckpt-optim-fully-reshardable), layers stacked, no chained-optimizer prefix.
+DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
+SHARDED_METADATA = {"distrib_optim_sharding_type": FULLY_RESHARDABLE, "singleton_local_shards": False,
                     "chained_optim_avoid_prefix": True}
+
+
+def sharded_metadata(args) -> Dict[str, Any]:
+    """The metadata a save of this job writes (Megatron-LM's ``_build_sharded_state_dict_metadata``)."""
+    layout = FULLY_RESHARDABLE if getattr(args, "dist_ckpt_optim_fully_reshardable", False) else DP_RESHARDABLE
+    return {**SHARDED_METADATA, "distrib_optim_sharding_type": layout}
 CONVERTER = "tools/checkpoint/convert.py"
 
 
@@ -115,8 +124,9 @@ def _set_rng(states: List[Dict[str, Any]]) -> None:
 def _keep_step_on_load(optimizer) -> None:
     """Adapter for a Megatron-Core 0.16.1 bug without Transformer Engine or Apex: torch's Adam keeps ``step``
     in each parameter's state, and ``fully_reshardable`` loading copies every state entry from the checkpoint,
-    which has no ``step`` (it is restored from the param groups just before): KeyError. Each parameter's own
-    ``step`` is passed through unchanged."""
+    which has no ``step`` (it is restored from the param groups just before): KeyError; ``dp_reshardable``
+    loading copies the ``step`` of the live optimizer's dummy initialisation over it (a wrong bias correction
+    after the resume). Each parameter's own, restored ``step`` is passed through unchanged."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -127,7 +137,7 @@ def _keep_step_on_load(optimizer) -> None:
         def set_states(model_param, tensors, opt=opt, original=original):
             group, order = opt.model_param_group_index_map[model_param]
             state = opt.optimizer.state[opt.optimizer.param_groups[group]["params"][order]]
-            if "step" in state and "step" not in tensors:
+            if "step" in state:
                 tensors = {**tensors, "step": state["step"]}
             return original(model_param, tensors)
         opt._set_main_param_and_optimizer_states = set_states
@@ -160,12 +170,13 @@ def _create_optimizer_state(optimizer) -> None:
                 g["lr"] = lr
 
 
-def sharded_state_dict(model, optimizer, is_loading: bool, with_optimizer: bool = True,
+def sharded_state_dict(model, optimizer, is_loading: bool, content: Dict[str, Any], with_optimizer: bool = True,
                        with_rng: bool = True) -> Dict[str, Any]:
-    """Megatron-LM's ``generate_state_dict``: model chunks, optimizer and RNG as sharded objects."""
+    """Megatron-LM's ``generate_state_dict``: model chunks, optimizer (in ``content``'s layout) and RNG as
+    sharded objects."""
     from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
-    metadata = ensure_metadata_has_dp_cp_group(dict(SHARDED_METADATA))
+    metadata = ensure_metadata_has_dp_cp_group(dict(content))
     state: Dict[str, Any] = {}
     for i, chunk in enumerate(model):
         state[_model_key(i, len(model))] = _unwrap(chunk).sharded_state_dict(metadata=metadata)
@@ -240,7 +251,8 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimize
     if plan[1]:
         raise CheckpointError(plan[1])
     tmp: Path = plan[0]
-    state = sharded_state_dict(model, optimizer, is_loading=False)
+    content = sharded_metadata(args)
+    state = sharded_state_dict(model, optimizer, is_loading=False, content=content)
     saved_args = argparse.Namespace(**vars(args))
     saved_args.consumed_train_samples = consumed_samples  # where Megatron-LM keeps it
     saved_args.iteration = iteration
@@ -248,7 +260,7 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimize
                  opt_param_scheduler=scheduler.state_dict(), num_floating_point_operations_so_far=0)
     with _in_process_writes():  # one bucket per rank, written by this process
         dist_checkpointing.save(state, str(tmp), sharded_strategy=TorchDistSaveShardedStrategy(FORMAT, 1, thread_count=1),
-                                content_metadata=dict(SHARDED_METADATA))  # ends with a barrier: every rank wrote
+                                content_metadata=content)  # ends with a barrier: every rank wrote
     final: List[Any] = [None]
     if rank == 0:
         files.fsync_dir(tmp)
@@ -373,7 +385,10 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
     if not (args.finetune or args.no_load_rng) and not with_rng:
         print_rank_0(" RNG states not restored: " + ("the checkpoint was converted and has none" if same_model_parallel
                      else "saved at another tensor or pipeline parallel size (they are per rank)"))
-    state = sharded_state_dict(model, optimizer, is_loading=True, with_optimizer=with_optimizer, with_rng=with_rng)
+    # Megatron-LM's load: the layout the checkpoint was saved in (older checkpoints have no content metadata)
+    content = dist_checkpointing.load_content_metadata(str(directory)) or dict(SHARDED_METADATA)
+    state = sharded_state_dict(model, optimizer, is_loading=True, content=content, with_optimizer=with_optimizer,
+                               with_rng=with_rng)
     saved_keys = set(FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
     dropped = _drop_absent_extra_state(state, saved_keys)
     live = _live_common(state)
@@ -391,7 +406,10 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
             _set_step(loaded["optimizer"], int(converted.get("optimizer_step", 0)))
         _keep_step_on_load(optimizer)
         bounds = compatibility.lr_bounds(optimizer)
-        optimizer.load_state_dict(loaded["optimizer"])
+        # no_grad: Megatron-Core 0.16.1 copies dp_reshardable state into fp32 main params that are views of the
+        # model's leaf parameters without it (autograd refuses; its fully_reshardable load has the guard)
+        with torch.no_grad():
+            optimizer.load_state_dict(loaded["optimizer"])
         _unshare_steps(optimizer)
         if common.get("opt_param_scheduler"):
             compatibility.load_scheduler(common["opt_param_scheduler"], scheduler, optimizer, bounds)
