@@ -16,7 +16,11 @@ from megatron.training.checkpointing import files, manifest
 from megatron.training.arguments import ArgumentError, parse_args, validate_args
 from megatron.fsdp.testing.common import rel
 from megatron.training.testing.job import B8, MODEL, assert_exact_resume, fsdp, pretrain
+from megatron.fsdp.testing.pool import RankError
 from tools.checkpoint import convert
+from tools.checkpoint.torch_dist_dp_layout import DpReshardable
+
+ORIGINAL = DpReshardable._dense_params
 
 
 BASELINE = MODEL + B8 + ["--use-distributed-optimizer"]
@@ -41,7 +45,7 @@ PER_PARAMETER = "optimizer.state.exp_avg.decoder.layers.self_attention.linear_qk
 
 
 @pytest.mark.parametrize("layout", ["dp_reshardable", "fully_reshardable"])
-def test_torch_dist_baseline_to_fsdp_and_back(tmp_path, layout):
+def test_torch_dist_baseline_to_fsdp_and_back(tmp_path, monkeypatch, layout):
     """Megatron-LM's default optimizer layout (flat buckets) and --dist-ckpt-optim-fully-reshardable's."""
     td, fsdp, back = tmp_path / "torch_dist", tmp_path / "fsdp", tmp_path / "back"
     flag = ["--dist-ckpt-optim-fully-reshardable"] if layout == "fully_reshardable" else []
@@ -57,6 +61,16 @@ def test_torch_dist_baseline_to_fsdp_and_back(tmp_path, layout):
     # (a) the baseline resumes its own torch_dist checkpoint exactly
     resumed = pretrain(2, BASELINE + ["--load", str(td), "--ckpt-step", "5"])
     assert_exact_resume(straight, resumed, 5)
+    if layout == "dp_reshardable":  # flat buckets of each model-parallel rank: another TP is one clear line
+        with pytest.raises(RankError, match="dp_reshardable layout .* --tensor-model-parallel-size 1 in the "
+                                            "checkpoint, 2 now.*--dist-ckpt-optim-fully-reshardable"):
+            pretrain(2, BASELINE + ["--load", str(td), "--ckpt-step", "5", "--tensor-model-parallel-size", "2",
+                                    "--make-vocab-size-divisible-by", "64"])  # the same padded vocabulary
+        # a parameter order that does not fit the buckets is refused, not converted
+        with monkeypatch.context() as m:
+            m.setattr(DpReshardable, "_dense_params", lambda self, model: ORIGINAL(self, model)[::-1])
+            with pytest.raises(SystemExit, match="--dist-ckpt-optim-fully-reshardable"):
+                convert.main(["from-torch-dist", str(td), str(tmp_path / "wrong"), "--iteration", "5"])
 
     # (b) torch_dist -> fsdp_dtensor -> --use-megatron-fsdp ZeRO-3: the baseline's next iterations within 1e-5
     convert.main(["from-torch-dist", str(td), str(fsdp), "--iteration", "5"])

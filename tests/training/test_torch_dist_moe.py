@@ -11,6 +11,8 @@ from tools.checkpoint import convert
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
        "--disable-bias-linear"]
 DROPOUT = ["--hidden-dropout", "0.1"]  # the converted RNG states give the resumed run the baseline's masks
+# hidden 48: parameter sizes that are not multiples of 64 leave padding between them in the dp_reshardable buckets
+MODEL = MODEL + ["--hidden-size", "48"]
 BASELINE = MODEL + B8 + MOE + DROPOUT + ["--use-distributed-optimizer"]
 
 

@@ -90,6 +90,9 @@ class DpReshardable:
             expert = chained is not None and int(chained) > 0  # a ChainedOptimizer's second: the experts
             params = self._expert_params(model, group, ep) if expert else self._dense_params(model)
             self._place(params, prefix, sizes)
+        self._buckets: Dict[str, torch.Tensor] = {}  # every bucket tensor read so far (see read)
+        for key in {key for key, _ in self.slots}:  # the whole layout is checked before anything is written
+            self.read("param", key)
 
     # ------------------------------------------------------------ the layout
     def _bucket_sizes(self) -> Dict[Tuple[Optional[str], str], Tuple[str, List[int]]]:
@@ -156,14 +159,16 @@ class DpReshardable:
 
     def read(self, state: str, td_key: str) -> torch.Tensor:
         """``state`` (``param``, ``exp_avg``, ``exp_avg_sq``) of one torch_dist model key, in its saved shape;
-        the main weights are checked against the saved model weights."""
+        the main weights are checked against the saved model weights. Each bucket tensor is read once and
+        kept: the layers of one stacked key lie in different buckets, and DCP reads a tensor whole (host
+        memory: the whole flat optimizer state, three fp32 copies of the model)."""
         shape, _ = self.saved[td_key]
         slots = {index: slot for (key, index), slot in self.slots.items() if key == td_key}
-        wanted = {f"{s.bucket}.{state}" for s in slots.values()}
-        buffers = self.read_tensors({k: self.saved[k] for k in wanted})
+        wanted = {f"{s.bucket}.{state}" for s in slots.values()} - set(self._buckets)
+        self._buckets.update(self.read_tensors({k: self.saved[k] for k in wanted}))
         out = torch.empty(shape, dtype=torch.float32)
         for index, slot in slots.items():
-            piece = buffers[f"{slot.bucket}.{state}"][slot.start:slot.start + slot.numel]
+            piece = self._buckets[f"{slot.bucket}.{state}"][slot.start:slot.start + slot.numel]
             out[index] = piece.reshape(shape[len(index):])
         if state == "param":
             weight = self.read_tensors({td_key: self.saved[td_key]})[td_key]

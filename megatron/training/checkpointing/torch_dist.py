@@ -290,6 +290,20 @@ def _check_model(saved_args, args, directory: Path) -> None:
         raise CheckpointError(f"checkpoint {directory} was saved with a different model: " + "; ".join(diffs))
 
 
+def _check_dp_reshardable(saved_args, args, directory: Path) -> None:
+    """``dp_reshardable`` optimizer state is the flat buffers of each model-parallel rank: it loads at another
+    DP size only (Megatron-Core would stop on a bucket-size assertion)."""
+    names = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+             "expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size")
+    diffs = [f"--{k.replace('_', '-')} {getattr(saved_args, k, None)} in the checkpoint, {getattr(args, k, None)} now"
+             for k in names if getattr(saved_args, k, None) != getattr(args, k, None)]
+    if diffs:
+        raise CheckpointError(
+            f"checkpoint {directory} holds the optimizer state in the dp_reshardable layout (Megatron-LM's default), "
+            f"which loads at another data-parallel size only: {'; '.join(diffs)}. Load it at its own sizes and save "
+            "with --dist-ckpt-optim-fully-reshardable, or load the weights only with --no-load-optim")
+
+
 def _drop_absent_extra_state(state: Dict[str, Any], saved_keys) -> List[Tuple[str, ...]]:
     """``_extra_state`` objects the checkpoint lacks (a converted one has none; they are None for local
     layers): removed from the request; their paths are returned so that ``None`` is put back for
@@ -380,13 +394,15 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
         raise CheckpointError(problem)
     same_model_parallel = all(getattr(saved_args, k, None) == getattr(args, k) for k in
                               ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
+    # Megatron-LM's load: the layout the checkpoint was saved in (older checkpoints have no content metadata)
+    content = dist_checkpointing.load_content_metadata(str(directory)) or dict(SHARDED_METADATA)
+    if with_optimizer and content.get("distrib_optim_sharding_type") == DP_RESHARDABLE:
+        _check_dp_reshardable(saved_args, args, directory)
     with_rng = not (args.finetune or args.no_load_rng) and same_model_parallel and "rng" not in converted.get(
         "missing", ())
     if not (args.finetune or args.no_load_rng) and not with_rng:
         print_rank_0(" RNG states not restored: " + ("the checkpoint was converted and has none" if same_model_parallel
                      else "saved at another tensor or pipeline parallel size (they are per rank)"))
-    # Megatron-LM's load: the layout the checkpoint was saved in (older checkpoints have no content metadata)
-    content = dist_checkpointing.load_content_metadata(str(directory)) or dict(SHARDED_METADATA)
     state = sharded_state_dict(model, optimizer, is_loading=True, content=content, with_optimizer=with_optimizer,
                                with_rng=with_rng)
     saved_keys = set(FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
