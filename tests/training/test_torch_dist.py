@@ -9,6 +9,7 @@ to torch_dist (fully_reshardable) resumes the baseline within 1e-5 again.
 """
 
 import json
+import re
 
 import pytest
 
@@ -18,6 +19,7 @@ from megatron.fsdp.testing.common import rel
 from megatron.training.testing.job import B8, MODEL, assert_exact_resume, fsdp, pretrain
 from megatron.fsdp.testing.pool import RankError
 from tools.checkpoint import convert
+from tools.checkpoint import torch_dist_dp_layout
 from tools.checkpoint.torch_dist_dp_layout import DpReshardable
 
 ORIGINAL = DpReshardable._dense_params
@@ -45,7 +47,7 @@ PER_PARAMETER = "optimizer.state.exp_avg.decoder.layers.self_attention.linear_qk
 
 
 @pytest.mark.parametrize("layout", ["dp_reshardable", "fully_reshardable"])
-def test_torch_dist_baseline_to_fsdp_and_back(tmp_path, monkeypatch, layout):
+def test_torch_dist_baseline_to_fsdp_and_back(tmp_path, monkeypatch, capsys, layout):
     """Megatron-LM's default optimizer layout (flat buckets) and --dist-ckpt-optim-fully-reshardable's."""
     td, fsdp, back = tmp_path / "torch_dist", tmp_path / "fsdp", tmp_path / "back"
     flag = ["--dist-ckpt-optim-fully-reshardable"] if layout == "fully_reshardable" else []
@@ -71,6 +73,14 @@ def test_torch_dist_baseline_to_fsdp_and_back(tmp_path, monkeypatch, layout):
             m.setattr(DpReshardable, "_dense_params", lambda self, model: ORIGINAL(self, model)[::-1])
             with pytest.raises(SystemExit, match="--dist-ckpt-optim-fully-reshardable"):
                 convert.main(["from-torch-dist", str(td), str(tmp_path / "wrong"), "--iteration", "5"])
+        # a layout it does not slice (TP or PP > 1): the weights only, said in one line with the fix
+        with monkeypatch.context() as m:
+            m.setattr(torch_dist_dp_layout, "_problem", lambda args: "--tensor-model-parallel-size 2")
+            convert.main(["from-torch-dist", str(td), str(tmp_path / "weights"), "--iteration", "5"])
+        assert re.search(r"optimizer state not converted: .*tensor-model-parallel-size 2.*"
+                         r"--dist-ckpt-optim-fully-reshardable; load the result with --no-load-optim",
+                         capsys.readouterr().out)
+        assert not [k for k in _keys(tmp_path / "weights" / "iter_0000005") if k.startswith("optimizer.state.")]
 
     # (b) torch_dist -> fsdp_dtensor -> --use-megatron-fsdp ZeRO-3: the baseline's next iterations within 1e-5
     convert.main(["from-torch-dist", str(td), str(fsdp), "--iteration", "5"])

@@ -22,7 +22,7 @@ renaming and a reshape, in one process without a process group:
   <-> ``optimizer.state.<key>.<name>``; the step count and hyperparameters per param group.
   Megatron-LM's (and the baseline's) default ``dp_reshardable`` layout (flat per-bucket
   buffers) is sliced per parameter first (``torch_dist_dp_layout.py``; TP 1 and PP 1, else
-  refused naming ``--dist-ckpt-optim-fully-reshardable``);
+  weights only, said with the fix: ``--dist-ckpt-optim-fully-reshardable``);
 - iteration, consumed samples and the LR schedule are carried; RNG states torch_dist ->
   fsdp_dtensor only (each rank of the saved layout gets its (PP, TP) rank's ``rng_state``;
   a load at another world size says it skips them); fsdp_dtensor -> torch_dist has none.
@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from tools.checkpoint import output
-from tools.checkpoint.torch_dist_dp_layout import DpReshardable, is_dp_reshardable
+from tools.checkpoint.torch_dist_dp_layout import DpReshardable, WeightsOnly, is_dp_reshardable
 
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 STACKED = re.compile(r"^decoder\.layers\.(.+)$")
@@ -233,17 +233,20 @@ def from_torch_dist(source: str, out: str, iteration: Optional[int] = None, over
     saved = _tensor_keys(metadata)
     layers = int(args.num_layers)
     optimizer = common.get("optimizer") or {}
-    buckets = None
+    buckets, why = None, f"its layout ({optimizer.get('param_state_sharding_type')}) is not per parameter"
     if is_dp_reshardable(saved):  # Megatron-LM's default layout: per parameter from the flat buckets
-        buckets = DpReshardable(directory, args, saved, metadata.state_dict_metadata,
-                                lambda keys: _read(directory, keys))
-        optimizer = buckets.optimizer_common()
-        saved.update({f"optimizer.state.{state}.{k}": saved[k] for (k, _) in buckets.slots
-                      for state in buckets.saved_states()})
+        try:
+            buckets = DpReshardable(directory, args, saved, metadata.state_dict_metadata,
+                                    lambda keys: _read(directory, keys))
+        except WeightsOnly as exc:
+            why = f"{exc}; or save it with --dist-ckpt-optim-fully-reshardable"
+        else:
+            optimizer = buckets.optimizer_common()
+            saved.update({f"optimizer.state.{state}.{k}": saved[k] for (k, _) in buckets.slots
+                          for state in buckets.saved_states()})
     with_optimizer = any(k.startswith("optimizer.state.exp_avg.") for k in saved)
     if optimizer and not with_optimizer:
-        print(f"  optimizer state not converted: its layout ({optimizer.get('param_state_sharding_type')}) is not "
-              "per parameter; load the result with --no-load-optim")
+        print(f"  optimizer state not converted: {why}; load the result with --no-load-optim")
     plan: Dict[str, Tuple[str, tuple]] = {}  # fsdp key -> (torch_dist key, index into it: (), (layer,), (layer, expert))
     shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
     for k in sorted(k for k in saved if not k.startswith(("optimizer.", "chained_"))):

@@ -10,7 +10,8 @@ buckets (the saved ``per_bucket_numel_unpadded`` tells where); a checkpoint tens
 end padding, so a parameter's offset in it does not depend on the DP size. The order is taken from the
 checkpoint's own model keys (the order ``GPTModel.sharded_state_dict`` wrote them) and every slice of the
 fp32 main weights is checked against the saved model weight: a layout that does not fit is refused, never
-half-trusted. Tensor and pipeline parallel 1 only (the buffers then hold whole parameters, one chunk).
+half-trusted. Tensor and pipeline parallel 1 only (the buffers then hold whole parameters, one chunk);
+other sizes convert the weights only, said in one line.
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ BUCKET = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_
 OBJECT = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.(\w+)/shard_0_1$")
 ALIGN = 64  # _ParamAndGradBuffer._pad_start_of_param_if_needed with the distributed optimizer
 STATES = ("param", "exp_avg", "exp_avg_sq")
-RESAVE = "save it with --dist-ckpt-optim-fully-reshardable (or load it with --no-load-optim after converting)"
+RESAVE = ("load it with the baseline at its own sizes and save it with --dist-ckpt-optim-fully-reshardable, "
+          "then convert that")
+
+
+class WeightsOnly(Exception):
+    """A dp_reshardable layout this reader does not slice (the converter then converts the weights only)."""
 
 
 @dataclass(frozen=True)
@@ -77,8 +83,8 @@ class DpReshardable:
                  object_keys, read_tensors):
         problem = _problem(args)
         if problem:
-            raise SystemExit(f"{directory}: the optimizer state is in Megatron-LM's dp_reshardable layout, which "
-                             f"converts at tensor and pipeline parallel size 1 only (saved with {problem}); {RESAVE}")
+            raise WeightsOnly(f"its dp_reshardable layout (Megatron-LM's default) converts at tensor and pipeline "
+                              f"parallel size 1 only (saved with {problem})")
         self.directory, self.saved, self.read_tensors = directory, saved, read_tensors
         self.objects = read_objects(directory, [k for k in object_keys if OBJECT.match(k)])
         self.layers = int(args.num_layers)
@@ -103,8 +109,8 @@ class DpReshardable:
             if name != "per_bucket_numel_unpadded":
                 continue
             if len(value) != 1 or len(value[0]) != 1:
-                raise SystemExit(f"{self.directory}: dp_reshardable optimizer with {len(value)} buffers or several "
-                                 f"dtypes in one (model chunks, mixed parameter dtypes) is not converted; {RESAVE}")
+                raise WeightsOnly(f"its dp_reshardable layout has {len(value)} buffers or several dtypes in one "
+                                  "(model chunks, mixed parameter dtypes), which this converter does not slice")
             (dtype, sizes), = value[0].items()
             head = f"chained_{chained}." if chained is not None else ""
             out[(chained, group)] = (f"{head}optimizer.distributed.dp_group_idx_{group}.gbuf_idx_0.dtype_{dtype}",
