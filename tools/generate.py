@@ -213,7 +213,7 @@ def run(args: argparse.Namespace, out=None) -> List[int]:
     device, tokenizer, model, optimizer, scheduler = setup(args)
     # Weights only (Megatron-LM's --finetune load): generation resumes no optimizer, RNG, schedule or
     # iteration, so the checks that guard a resumed run (--train-iters past the checkpoint's) do not apply.
-    args.finetune = True
+    args.finetune, args.weights_only_purpose = True, "generation"
     load_checkpoint(args, model, optimizer, scheduler)
     prompt_ids = tokenizer.tokenize(args.prompt) if args.prompt else []
     window = args.max_position_embeddings

@@ -71,3 +71,16 @@ def test_a_directory_without_a_checkpoint_is_refused(tmp_path):
 
     with pytest.raises(CheckpointError, match="no checkpoint to generate from"):
         generate.run(generate.parse_args(["--load", str(tmp_path / "none"), "--prompt", "x"]))
+
+
+def test_the_load_line_says_generation_not_fine_tuning():
+    """generate.py loads weights only (``--finetune``'s load); the load line names its purpose."""
+    import argparse
+    import inspect
+
+    from megatron.training.checkpointing.compatibility import weights_only_suffix
+
+    assert weights_only_suffix(argparse.Namespace(finetune=False)) == ""
+    assert weights_only_suffix(argparse.Namespace(finetune=True)) == " for fine-tuning"
+    assert 'weights_only_purpose = True, "generation"' in inspect.getsource(generate.run)
+    assert weights_only_suffix(argparse.Namespace(finetune=True, weights_only_purpose="generation")) == " for generation"

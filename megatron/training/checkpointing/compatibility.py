@@ -134,3 +134,14 @@ def numeric_differences(saved_args: Mapping[str, Any], args) -> List[str]:
     return [f"--{name.replace('_', '-')} {saved_args[name]!r} in the checkpoint, {getattr(args, name)!r} now"
             for name in MODEL_NUMERIC_ARGS
             if name in saved_args and hasattr(args, name) and saved_args[name] != getattr(args, name)]
+
+
+def weights_only_suffix(args) -> str:
+    """What both formats' load line adds when only the weights are taken (``--finetune``): why.
+
+    A tool that loads weights only for its own purpose names it (``tools/generate.py`` sets
+    ``args.weights_only_purpose = "generation"``), so its log does not say fine-tuning.
+    """
+    if not args.finetune:
+        return ""
+    return f" for {getattr(args, 'weights_only_purpose', None) or 'fine-tuning'}"

@@ -538,5 +538,5 @@ def load_directory(args, model, optimizer, scheduler, directory: Path, start: fl
         set_rng_state(state["rng"][f"rank{dist.get_rank()}"])
     iteration, consumed = (0, 0) if args.finetune else (common["iteration"], common["consumed_train_samples"])
     print_rank_0(f" loaded checkpoint {directory} (iteration {common['iteration']}) in "
-                 f"{time.perf_counter() - start:.2f} s" + (" for fine-tuning" if args.finetune else ""))
+                 f"{time.perf_counter() - start:.2f} s" + compatibility.weights_only_suffix(args))
     return iteration, consumed

@@ -434,5 +434,5 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
     iteration = int(common["iteration"])
     consumed = int(getattr(saved_args, "consumed_train_samples", 0))
     print_rank_0(f" loaded checkpoint {directory} ({FORMAT}, iteration {iteration}) in "
-                 f"{time.perf_counter() - start:.2f} s" + (" for fine-tuning" if args.finetune else ""))
+                 f"{time.perf_counter() - start:.2f} s" + compatibility.weights_only_suffix(args))
     return (0, 0) if args.finetune else (iteration, consumed)
