@@ -278,8 +278,8 @@ def _attention_rules(a: Arch, m: str, h: str, qkv_bias: str) -> List[Rule]:
     if a.bias:
         rules.append(_copy(m + "linear_proj.bias", h + "o_proj.bias"))
     if a.qk_layernorm:
-        raise ConversionError("--qk-layernorm has no place in HuggingFace Llama/Qwen2/Mixtral (Qwen3 has it; "
-                              "not converted here)")
+        raise ConversionError("--qk-layernorm has no place in HuggingFace Llama/Qwen2/Mixtral (use --model-type "
+                              "qwen3 or qwen3_moe)")
     return rules
 
 
@@ -405,6 +405,16 @@ def check_exportable(model_type: str, a: Arch) -> None:
     _require(not problems, "cannot convert to HuggingFace " + model_type + ": " + "; ".join(problems))
 
 
+def llama_family_config(a: Arch, dtype: torch.dtype) -> Dict[str, Any]:
+    """The ``config.json`` fields every Llama-family model here shares (also hf_layouts_qwen3's)."""
+    return dict(vocab_size=a.vocab_size, hidden_size=a.hidden_size, num_hidden_layers=a.num_layers,
+                num_attention_heads=a.num_attention_heads, num_key_value_heads=a.num_query_groups,
+                head_dim=a.kv_channels, max_position_embeddings=a.max_position_embeddings, hidden_act="silu",
+                rms_norm_eps=a.norm_epsilon, rope_theta=float(a.rotary_base),
+                rope_parameters={"rope_type": "default", "rope_theta": float(a.rotary_base)},
+                tie_word_embeddings=a.tied, attention_dropout=0.0, dtype=str(dtype).replace("torch.", ""))
+
+
 def hf_config(model_type: str, a: Arch, dtype: torch.dtype) -> Dict[str, Any]:
     """``config.json`` of the HuggingFace model equal to ``a``."""
     check_exportable(model_type, a)
@@ -415,12 +425,7 @@ def hf_config(model_type: str, a: Arch, dtype: torch.dtype) -> Dict[str, Any]:
                     n_head=a.num_attention_heads, n_inner=a.ffn_hidden_size, activation_function="gelu",
                     layer_norm_epsilon=a.norm_epsilon, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                     tie_word_embeddings=a.tied, scale_attn_weights=True, dtype=name)
-    config = dict(vocab_size=a.vocab_size, hidden_size=a.hidden_size, num_hidden_layers=a.num_layers,
-                  num_attention_heads=a.num_attention_heads, num_key_value_heads=a.num_query_groups,
-                  head_dim=a.kv_channels, max_position_embeddings=a.max_position_embeddings, hidden_act="silu",
-                  rms_norm_eps=a.norm_epsilon, rope_theta=float(a.rotary_base),
-                  rope_parameters={"rope_type": "default", "rope_theta": float(a.rotary_base)},
-                  tie_word_embeddings=a.tied, attention_dropout=0.0, dtype=name)
+    config = llama_family_config(a, dtype)
     if model_type == "llama":
         return dict(config, model_type="llama", architectures=["LlamaForCausalLM"],
                     intermediate_size=a.ffn_hidden_size, attention_bias=a.bias, mlp_bias=a.bias)
