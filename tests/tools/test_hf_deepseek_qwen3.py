@@ -17,14 +17,14 @@ The training runs use the shared Megatron pool (tests/conftest.py), no new launc
 
 import dataclasses
 import json
-import shlex
 
 import pytest
 import torch
 
 from megatron.training.testing.deepseek import DEEPSEEK_MODEL
 from megatron.training.testing.pretrain import pretrain_in_pool
-from tests.cases.hf import finetune_first_batch, megatron_logits
+from tests.cases.hf import megatron_logits
+from tests.tools.test_hf_checkpoints import exported_again_equals, finetune_from_hf, from_hf_with_flags
 from tools.checkpoint import convert, hf_convert
 from tools.checkpoint.hf_io import SafetensorsReader
 
@@ -150,8 +150,6 @@ def _small(kind, **overrides):
 def test_models_saved_by_transformers_round_trip(tmp_path):
     """Qwen3, Qwen3-MoE (norm_topk_prob true and false) and DeepSeek-V3 (interleaved RoPE, and not) made by
     transformers -> from-hf -> to-hf: the flags say so, every tensor comes back bitwise, same logits."""
-    from transformers import AutoModelForCausalLM
-
     tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(2))
     cases = {"qwen3": (_small("qwen3"), ["--qk-layernorm", "--kv-channels"]),
              "qwen3_moe": (_small("qwen3_moe", norm_topk_prob=False), ["--moe-router-pre-softmax", "--qk-layernorm"]),
@@ -159,21 +157,11 @@ def test_models_saved_by_transformers_round_trip(tmp_path):
              "deepseek_v3": (_small("deepseek_v3"), ["--multi-latent-attention", "--moe-router-enable-expert-bias"]),
              "deepseek_v3_plain_rope": (_small("deepseek_v3", rope_interleave=False), ["--q-lora-rank"])}
     for name, (model, expected) in cases.items():
-        model.save_pretrained(tmp_path / name)
-        report, arch = hf_convert.from_hf(str(tmp_path / name), str(tmp_path / f"{name}-ckpt"))
-        flags = arch.megatron_flags()
-        assert all(f in flags for f in expected), (name, flags)
-        assert ("--moe-router-pre-softmax" in flags) == (name == "qwen3_moe"), flags
+        report, _, flags = from_hf_with_flags(model, tmp_path, name, expected, pre_softmax=name == "qwen3_moe")
         if name.startswith("deepseek"):  # its config declares an MTP layer that transformers never saves
             assert "files hold no model.layers.2.*: converted without MTP" in report.note
             assert "--mtp-num-layers" not in flags
-        hf_convert.to_hf(str(tmp_path / f"{name}-ckpt"), str(tmp_path / f"{name}-out"))
-        again, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / f"{name}-out"), output_loading_info=True)
-        assert all(not info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (name, info)
-        state, loaded = model.state_dict(), again.state_dict()
-        assert sorted(loaded) == sorted(state) and all(torch.equal(loaded[k], state[k]) for k in state), name
-        with torch.no_grad():
-            assert torch.equal(model(tokens).logits, again.eval()(tokens).logits), name
+        exported_again_equals(model, tmp_path / f"{name}-ckpt", tmp_path / f"{name}-out", tokens)
 
 
 def test_deepseek_v3_from_hf_matches_megatron_logits(mcore_pool, tmp_path):
@@ -200,19 +188,8 @@ def test_finetune_from_a_qwen3_has_its_loss(mcore_pool, tmp_path, capsys):
     4 ranks, has as first loss the HF model's on the same batch."""
     model = _small("qwen3", vocab_size=257)
     model.save_pretrained(tmp_path / "hf")
-    convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")])
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("train from it with: "))
-    command = shlex.split(line[len("train from it with: "):])
-    assert command[:4] == ["pretrain_gpt.py", "--load", str(tmp_path / "ckpt"), "--finetune"]
+    command, _got, _loss = finetune_from_hf(mcore_pool, model, tmp_path / "hf", tmp_path / "ckpt", capsys, 1)
     assert "--qk-layernorm" in command and "--kv-channels" in command
-    argv = command[1:] + ["--mock-data", "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "1",
-                          "--lr", "1e-2", "--eval-iters", "1", "--seed", "5"] + ZERO3
-    got = mcore_pool.run(finetune_first_batch, timeout=300, argv=argv)[0]
-    assert got["start_iteration"] == 0 and bool(got["loss_mask"].all())
-    with torch.no_grad():
-        logits = model(got["tokens"]).logits
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), got["labels"].reshape(-1))
-    assert abs(got["losses"][0] - loss.item()) <= 1e-5 * loss.item(), (got["losses"], loss.item())
 
 
 def test_errors_name_the_problem(tmp_path):

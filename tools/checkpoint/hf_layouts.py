@@ -303,21 +303,28 @@ def _fused_expert_rules(a: Arch, m: str, h: str) -> List[Rule]:
             Rule(fc2, (h + "mlp.experts.down_proj",), lambda *w: (torch.stack(w),), lambda w: tuple(w.unbind(0)))]
 
 
+def routed_expert_rules(a: Arch, m: str, h: str, fused_experts: bool) -> List[Rule]:
+    """The router ``mlp.gate`` and the experts, the Hub's ``mlp.experts.<e>.*`` or transformers 5's fused
+    names (Qwen2-MoE, Qwen3-MoE, DeepSeek-V3)."""
+    if fused_experts:
+        return _fused_expert_rules(a, m, h)
+    rules = [_copy(m + "mlp.router.weight", h + "mlp.gate.weight")]
+    for e in range(a.num_experts):
+        rules += _swiglu_mlp_rules(a, f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}.")
+    return rules
+
+
 def _qwen2_moe_rules(a: Arch, m: str, h: str, fused_experts: bool) -> List[Rule]:
     """Qwen2-MoE's sparse block: routed experts (the Hub's per-expert names, or transformers 5's fused
     ones on import), the router ``mlp.gate``, the shared expert and its sigmoid gate."""
-    if fused_experts:
-        rules = _fused_expert_rules(a, m, h)
-    else:
-        rules = [_copy(m + "mlp.router.weight", h + "mlp.gate.weight")]
-        for e in range(a.num_experts):
-            rules += _swiglu_mlp_rules(a, f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}.")
+    rules = routed_expert_rules(a, m, h, fused_experts)
     rules += _swiglu_mlp_rules(a, m + "mlp.shared_experts.", h + "mlp.shared_expert.")
     return rules + [_copy(m + "mlp.shared_experts.gate_weight", h + "mlp.shared_expert_gate.weight")]
 
 
 def llama_rules(a: Arch, qkv_bias: str = "none", moe: str = "", fused_experts: bool = False) -> List[Rule]:
-    """``moe``: "" (dense), "mixtral" or "qwen2_moe" (the MoE layers' names; dense layers as Llama's)."""
+    """``moe``: "" (dense), "mixtral", "qwen2_moe" or "qwen3_moe" (the MoE layers' names; dense layers as
+    Llama's)."""
     rules = [_vocab(a, "embedding.word_embeddings.weight", "model.embed_tokens.weight")]
     for i in range(a.num_layers):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
@@ -327,6 +334,8 @@ def llama_rules(a: Arch, qkv_bias: str = "none", moe: str = "", fused_experts: b
         sparse = moe and (not a.moe_layers or a.moe_layers[i])
         if sparse and moe == "qwen2_moe":
             rules += _qwen2_moe_rules(a, m, h, fused_experts)
+        elif sparse and moe == "qwen3_moe":  # (hf_layouts_qwen3's: no shared expert)
+            rules += routed_expert_rules(a, m, h, fused_experts)
         elif sparse and fused_experts:
             rules += _fused_expert_rules(a, m, h)
         elif sparse:

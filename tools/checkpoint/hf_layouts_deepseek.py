@@ -42,8 +42,8 @@ from typing import Any, Collection, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from tools.checkpoint.hf_layouts import (Arch, ConversionError, Rule, _copy, _fused_expert_rules, _swiglu_mlp_rules,
-                                         _vocab)
+from tools.checkpoint.hf_layouts import (Arch, ConversionError, Rule, _copy, _swiglu_mlp_rules, _vocab,
+                                         routed_expert_rules)
 
 MODEL_TYPES = ("deepseek_v3",)
 # What Megatron-Core's YarnRotaryEmbedding fixes (MLATransformerConfig defaults; the job has no flags for them).
@@ -169,12 +169,7 @@ def _layer(a: DeepseekArch, m: str, h: str, sparse: bool, fused_experts: bool) -
     rules.append(_copy(m + "pre_mlp_layernorm.weight", h + "post_attention_layernorm.weight"))
     if not sparse:
         return rules + _swiglu_mlp_rules(a, m + "mlp.", h + "mlp.")
-    if fused_experts:
-        rules += _fused_expert_rules(a, m, h)
-    else:
-        rules.append(_copy(m + "mlp.router.weight", h + "mlp.gate.weight"))
-        for e in range(a.num_experts):
-            rules += _swiglu_mlp_rules(a, f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}.")
+    rules += routed_expert_rules(a, m, h, fused_experts)
     rules.append(_copy(m + "mlp.router.expert_bias", h + "mlp.gate.e_score_correction_bias"))
     if a.shared_expert_size:
         rules += _swiglu_mlp_rules(a, m + "mlp.shared_experts.", h + "mlp.shared_experts.")

@@ -18,33 +18,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Mapping, Tuple
 
-from tools.checkpoint.hf_layouts import (Arch, ConversionError, Rule, _attention_rules, _copy, _fused_expert_rules,
-                                         _rope_theta, _swiglu_mlp_rules, _vocab)
+from tools.checkpoint.hf_layouts import Arch, ConversionError, Rule, _copy, _rope_theta, llama_rules
 
 MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 
 def rules(model_type: str, a: Arch, fused_experts: bool = False) -> List[Rule]:
-    plain = dataclasses.replace(a, qk_layernorm=False)  # the Llama attention rules, norms added here
-    out = [_vocab(a, "embedding.word_embeddings.weight", "model.embed_tokens.weight")]
+    """Llama's (``hf_layouts.llama_rules``, its attention without the norms) plus q_norm / k_norm per layer."""
+    out = llama_rules(dataclasses.replace(a, qk_layernorm=False), moe="qwen3_moe" if model_type == "qwen3_moe" else "",
+                      fused_experts=fused_experts)
     for i in range(a.num_layers):
-        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        out += [_copy(m + "input_layernorm.weight", h + "input_layernorm.weight")]
-        out += _attention_rules(plain, m + "self_attention.", h + "self_attn.", "none")
-        out += [_copy(m + "self_attention.q_layernorm.weight", h + "self_attn.q_norm.weight"),
-                _copy(m + "self_attention.k_layernorm.weight", h + "self_attn.k_norm.weight"),
-                _copy(m + "pre_mlp_layernorm.weight", h + "post_attention_layernorm.weight")]
-        if model_type == "qwen3_moe" and a.moe_layers[i] and fused_experts:
-            out += _fused_expert_rules(a, m, h)
-        elif model_type == "qwen3_moe" and a.moe_layers[i]:
-            out.append(_copy(m + "mlp.router.weight", h + "mlp.gate.weight"))
-            for e in range(a.num_experts):
-                out += _swiglu_mlp_rules(a, f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}.")
-        else:
-            out += _swiglu_mlp_rules(a, m + "mlp.", h + "mlp.")
-    out.append(_copy("decoder.final_layernorm.weight", "model.norm.weight"))
-    if not a.tied:
-        out.append(_vocab(a, "output_layer.weight", "lm_head.weight"))
+        m, h = f"decoder.layers.{i}.self_attention.", f"model.layers.{i}.self_attn."
+        out += [_copy(m + "q_layernorm.weight", h + "q_norm.weight"), _copy(m + "k_layernorm.weight", h + "k_norm.weight")]
     return out
 
 
