@@ -7,8 +7,8 @@
   1e-5 (fp32; the max abs difference is printed); the DeepSeek-V3 export holds the MTP layer as the Hub
   stores it (transformers reports those keys, and only those, as unexpected); from-hf of each export and to-hf
   again give every tensor and config.json bitwise;
-- a Qwen3 made and saved by transformers -> ``convert.py from-hf``: the printed command, trained at
-  ZeRO-3, has as first loss the HF model's on that batch;
+- a Qwen3 and a DeepSeek-V3 made and saved by transformers -> ``convert.py from-hf``: the printed command,
+  trained at ZeRO-3, has as first loss the HF model's on that batch;
 - Qwen3 / Qwen3-MoE / DeepSeek-V3 made by transformers (its interleaved-RoPE layout, fused or per-expert
   names) round-trip bitwise; what cannot be represented stops with one line naming it and the fix.
 
@@ -183,13 +183,15 @@ def test_deepseek_v3_from_hf_matches_megatron_logits(mcore_pool, tmp_path):
     assert diff <= 1e-5, diff
 
 
-def test_finetune_from_a_qwen3_has_its_loss(mcore_pool, tmp_path, capsys):
-    """A Qwen3 made and saved by transformers -> ``convert.py from-hf``: the printed command, run at ZeRO-3 on
-    4 ranks, has as first loss the HF model's on the same batch."""
-    model = _small("qwen3", vocab_size=257)
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_v3"])
+def test_finetune_from_a_transformers_model_has_its_loss(mcore_pool, tmp_path, capsys, name):
+    """A Qwen3 / DeepSeek-V3 made and saved by transformers -> ``convert.py from-hf``: the printed command,
+    run at ZeRO-3 on 4 ranks, has as first loss the HF model's on the same batch."""
+    model = _small(name, vocab_size=257)
     model.save_pretrained(tmp_path / "hf")
     command, _got, _loss = finetune_from_hf(mcore_pool, model, tmp_path / "hf", tmp_path / "ckpt", capsys, 1)
-    assert "--qk-layernorm" in command and "--kv-channels" in command
+    assert "--qk-layernorm" in command
+    assert ("--multi-latent-attention" in command) == (name == "deepseek_v3")
 
 
 def test_errors_name_the_problem(tmp_path):

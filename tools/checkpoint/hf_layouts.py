@@ -138,7 +138,9 @@ class Arch:
         return dict(num_layers=self.num_layers, hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size,
                     num_attention_heads=self.num_attention_heads, kv_channels=self.kv_channels,
                     group_query_attention=self.num_query_groups != self.num_attention_heads,
-                    num_query_groups=self.num_query_groups, true_vocab_size=self.vocab_size,
+                    # (None without GQA, as pretrain_gpt.py records it: a loading run compares it)
+                    num_query_groups=self.num_query_groups if self.num_query_groups != self.num_attention_heads
+                    else None, true_vocab_size=self.vocab_size,
                     padded_vocab_size=self.padded_vocab_size, max_position_embeddings=self.max_position_embeddings,
                     normalization=self.normalization, norm_epsilon=self.norm_epsilon, swiglu=self.swiglu,
                     position_embedding_type=self.position_embedding_type, rotary_base=self.rotary_base,
