@@ -120,6 +120,25 @@ def _byte_bpe(directory, text_dir):
     train_tokenizer([str(text_dir / "a.txt")], 257, str(directory))
 
 
+def finetune_from_hf(pool, hf, hf_dir, ckpt, capsys, iterations):
+    """``convert.py from-hf`` of ``hf`` (saved in ``hf_dir``), then the command it prints at ZeRO-3 on the
+    pool: (that command, what ``finetune_first_batch`` returned, the HF model's loss on the first batch),
+    the first iteration's loss checked equal to HF's (1e-5 relative)."""
+    convert.main(["from-hf", str(hf_dir), str(ckpt)])
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("train from it with: "))
+    command = shlex.split(line[len("train from it with: "):])
+    assert command[:4] == ["pretrain_gpt.py", "--load", str(ckpt), "--finetune"]
+    argv = command[1:] + ["--mock-data", "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters",
+                          str(iterations), "--lr", "1e-2", "--eval-iters", "1", "--seed", "5"] + ZERO3
+    got = pool.run(finetune_first_batch, timeout=300, argv=argv)[0]
+    assert got["start_iteration"] == 0 and bool(got["loss_mask"].all())
+    with torch.no_grad():
+        logits = hf(got["tokens"]).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), got["labels"].reshape(-1))
+    assert abs(got["losses"][0] - loss.item()) <= 1e-5 * loss.item(), (got["losses"], loss.item())
+    return command, got, loss.item()
+
+
 def test_finetune_from_a_huggingface_model_has_its_loss(mcore_pool, tmp_path, capsys):
     """A Llama made and saved by transformers (max_position_embeddings 64, below the job's default
     --seq-length, with its tokenizer) -> ``convert.py from-hf``: the command line it prints, run at
@@ -127,19 +146,9 @@ def test_finetune_from_a_huggingface_model_has_its_loss(mcore_pool, tmp_path, ca
     hf = _hf_llama()
     hf.save_pretrained(tmp_path / "hf")
     _byte_bpe(tmp_path / "hf", tmp_path / "text")
-    convert.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")])
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("train from it with: "))
-    command = shlex.split(line[len("train from it with: "):])
-    assert command[:4] == ["pretrain_gpt.py", "--load", str(tmp_path / "ckpt"), "--finetune"]
+    command, got, loss = finetune_from_hf(mcore_pool, hf, tmp_path / "hf", tmp_path / "ckpt", capsys, iterations=2)
     assert "--tokenizer-model" in command and "--hidden-dropout" in command
-    argv = command[1:] + ["--mock-data", "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2",
-                          "--lr", "1e-2", "--eval-iters", "1", "--seed", "5"] + ZERO3
-    got = mcore_pool.run(finetune_first_batch, timeout=300, argv=argv)[0]
-    assert got["start_iteration"] == 0 and bool(got["loss_mask"].all()) and got["tokens"].shape[1] == 64
-    with torch.no_grad():
-        logits = hf(got["tokens"]).logits
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), got["labels"].reshape(-1))
-    assert abs(got["losses"][0] - loss.item()) <= 1e-5 * loss.item(), (got["losses"], loss.item())
+    assert got["tokens"].shape[1] == 64
     assert got["losses"][1] != got["losses"][0]
 
 
@@ -265,28 +274,42 @@ def test_qwen2_qkv_biases_and_qwen2_moe_round_trip(tmp_path):
                                           "--moe-shared-expert-intermediate-size", "--moe-layer-freq"]),
              "qwen2_moe_norm": (_qwen2_moe(norm_topk_prob=True), ["--moe-shared-expert-gate"])}
     for name, (model, expected_flags) in cases.items():
-        model.save_pretrained(tmp_path / name)
-        _, arch = hf_convert.from_hf(str(tmp_path / name), str(tmp_path / f"{name}-ckpt"))
-        flags = arch.megatron_flags()
-        assert all(f in flags for f in expected_flags), (name, flags)
-        assert ("--moe-router-pre-softmax" in flags) == (name == "qwen2_moe"), flags
+        _, arch, flags = from_hf_with_flags(model, tmp_path, name, expected_flags, pre_softmax=name == "qwen2_moe")
         if name == "qwen2_moe":  # what Mixtral / an ungated shared expert cannot hold, named
             with pytest.raises(hf_convert.ConversionError, match="mixtral renormalizes.*no --moe-router-pre-softmax"):
                 hf_convert.check_exportable("mixtral", arch)
             with pytest.raises(hf_convert.ConversionError, match="qwen2_moe needs .*--moe-shared-expert-gate"):
                 hf_convert.check_exportable("qwen2_moe", dataclasses.replace(arch, shared_expert_gate=False))
-        hf_convert.to_hf(str(tmp_path / f"{name}-ckpt"), str(tmp_path / f"{name}-out"))
-        out = _tensors(tmp_path / f"{name}-out")
+        out = exported_again_equals(model, tmp_path / f"{name}-ckpt", tmp_path / f"{name}-out", tokens)
         if name.startswith("qwen2_moe"):
             assert "model.layers.1.mlp.experts.3.down_proj.weight" in out and "model.layers.0.mlp.gate_proj.weight" in out
-        state = model.state_dict()
-        again, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / f"{name}-out"), output_loading_info=True)
-        assert all(not info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (name, info)
-        loaded = again.state_dict()
-        assert sorted(loaded) == sorted(state) and all(torch.equal(loaded[k], state[k]) for k in state), name
-        assert float(state["model.layers.0.self_attn.k_proj.bias"].abs().max()) > 0.1
-        with torch.no_grad():
-            assert torch.equal(model(tokens).logits, again.eval()(tokens).logits), name
+        assert float(model.state_dict()["model.layers.0.self_attn.k_proj.bias"].abs().max()) > 0.1
+
+
+def from_hf_with_flags(model, tmp_path, name, expected_flags, pre_softmax):
+    """``model`` saved in ``tmp_path/name`` -> from-hf into ``tmp_path/name-ckpt``: the printed flags hold
+    ``expected_flags``, and ``--moe-router-pre-softmax`` exactly when ``pre_softmax``."""
+    model.save_pretrained(tmp_path / name)
+    report, arch = hf_convert.from_hf(str(tmp_path / name), str(tmp_path / f"{name}-ckpt"))
+    flags = arch.megatron_flags()
+    assert all(f in flags for f in expected_flags), (name, flags)
+    assert ("--moe-router-pre-softmax" in flags) == pre_softmax, flags
+    return report, arch, flags
+
+
+def exported_again_equals(model, ckpt, out, tokens):
+    """to-hf of ``ckpt`` (from-hf of ``model``) into ``out``: transformers loads it with no key missing,
+    unexpected or mismatched, every tensor is ``model``'s bitwise and so are the logits; returns the tensors."""
+    from transformers import AutoModelForCausalLM
+
+    hf_convert.to_hf(str(ckpt), str(out))
+    again, info = AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    assert all(not info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (out, info)
+    state, loaded = model.state_dict(), again.state_dict()
+    assert sorted(loaded) == sorted(state) and all(torch.equal(loaded[k], state[k]) for k in state), out
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, again.eval()(tokens).logits), out
+    return _tensors(out)
 
 
 def test_qwen2_moe_from_hf_matches_megatron_logits(mcore_pool, tmp_path):

@@ -2,7 +2,7 @@
 
     python tools/checkpoint/convert.py to-torch CKPT OUT.pt [--model-only]
     python tools/checkpoint/convert.py from-torch IN.pt SAVE_DIR
-    python tools/checkpoint/convert.py to-hf CKPT HF_DIR [--model-type gpt2|llama|qwen2|mixtral]
+    python tools/checkpoint/convert.py to-hf CKPT HF_DIR [--model-type gpt2|llama|qwen2|qwen2_moe|mixtral|qwen3|qwen3_moe|deepseek_v3]
     python tools/checkpoint/convert.py from-hf HF_DIR SAVE_DIR
     python tools/checkpoint/convert.py from-torch-dist TORCH_DIST_DIR SAVE_DIR   # baseline -> --use-megatron-fsdp
     python tools/checkpoint/convert.py to-torch-dist CKPT TORCH_DIST_DIR         # --use-megatron-fsdp -> baseline
@@ -157,14 +157,15 @@ def main(argv=None) -> None:
 
 
 def _add_hf_commands(sub) -> None:
-    from tools.checkpoint.hf_layouts import MODEL_TYPES
+    from tools.checkpoint.hf_models import MODEL_TYPES
 
     a = sub.add_parser("to-hf", help="checkpoint -> HuggingFace directory (safetensors shards, index, config.json)")
     a.add_argument("checkpoint")
     a.add_argument("out")
     a.add_argument("--model-type", choices=MODEL_TYPES, default=None,
-                   help="default: the one it came from (from-hf), else mixtral with experts, llama with SwiGLU, "
-                        "gpt2 otherwise")
+                   help="default: the one it came from (from-hf), else deepseek_v3 with multi-latent attention, "
+                        "qwen3 (qwen3_moe with experts) with --qk-layernorm, qwen2_moe with shared experts, "
+                        "mixtral with experts, qwen2 with q/k/v biases, llama with SwiGLU, gpt2 otherwise")
     a.add_argument("--iteration", type=int, default=None)
     a.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="tensor dtype written (default: the HuggingFace source's, else float32)")
@@ -194,11 +195,15 @@ def _run_hf_command(args, start: float) -> None:
             report = to_hf(args.checkpoint, args.out, args.model_type, args.iteration, args.dtype,
                            int(args.max_shard_size * 2 ** 30), args.overwrite)
             print(f"wrote {report.written}{_rate(report.written, start)}")
+            if report.note:
+                print(report.note)
         else:
             print(f"> writing {args.hf_dir} as a checkpoint under {args.save_dir} (streamed, one tensor at a "
                   "time) ...", flush=True)
             report, arch = from_hf(args.hf_dir, args.save_dir, args.overwrite)
             print(f"wrote {report.written}{_rate(report.written, start)}")
+            if report.note:
+                print(report.note)
             print("train from it with: " + hf_tokenizer.training_command(arch, args.hf_dir, args.save_dir))
             note = hf_tokenizer.tokenizer_note(arch, args.hf_dir)
             if note:

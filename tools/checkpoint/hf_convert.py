@@ -24,8 +24,9 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from tools.checkpoint import hf_io, hf_tokenizer, output
-from tools.checkpoint.hf_layouts import (Arch, ConversionError, Rule, arch_from_hf, check_exportable, hf_config,
-                                         rules_for)
+from tools.checkpoint.hf_layouts import Arch, ConversionError, Rule
+from tools.checkpoint.hf_models import (arch_from_args, arch_from_hf, check_exportable, default_model_type, hf_config,
+                                        note, rules_for)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -41,6 +42,7 @@ class ConversionReport:
     model_bytes: int  # the converted tensors' size, as written
     rss_before: int  # resident memory before the first tensor was read (interpreter, torch, ...)
     peak_rss: int  # VmHWM at the end
+    note: str = ""  # what happened to weights transformers has no module for (hf_models.note)
 
     def line(self) -> str:
         mib = 2 ** 20
@@ -68,15 +70,6 @@ def _apply(rule: Rule, tensors: Dict[str, torch.Tensor], to_hf: bool) -> List[Tu
 
 
 # ------------------------------------------------------------------------ to HF
-def _default_model_type(common: Dict[str, Any], arch: Arch) -> str:
-    saved = common.get("hf", {}).get("model_type")
-    if saved:
-        return saved
-    if arch.num_experts:
-        return "qwen2_moe" if arch.shared_expert_size else "mixtral"
-    return "qwen2" if arch.qkv_bias else "llama" if arch.swiglu else "gpt2"
-
-
 def to_hf(checkpoint: str, out: str, model_type: Optional[str] = None, iteration: Optional[int] = None,
           dtype: Optional[str] = None, max_shard_bytes: int = 5 * 2 ** 30, overwrite: bool = False) -> ConversionReport:
     """Write ``checkpoint``'s model as a HuggingFace directory ``out`` (config.json, shards, index)."""
@@ -91,8 +84,8 @@ def to_hf(checkpoint: str, out: str, model_type: Optional[str] = None, iteration
     if not tp_global(common):
         raise ConversionError("this checkpoint has layout version 1 (keys per tensor-parallel rank): load it with "
                               "pretrain_gpt.py at the TP size it was saved with and save it again, then convert that")
-    arch = Arch.from_args(common["args"])
-    model_type = model_type or _default_model_type(common, arch)
+    arch = arch_from_args(common["args"])
+    model_type = model_type or default_model_type(common, arch)
     saved_hf = common.get("hf", {})
     torch_dtype = DTYPES[dtype or saved_hf.get("dtype", "float32")]
     check_exportable(model_type, arch)
@@ -132,7 +125,7 @@ def to_hf(checkpoint: str, out: str, model_type: Optional[str] = None, iteration
     config = hf_tokenizer.write_generation_files(root, config, common)
     (root / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     model_bytes = sum(p.stat().st_size for p in written if p.suffix == ".safetensors")
-    return ConversionReport(root, model_bytes, rss_before, hf_io.peak_rss_bytes())
+    return ConversionReport(root, model_bytes, rss_before, hf_io.peak_rss_bytes(), note(arch, exporting=True))
 
 
 # ---------------------------------------------------------------------- from HF
@@ -148,10 +141,10 @@ def from_hf(hf_dir: str, save_dir: str, overwrite: bool = False) -> Tuple[Conver
         raise FileNotFoundError(f"{source}: no config.json (a HuggingFace model directory, as save_pretrained "
                                 "writes it, holds config.json and model.safetensors or shards with an index)")
     config = json.loads((source / "config.json").read_text())
-    model_type, arch = arch_from_hf(config)
     reader = hf_io.SafetensorsReader(source)
+    model_type, arch = arch_from_hf(config, reader.entries)
     fused = any(k.endswith(".mlp.experts.gate_up_proj") for k in reader.entries)
-    rules = rules_for(model_type, arch, fused_experts=fused)
+    rules = rules_for(model_type, arch, fused_experts=fused, importing=True)
     needed = {k for r in rules for k in r.hf}
     present = {k for k in reader.entries if not _NOT_WEIGHTS.search(k)}
     if arch.tied:
@@ -196,7 +189,8 @@ def from_hf(hf_dir: str, save_dir: str, overwrite: bool = False) -> Tuple[Conver
     })
     written = output.publish(tmp, root, 0)
     model_bytes = sum(_nbytes(*v) for v in shapes.values())
-    return ConversionReport(written, model_bytes, rss_before, hf_io.peak_rss_bytes()), arch
+    return ConversionReport(written, model_bytes, rss_before, hf_io.peak_rss_bytes(),
+                            note(arch, exporting=False, config=config)), arch
 
 
 def _nbytes(shape, dtype) -> int:

@@ -138,7 +138,9 @@ class Arch:
         return dict(num_layers=self.num_layers, hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size,
                     num_attention_heads=self.num_attention_heads, kv_channels=self.kv_channels,
                     group_query_attention=self.num_query_groups != self.num_attention_heads,
-                    num_query_groups=self.num_query_groups, true_vocab_size=self.vocab_size,
+                    # (None without GQA, as pretrain_gpt.py records it: a loading run compares it)
+                    num_query_groups=self.num_query_groups if self.num_query_groups != self.num_attention_heads
+                    else None, true_vocab_size=self.vocab_size,
                     padded_vocab_size=self.padded_vocab_size, max_position_embeddings=self.max_position_embeddings,
                     normalization=self.normalization, norm_epsilon=self.norm_epsilon, swiglu=self.swiglu,
                     position_embedding_type=self.position_embedding_type, rotary_base=self.rotary_base,
@@ -278,8 +280,8 @@ def _attention_rules(a: Arch, m: str, h: str, qkv_bias: str) -> List[Rule]:
     if a.bias:
         rules.append(_copy(m + "linear_proj.bias", h + "o_proj.bias"))
     if a.qk_layernorm:
-        raise ConversionError("--qk-layernorm has no place in HuggingFace Llama/Qwen2/Mixtral (Qwen3 has it; "
-                              "not converted here)")
+        raise ConversionError("--qk-layernorm has no place in HuggingFace Llama/Qwen2/Mixtral (use --model-type "
+                              "qwen3 or qwen3_moe)")
     return rules
 
 
@@ -303,21 +305,28 @@ def _fused_expert_rules(a: Arch, m: str, h: str) -> List[Rule]:
             Rule(fc2, (h + "mlp.experts.down_proj",), lambda *w: (torch.stack(w),), lambda w: tuple(w.unbind(0)))]
 
 
+def routed_expert_rules(a: Arch, m: str, h: str, fused_experts: bool) -> List[Rule]:
+    """The router ``mlp.gate`` and the experts, the Hub's ``mlp.experts.<e>.*`` or transformers 5's fused
+    names (Qwen2-MoE, Qwen3-MoE, DeepSeek-V3)."""
+    if fused_experts:
+        return _fused_expert_rules(a, m, h)
+    rules = [_copy(m + "mlp.router.weight", h + "mlp.gate.weight")]
+    for e in range(a.num_experts):
+        rules += _swiglu_mlp_rules(a, f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}.")
+    return rules
+
+
 def _qwen2_moe_rules(a: Arch, m: str, h: str, fused_experts: bool) -> List[Rule]:
     """Qwen2-MoE's sparse block: routed experts (the Hub's per-expert names, or transformers 5's fused
     ones on import), the router ``mlp.gate``, the shared expert and its sigmoid gate."""
-    if fused_experts:
-        rules = _fused_expert_rules(a, m, h)
-    else:
-        rules = [_copy(m + "mlp.router.weight", h + "mlp.gate.weight")]
-        for e in range(a.num_experts):
-            rules += _swiglu_mlp_rules(a, f"{m}mlp.experts.local_experts.{e}.", f"{h}mlp.experts.{e}.")
+    rules = routed_expert_rules(a, m, h, fused_experts)
     rules += _swiglu_mlp_rules(a, m + "mlp.shared_experts.", h + "mlp.shared_expert.")
     return rules + [_copy(m + "mlp.shared_experts.gate_weight", h + "mlp.shared_expert_gate.weight")]
 
 
 def llama_rules(a: Arch, qkv_bias: str = "none", moe: str = "", fused_experts: bool = False) -> List[Rule]:
-    """``moe``: "" (dense), "mixtral" or "qwen2_moe" (the MoE layers' names; dense layers as Llama's)."""
+    """``moe``: "" (dense), "mixtral", "qwen2_moe" or "qwen3_moe" (the MoE layers' names; dense layers as
+    Llama's)."""
     rules = [_vocab(a, "embedding.word_embeddings.weight", "model.embed_tokens.weight")]
     for i in range(a.num_layers):
         m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
@@ -327,6 +336,8 @@ def llama_rules(a: Arch, qkv_bias: str = "none", moe: str = "", fused_experts: b
         sparse = moe and (not a.moe_layers or a.moe_layers[i])
         if sparse and moe == "qwen2_moe":
             rules += _qwen2_moe_rules(a, m, h, fused_experts)
+        elif sparse and moe == "qwen3_moe":  # (hf_layouts_qwen3's: no shared expert)
+            rules += routed_expert_rules(a, m, h, fused_experts)
         elif sparse and fused_experts:
             rules += _fused_expert_rules(a, m, h)
         elif sparse:
@@ -405,6 +416,16 @@ def check_exportable(model_type: str, a: Arch) -> None:
     _require(not problems, "cannot convert to HuggingFace " + model_type + ": " + "; ".join(problems))
 
 
+def llama_family_config(a: Arch, dtype: torch.dtype) -> Dict[str, Any]:
+    """The ``config.json`` fields every Llama-family model here shares (also hf_layouts_qwen3's)."""
+    return dict(vocab_size=a.vocab_size, hidden_size=a.hidden_size, num_hidden_layers=a.num_layers,
+                num_attention_heads=a.num_attention_heads, num_key_value_heads=a.num_query_groups,
+                head_dim=a.kv_channels, max_position_embeddings=a.max_position_embeddings, hidden_act="silu",
+                rms_norm_eps=a.norm_epsilon, rope_theta=float(a.rotary_base),
+                rope_parameters={"rope_type": "default", "rope_theta": float(a.rotary_base)},
+                tie_word_embeddings=a.tied, attention_dropout=0.0, dtype=str(dtype).replace("torch.", ""))
+
+
 def hf_config(model_type: str, a: Arch, dtype: torch.dtype) -> Dict[str, Any]:
     """``config.json`` of the HuggingFace model equal to ``a``."""
     check_exportable(model_type, a)
@@ -415,12 +436,7 @@ def hf_config(model_type: str, a: Arch, dtype: torch.dtype) -> Dict[str, Any]:
                     n_head=a.num_attention_heads, n_inner=a.ffn_hidden_size, activation_function="gelu",
                     layer_norm_epsilon=a.norm_epsilon, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                     tie_word_embeddings=a.tied, scale_attn_weights=True, dtype=name)
-    config = dict(vocab_size=a.vocab_size, hidden_size=a.hidden_size, num_hidden_layers=a.num_layers,
-                  num_attention_heads=a.num_attention_heads, num_key_value_heads=a.num_query_groups,
-                  head_dim=a.kv_channels, max_position_embeddings=a.max_position_embeddings, hidden_act="silu",
-                  rms_norm_eps=a.norm_epsilon, rope_theta=float(a.rotary_base),
-                  rope_parameters={"rope_type": "default", "rope_theta": float(a.rotary_base)},
-                  tie_word_embeddings=a.tied, attention_dropout=0.0, dtype=name)
+    config = llama_family_config(a, dtype)
     if model_type == "llama":
         return dict(config, model_type="llama", architectures=["LlamaForCausalLM"],
                     intermediate_size=a.ffn_hidden_size, attention_bias=a.bias, mlp_bias=a.bias)
