@@ -30,6 +30,7 @@ import dataclasses
 import gc
 import inspect
 import logging
+import os
 import sys
 import threading
 import time
@@ -178,6 +179,26 @@ def _proc_status_kib(field: str) -> Optional[int]:
     except OSError:
         return None
     return None
+
+
+# The training job's one malloc arena (megatron.training.allocator.one_arena), set before its
+# first thread; a worker pool's ranks already have threads when a case runs, so a pool that
+# measures the job's setting is spawned with it in the environment, which glibc reads at start.
+JOB_START_ENV = ("MALLOC_ARENA_MAX", "1")
+
+
+@contextlib.contextmanager
+def spawn_env(name: str, value: str):
+    """``name=value`` in the environment while processes are spawned (a pool's ranks)."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
 
 
 def trim_heap() -> None:

@@ -18,8 +18,9 @@ else alive between steps (``other``: buffers, staging, caches).
 Each configuration runs twice by default, both systems alike: as launched by the training
 job (``default``: the job's fixed glibc mmap threshold, ``megatron/training/allocator.py``,
 set in every rank before the model is built, as ``initialize`` does for pretrain_gpt.py,
-and its heap trim after each unit's backward, on both systems: the engine's post-backward
-hook for ours, a block backward hook for FSDP2),
+its one malloc arena, in the ranks' environment from their start, and its heap trim after
+each unit's backward, on both systems: the engine's post-backward hook for ours, a block
+backward hook for FSDP2),
 and under glibc's own defaults (``glibc``), whose mmap threshold rises after a large free so
 that freed blocks stay resident. ``1`` (``MALLOC_ARENA_MAX=1``: one malloc arena for all
 threads), ``threshold`` (the job's threshold without the trim) and ``mmap`` (``MALLOC_MMAP_THRESHOLD_=65536`` in the environment) are diagnoses
@@ -51,6 +52,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from tools.bench import measure as M  # noqa: E402
 from tools.bench.spec import OURS_OPTIONS, SIZES  # noqa: E402
 from tools.bench.torch_case import run as CASE  # noqa: E402
 
@@ -63,13 +65,16 @@ LABELS = {"fsdp2": "FSDP2", "ours:optim_grads_params": "ours ZeRO-3, fp32 state"
           "ours:optim_grads_params:bf16-state": "ours ZeRO-3, bf16 state",
           **{system: "ours ZeRO-3, " + system.partition("+")[2].replace("_", " ") for system in OURS_OPTIONS}}
 # glibc settings of the ranks: as launched by the training job (megatron.training.allocator: its
-# fixed mmap threshold and the heap trimmed after each unit's backward); the job's threshold
+# fixed mmap threshold, one arena, the heap trimmed after each unit's backward); the job's threshold
 # without the trim (its setting before issue 28); glibc's defaults; one arena (MALLOC_ARENA_MAX=1); a fixed 64 KiB
 # mmap threshold from the environment (MALLOC_MMAP_THRESHOLD_, which also stops glibc raising it
 # after large frees), so every large block is mapped on allocation and unmapped on free and the
 # resident set follows the live tensors rather than heap fragmentation (diagnoses)
 ARENAS = ("default", "threshold", "glibc", "1", "mmap")
-_MALLOC_ENV = {"1": ("MALLOC_ARENA_MAX", "1"), "mmap": ("MALLOC_MMAP_THRESHOLD_", "65536")}
+# ``default``: the job sets one arena before its first thread starts (allocator.one_arena); a
+# pool's ranks have threads before a case runs, so they start with it in the environment.
+_MALLOC_ENV = {"default": M.JOB_START_ENV, "1": ("MALLOC_ARENA_MAX", "1"),
+               "mmap": ("MALLOC_MMAP_THRESHOLD_", "65536")}
 BREAKDOWN = ("weights", "grads", "state", "other")  # measure.persistent_breakdown, largest rank of each
 TARGET = 0.92  # ours (fp32 state) / FSDP2 peak, at every world size
 MIB = 2 ** 20
@@ -81,8 +86,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--size", choices=list(SIZES), default="70M")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     p.add_argument("--arenas", nargs="+", choices=ARENAS, default=["default", "glibc"],
-                   help="glibc settings: 'default' (as the training job launches: its fixed mmap threshold and a "
-                        "heap trim after each unit's backward), 'threshold' (the job's threshold, no trim), "
+                   help="glibc settings: 'default' (as the training job launches: its fixed mmap threshold, one "
+                        "arena and a heap trim after each unit's backward), 'threshold' (the job's threshold, no trim), "
                         "'glibc' (glibc's defaults), '1' (MALLOC_ARENA_MAX=1), 'mmap' (MALLOC_MMAP_THRESHOLD_=65536)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps (the optimizer state appears in the first)")
     p.add_argument("--steps", type=int, default=2, help="timed steps over which the peak is taken")
@@ -95,22 +100,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-@contextlib.contextmanager
 def _arena_env(setting: str):
     """The glibc setting for the ranks a pool spawns now (glibc reads it at process start)."""
-    if setting not in _MALLOC_ENV:
-        yield
-        return
-    name, value = _MALLOC_ENV[setting]
-    previous = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = previous
+    return M.spawn_env(*_MALLOC_ENV[setting]) if setting in _MALLOC_ENV else contextlib.nullcontext()
 
 
 def _median(values: List[float]) -> float:

@@ -23,6 +23,7 @@ the step needs rather than what glibc kept (``--allocator threshold``: the thres
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -86,9 +87,10 @@ def case(ctx, system: str, size_name: str, warmup: int, threads: int, upcast_bf1
     from tools.bench.spec import SIZES
 
     M.prepare_worker(threads)
-    if job_allocator:
-        from megatron.training.allocator import fix_mmap_threshold
-        fix_mmap_threshold()
+    trim = job_allocator if trim is None else trim
+    if job_allocator:  # the job's whole setting with the trim; its threshold alone without
+        from megatron.training.allocator import apply_job_setting, fix_mmap_threshold
+        (apply_job_setting if trim else fix_mmap_threshold)()
     if upcast_bf16:
         from tools.bench.bf16_support import upcast_bf16_kernels
         upcast_bf16_kernels()
@@ -97,7 +99,7 @@ def case(ctx, system: str, size_name: str, warmup: int, threads: int, upcast_bf1
     tokens = torch.randint(0, shape.vocab, (shape.rows, shape.seq + 1), generator=gen)
     _, base_rss = M.baselines()
     model = T.build_model(size_name)
-    built = T.build_system(system, model, tokens, bf16=True, trim=job_allocator if trim is None else trim)
+    built = T.build_system(system, model, tokens, bf16=True, trim=trim)
     for _ in range(warmup):
         built.step()
     M.trim_heap()
@@ -174,11 +176,14 @@ def main(argv: Optional[List[str]] = None) -> Dict:
 
     upcast = args.upcast_bf16 == "yes" or (args.upcast_bf16 == "auto" and not native_bf16()[0])
 
-    pool = WorkerPool(args.ranks, start_timeout=900.0)
+    from tools.bench import measure as M
+
+    job, trim = args.allocator in ("default", "threshold"), args.allocator == "default"
+    with M.spawn_env(*M.JOB_START_ENV) if trim else contextlib.nullcontext():  # one arena from the start
+        pool = WorkerPool(args.ranks, start_timeout=900.0)
     threads = max(1, (os.cpu_count() or 1) // args.ranks)
     profiles = {}
     target = case
-    job, trim = args.allocator in ("default", "threshold"), args.allocator == "default"
     try:
         for system in args.systems:  # one discarded tiny run each: imports and one-time allocations
             pool.run(target, timeout=600.0, system=system, size_name="tiny", warmup=1, threads=threads,

@@ -150,13 +150,15 @@ def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, t
     CPUs that emulate bf16 matrix products; it stays installed in the worker process.
     ``job_allocator``: the training job's allocator setting (``megatron.training.allocator``),
     whatever the system: glibc's mmap threshold fixed (process-wide, it stays set) and, unless
-    ``trim`` is False, the heap trimmed after each unit's backward (``trim`` None: as
-    ``job_allocator``).
+    ``trim`` is False, one arena (``apply_job_setting``; effective for the threads started
+    afterwards: the pool is spawned with ``measure.JOB_START_ENV`` for the threads before)
+    and the heap trimmed after each unit's backward (``trim`` None: as ``job_allocator``).
     """
     M.prepare_worker(threads)
-    if job_allocator:
-        from megatron.training.allocator import fix_mmap_threshold
-        fix_mmap_threshold()
+    trim = job_allocator if trim is None else trim
+    if job_allocator:  # the job's whole setting with the trim; its threshold alone without
+        from megatron.training.allocator import apply_job_setting, fix_mmap_threshold
+        (apply_job_setting if trim else fix_mmap_threshold)()
     if upcast_bf16:
         from tools.bench.bf16_support import upcast_bf16_kernels
         upcast_bf16_kernels()
@@ -169,7 +171,7 @@ def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, t
     params, root = sum(p.numel() for p in model.parameters()), root_params(model)
     units = [root] + [sum(p.numel() for p in block.parameters()) for block in model.blocks]
     with nv_fsdp.cpu_peer() if system in NV_FSDP else contextlib.nullcontext():
-        built = build_system(system, model, tokens, bf16, trim=job_allocator if trim is None else trim)
+        built = build_system(system, model, tokens, bf16, trim=trim)
         result = M.measure(built, warmup, steps, base_tensors, base_rss)
         del built, model
     M.trim_heap()
