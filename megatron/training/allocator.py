@@ -23,8 +23,7 @@ so it is the launcher's decision, taken once at start-up (``initialize``). An ex
 ``MALLOC_MMAP_THRESHOLD_`` in the environment is the user's decision and wins. No-op where
 glibc is not the C library.
 
-With it (``apply_job_setting``), one malloc arena for every thread (``one_arena`` says why),
-and ``trim_after_unit_backward``: a fixed threshold maps the
+With it (``apply_job_setting``), ``trim_after_unit_backward``: a fixed threshold maps the
 step's large buffers, but a block's activations are many tensors below it, which glibc's
 heap keeps resident when the backward frees them; each unit's new gradient shard (above
 the threshold) is then mapped afresh, so the backward's peak counts the forward's
@@ -39,12 +38,10 @@ import ctypes
 import os
 from typing import Callable, Optional
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter numbers
-M_ARENA_MAX = -8
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 JOB_MMAP_THRESHOLD = 4 << 20  # bytes: blocks this large and larger are mapped, and unmapped when freed
 MEASURE_MMAP_THRESHOLD = 64 << 10  # memory measurements: the resident set follows every tensor over 64 KiB
 ENV = "MALLOC_MMAP_THRESHOLD_"
-ARENA_ENV = "MALLOC_ARENA_MAX"
 
 
 def fix_mmap_threshold(nbytes: int = JOB_MMAP_THRESHOLD, respect_env: bool = True) -> bool:
@@ -79,31 +76,13 @@ def _glibc() -> Optional[ctypes.CDLL]:
 _job_setting = False  # apply_job_setting fixed the threshold in this process
 
 
-def one_arena() -> bool:
-    """Every thread allocates from glibc's main arena (``mallopt(M_ARENA_MAX, 1)``); True when set.
-
-    Why: memory a thread frees stays in that thread's arena, which other threads do not reuse.
-    The engine's gradient reduction runs on a worker thread, so what it freed in one step stayed
-    resident beside the next step's activations, allocated by the main thread: at 70M on 2 ranks
-    the second measured step peaked 70-85 MiB above the first (699-716 against 629-632 MiB;
-    docs/performance.md). Takes effect for threads that get an arena afterwards: set before the
-    first thread is started. ``MALLOC_ARENA_MAX`` in the environment is the user's and wins.
-    """
-    if os.environ.get(ARENA_ENV):
-        return False
-    lib = _glibc()
-    return bool(lib.mallopt(M_ARENA_MAX, 1)) if lib is not None else False
-
-
 def apply_job_setting() -> bool:
-    """The job's allocator setting, at start-up (``initialize``): the fixed mmap threshold and one
-    arena now, and from then on ``job_post_backward_hook`` gives the trim to install on the wrapped
-    model. False (and no trim) where the user's ``MALLOC_MMAP_THRESHOLD_`` or a C library other
-    than glibc leaves the allocator as it is."""
+    """The job's allocator setting, at start-up (``initialize``): the fixed mmap threshold now, and
+    from then on ``job_post_backward_hook`` gives the trim to install on the wrapped model.
+    False (and no trim) where the user's ``MALLOC_MMAP_THRESHOLD_`` or a C library other than
+    glibc leaves the allocator as it is."""
     global _job_setting
-    if fix_mmap_threshold():
-        one_arena()
-        _job_setting = True
+    _job_setting = fix_mmap_threshold() or _job_setting
     return _job_setting
 
 

@@ -181,12 +181,6 @@ def _proc_status_kib(field: str) -> Optional[int]:
     return None
 
 
-# The training job's one malloc arena (megatron.training.allocator.one_arena), set before its
-# first thread; a worker pool's ranks already have threads when a case runs, so a pool that
-# measures the job's setting is spawned with it in the environment, which glibc reads at start.
-JOB_START_ENV = ("MALLOC_ARENA_MAX", "1")
-
-
 @contextlib.contextmanager
 def spawn_env(name: str, value: str):
     """``name=value`` in the environment while processes are spawned (a pool's ranks)."""

@@ -23,7 +23,6 @@ the step needs rather than what glibc kept (``--allocator threshold``: the thres
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -176,11 +175,8 @@ def main(argv: Optional[List[str]] = None) -> Dict:
 
     upcast = args.upcast_bf16 == "yes" or (args.upcast_bf16 == "auto" and not native_bf16()[0])
 
-    from tools.bench import measure as M
-
     job, trim = args.allocator in ("default", "threshold"), args.allocator == "default"
-    with M.spawn_env(*M.JOB_START_ENV) if trim else contextlib.nullcontext():  # one arena from the start
-        pool = WorkerPool(args.ranks, start_timeout=900.0)
+    pool = WorkerPool(args.ranks, start_timeout=900.0)
     threads = max(1, (os.cpu_count() or 1) // args.ranks)
     profiles = {}
     target = case

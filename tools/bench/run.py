@@ -21,7 +21,6 @@ column and how the theory is computed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -38,7 +37,6 @@ if _ROOT not in sys.path:
 from megatron.fsdp.testing import RankError, WorkerTimeout  # noqa: E402
 from tools.bench import plot, report  # noqa: E402
 from tools.bench import mcore_case, nv_fsdp, torch_case  # noqa: E402
-from tools.bench import measure as M  # noqa: E402
 from tools.bench.spec import NV_FSDP, SIZES, SYSTEMS, option_of, runs_at  # noqa: E402
 
 
@@ -158,12 +156,9 @@ class _Pool:
         self.pool = None
 
     def _spawn(self):
-        """A fresh pool; under the job's allocator setting its ranks start with one arena (measure.JOB_START_ENV)."""
         from megatron.fsdp.testing import WorkerPool
 
-        whole_job_setting = self.settings["job_allocator"] and self.settings.get("trim", True)
-        with M.spawn_env(*M.JOB_START_ENV) if whole_job_setting else contextlib.nullcontext():
-            return WorkerPool(self.ranks, start_timeout=600.0)
+        return WorkerPool(self.ranks, start_timeout=600.0)
 
     def run(self, system: str, size: str, warmup: int, steps: int) -> List[dict]:
         from megatron.fsdp.testing import RankError

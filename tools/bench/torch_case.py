@@ -150,9 +150,8 @@ def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, t
     CPUs that emulate bf16 matrix products; it stays installed in the worker process.
     ``job_allocator``: the training job's allocator setting (``megatron.training.allocator``),
     whatever the system: glibc's mmap threshold fixed (process-wide, it stays set) and, unless
-    ``trim`` is False, one arena (``apply_job_setting``; effective for the threads started
-    afterwards: the pool is spawned with ``measure.JOB_START_ENV`` for the threads before)
-    and the heap trimmed after each unit's backward (``trim`` None: as ``job_allocator``).
+    ``trim`` is False, the heap trimmed after each unit's backward (``trim`` None: as
+    ``job_allocator``).
     """
     M.prepare_worker(threads)
     trim = job_allocator if trim is None else trim
