@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .allocator import fix_mmap_threshold
+from .allocator import apply_job_setting
 from .arguments import validate_args
 
 logger = logging.getLogger("megatron.training")
@@ -39,7 +39,7 @@ def initialize(args):
     every rank with the same message and nothing waits on a collective.
     """
     validate_args(args, dist.get_world_size() if dist.is_initialized() else _world_size_from_env())
-    fix_mmap_threshold()  # before anything large is allocated (allocator.py says why)
+    apply_job_setting()  # before anything large is allocated (allocator.py says why)
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
         if cuda:

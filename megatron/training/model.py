@@ -12,6 +12,8 @@ from typing import List
 
 import torch
 
+from .allocator import job_post_backward_hook
+
 
 def transformer_config(args, cpu: bool):
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
@@ -209,6 +211,10 @@ def wrap_and_optimize(args, config, chunks):
             fsdp_double_buffer=getattr(args, "fsdp_double_buffer", False))
         model = [FullyShardedDataParallel(config, ddp_config, chunk) for chunk in chunks]
         optimizer = get_fsdp_optimizer(opt_config, model, precision=optimizer_precision(args))
+        trim = job_post_backward_hook()  # the job's allocator setting, second half (allocator.py)
+        if trim is not None:
+            for chunk in model:
+                chunk.fsdp.register_post_backward_hook(trim)
 
         def wire():
             config.grad_scale_func = optimizer.scale_loss

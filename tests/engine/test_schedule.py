@@ -23,6 +23,23 @@ def test_zero3_gathers_each_unit_once_per_forward_and_backward(pool, micro_batch
     assert result["transient_grads_after_step"] == []
 
 
+def test_post_backward_hook_runs_once_per_unit_after_its_reduction(pool):
+    """``register_post_backward_hook``: every unit, every micro-batch's backward, weights released and
+    reduction issued by then (the point the job trims its heap at); ``remove()`` stops it."""
+    result = pool.run(cases.post_backward_hooks, size=2, micro_batches=2)[0]
+    names = [name for name, _, _ in result["calls"]]
+    assert sorted(names) == sorted(result["units"] * 2), names
+    half = len(names) // 2
+    assert names[:half] == names[half:], names  # the same order in both micro-batches
+    assert all(not resident for _, resident, _ in result["calls"]), result["calls"]
+    # ZeRO-3 reduce-scatters every micro-batch: the unit's k-th call follows its k-th reduction
+    seen = {}
+    for name, _, reduced in result["calls"]:
+        seen[name] = seen.get(name, 0) + 1
+        assert reduced == seen[name], (name, reduced, seen[name])
+    assert result["after_remove"] == 0
+
+
 def test_prefetch_overlaps_every_gather(pool):
     """Steady state: no unit waits for a gather issued on demand (the root prefetches the first one).
 

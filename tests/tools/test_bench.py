@@ -10,7 +10,7 @@ import math
 import sys
 
 from tools.bench import bf16_support, nv_fsdp, report, run
-from tools.bench.spec import FLOOR, NV_FSDP, SIZES, SYSTEMS
+from tools.bench.spec import FLOOR, NV_FSDP, OURS_OPTIONS, SIZES, SYSTEMS
 
 
 def test_quick_torch_two_ranks(tmp_path, monkeypatch, capsys):
@@ -39,6 +39,9 @@ def test_quick_torch_two_ranks(tmp_path, monkeypatch, capsys):
         for system in NV_FSDP:
             assert rows.pop(system)["not_runnable"] == nv_fsdp.NOT_INSTALLED
             assert "not runnable: megatron-fsdp not installed (pip install -e .[bench])" in printed.out
+    every = dict(rows)
+    if results["meta"]["dtype"] != "bf16":  # the job refuses --grad-reduce-in-bf16 without --bf16: a row says so
+        assert rows.pop(OURS_OPTIONS[0])["not_runnable"] == run.BF16_REDUCE_NEEDS_BF16
     assert rows[FLOOR]["of_floor"] == 1.0 and not rows[FLOOR]["bytes"]  # the floor sends nothing
     # ... and keeps what its recipe says (bf16: the bf16 model besides fp32 main weights and Adam)
     assert abs(rows[FLOOR]["persistent_bytes"] / rows[FLOOR]["persistent_theory"] - 1) < 0.01, rows[FLOOR]
@@ -57,6 +60,18 @@ def test_quick_torch_two_ranks(tmp_path, monkeypatch, capsys):
     assert zero3["counted_bytes"]["all_gather"]["world"] == zero3["ledger_bytes"]["all_gather"]["dp_shard"] > 0
     assert rows["ours:optim_grads_params"]["bytes_source"] == "ledger" and rows["fsdp2"]["bytes_source"] != "ledger"
     assert set(rows["ours:no_shard"]["ratios"]) == {"fsdp2"}
+    # The job's two flags as engine options (issue 28): --grad-reduce-in-bf16 halves the
+    # reduce-scatter bytes and nothing else; --fsdp-double-buffer keeps its gather buffers,
+    # which the persistent theory counts; both meet theory.
+    base, bf16_reduce, double = (every[s] for s in ("ours:optim_grads_params",) + OURS_OPTIONS)
+    if results["meta"]["dtype"] == "bf16":
+        assert bf16_reduce["bytes"]["reduce_scatter"]["dp_shard"] * 2 == base["bytes"]["reduce_scatter"]["dp_shard"]
+        assert bf16_reduce["bytes"]["all_gather"] == base["bytes"]["all_gather"]
+        assert bf16_reduce["bytes_theory"]["reduce_scatter"] * 2 == base["bytes_theory"]["reduce_scatter"]
+    assert double["bytes"] == base["bytes"] and double["persistent_theory"] > base["persistent_theory"]
+    for row in (r for r in (bf16_reduce, double) if r["rounds_ok"]):
+        got, want = sum(row["bytes"]["reduce_scatter"].values()), row["bytes_theory"]["reduce_scatter"]
+        assert abs(got / want - 1) < 0.01 and abs(row["persistent_bytes"] / row["persistent_theory"] - 1) < 0.01, row
     assert [t["target"] for t in results["targets"]] and all("status" in t for t in results["targets"])
 
 

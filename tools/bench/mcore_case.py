@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from tools.bench import measure as M
-from tools.bench.spec import BETAS, CLIP_GRAD, EPS, LR, SIZES, WEIGHT_DECAY
+from tools.bench.spec import (BETAS, CLIP_GRAD, EPS, LEVEL_OF, LR, SIZES, WEIGHT_DECAY, gather_buffer_elements,
+                             option_of)
 
 
 def _config(size_name: str, bf16: bool):
@@ -37,10 +38,12 @@ def _args(system: str, bf16: bool):
     from megatron.training.arguments import build_parser
 
     ours = system.startswith("ours:")
+    option = option_of(system)  # the job's flag of each option row, as validate_fsdp_recipe maps it
     args = build_parser().parse_args([])
     vars(args).update(
-        use_megatron_fsdp=ours, data_parallel_sharding_strategy=system.partition(":")[2] if ours else "no_shard",
-        grad_reduce_in_fp32=True, use_distributed_optimizer=system == "mcore_distopt", optimizer="adam", lr=LR,
+        use_megatron_fsdp=ours, data_parallel_sharding_strategy=LEVEL_OF[system] if ours else "no_shard",
+        grad_reduce_in_fp32=option != "bf16_reduce", grad_reduce_in_bf16=option == "bf16_reduce",
+        fsdp_double_buffer=option == "double_buffer", use_distributed_optimizer=system == "mcore_distopt", optimizer="adam", lr=LR,
         min_lr=LR, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
         clip_grad=CLIP_GRAD, bf16=bf16)
     return args
@@ -104,11 +107,14 @@ def _batch(size_name: str) -> dict:
             "attention_mask": causal.expand(s.rows, 1, s.seq, s.seq)}
 
 
-def _root_params(module: torch.nn.Module) -> int:
+def _unit_params(module: torch.nn.Module) -> list:
+    """Parameters of the root (everything outside the layers: embeddings, final norm, output), then of each layer."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    in_layers = {id(p) for m in module.modules() if isinstance(m, TransformerLayer) for p in m.parameters()}
-    return sum(p.numel() for p in module.parameters() if id(p) not in in_layers)
+    layers = [m for m in module.modules() if isinstance(m, TransformerLayer)]
+    in_layers = {id(p) for m in layers for p in m.parameters()}
+    root = sum(p.numel() for p in module.parameters() if id(p) not in in_layers)
+    return [root] + [sum(p.numel() for p in m.parameters()) for m in layers]
 
 
 def _engine_figures(model, optimizer):
@@ -120,9 +126,17 @@ def _engine_figures(model, optimizer):
     return [e.ledger for e in engines], lambda: sum(e.memory_report(engine_opt).total for e in engines)
 
 
-def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, threads: int) -> dict:
-    """Build ``system`` on Megatron's GPTModel of ``size_name``; train; return this rank's figures."""
+def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, threads: int,
+        job_allocator: bool = False) -> dict:
+    """Build ``system`` on Megatron's GPTModel of ``size_name``; train; return this rank's figures.
+
+    ``job_allocator``: glibc set up as ``initialize`` sets it for pretrain_gpt.py
+    (``allocator.apply_job_setting``); ``wrap_and_optimize`` then adds the job's heap trim.
+    """
     M.prepare_worker(threads)
+    if job_allocator:
+        from megatron.training.allocator import apply_job_setting
+        apply_job_setting()
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.fsdp.mcore.cpu_mode import cpu_layer_spec
     from megatron.training.model import gpt_chunks
@@ -137,7 +151,7 @@ def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, t
         set_random_seed()
         chunks = gpt_chunks(config, lambda vp_stage: cpu_layer_spec(config, vp_stage=vp_stage), s.vocab, s.seq)
         params = sum(p.numel() for p in chunks[0].parameters())
-        root = _root_params(chunks[0])
+        units = _unit_params(chunks[0])
         model, optimizer, wire = _wrap(system, config, chunks, bf16)
         wire()
         forward_backward = get_forward_backward_func()
@@ -163,5 +177,6 @@ def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, t
         result = M.measure(M.Built(step, ledgers=ledgers, own_report=own), warmup, steps, base_tensors, base_rss)
         del step, model, optimizer, chunks, wire
     M.trim_heap()
-    result.update(params=params, root_params=root, tokens_per_step=s.rows * s.seq * dist.get_world_size())
+    result.update(params=params, root_params=units[0], tokens_per_step=s.rows * s.seq * dist.get_world_size(),
+                  gather_buffer_params=gather_buffer_elements(units))
     return result

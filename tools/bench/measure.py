@@ -30,6 +30,7 @@ import dataclasses
 import gc
 import inspect
 import logging
+import os
 import sys
 import threading
 import time
@@ -178,6 +179,20 @@ def _proc_status_kib(field: str) -> Optional[int]:
     except OSError:
         return None
     return None
+
+
+@contextlib.contextmanager
+def spawn_env(name: str, value: str):
+    """``name=value`` in the environment while processes are spawned (a pool's ranks)."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
 
 
 def trim_heap() -> None:

@@ -6,7 +6,10 @@
 Trains the torch workload (``tools/bench/torch_case.py``: the same model, optimizer and
 mixed-precision policy as ``run.py``) under FSDP2 ``fully_shard`` and this engine at
 ``optim_grads_params``, with fp32 optimizer state and again with bf16 state
-(``FullyShardedOptimizer(..., state_dtype=torch.bfloat16)``; FSDP2 has no such option), and
+(``FullyShardedOptimizer(..., state_dtype=torch.bfloat16)``; FSDP2 has no such option), with
+the training job's two ZeRO-3 flags as engine options (``+bf16_reduce``: gradients reduced in
+bf16, ``--grad-reduce-in-bf16``; ``+double_buffer``: persistent gather buffers,
+``--fsdp-double-buffer``), and
 prints peak and persistent memory per rank side by side, as ratios to FSDP2, with the
 persistent bytes split the same way for both systems (``measure.persistent_breakdown``):
 the weights the optimizer updates, their gradients, the optimizer state, and everything
@@ -14,10 +17,12 @@ else alive between steps (``other``: buffers, staging, caches).
 
 Each configuration runs twice by default, both systems alike: as launched by the training
 job (``default``: the job's fixed glibc mmap threshold, ``megatron/training/allocator.py``,
-set in every rank before the model is built, as ``initialize`` does for pretrain_gpt.py),
+set in every rank before the model is built, as ``initialize`` does for pretrain_gpt.py,
+and its heap trim after each unit's backward, on both systems: the engine's post-backward
+hook for ours, a block backward hook for FSDP2),
 and under glibc's own defaults (``glibc``), whose mmap threshold rises after a large free so
 that freed blocks stay resident. ``1`` (``MALLOC_ARENA_MAX=1``: one malloc arena for all
-threads) and ``mmap`` (``MALLOC_MMAP_THRESHOLD_=65536`` in the environment) are diagnoses
+threads), ``threshold`` (the job's threshold without the trim) and ``mmap`` (``MALLOC_MMAP_THRESHOLD_=65536`` in the environment) are diagnoses
 on top of glibc's defaults.
 
 On a CPU that emulates bf16 matrix products (no AVX512-BF16 or AMX) a 70M bf16 step takes
@@ -46,22 +51,25 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from tools.bench.spec import SIZES  # noqa: E402
+from tools.bench import measure as M  # noqa: E402
+from tools.bench.spec import OURS_OPTIONS, SIZES  # noqa: E402
 from tools.bench.torch_case import run as CASE  # noqa: E402
 
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
-SYSTEMS = ("fsdp2", "ours:optim_grads_params", "ours:optim_grads_params:bf16-state")
+SYSTEMS = ("fsdp2", "ours:optim_grads_params", "ours:optim_grads_params:bf16-state") + OURS_OPTIONS
 LABELS = {"fsdp2": "FSDP2", "ours:optim_grads_params": "ours ZeRO-3, fp32 state",
-          "ours:optim_grads_params:bf16-state": "ours ZeRO-3, bf16 state"}
-# glibc settings of the ranks: as launched by the training job (its fixed mmap threshold,
-# megatron.training.allocator); glibc's defaults; one arena (MALLOC_ARENA_MAX=1); a fixed 64 KiB
+          "ours:optim_grads_params:bf16-state": "ours ZeRO-3, bf16 state",
+          **{system: "ours ZeRO-3, " + system.partition("+")[2].replace("_", " ") for system in OURS_OPTIONS}}
+# glibc settings of the ranks: as launched by the training job (megatron.training.allocator: its
+# fixed mmap threshold and the heap trimmed after each unit's backward); the job's threshold
+# without the trim (its setting before issue 28); glibc's defaults; one arena (MALLOC_ARENA_MAX=1); a fixed 64 KiB
 # mmap threshold from the environment (MALLOC_MMAP_THRESHOLD_, which also stops glibc raising it
 # after large frees), so every large block is mapped on allocation and unmapped on free and the
 # resident set follows the live tensors rather than heap fragmentation (diagnoses)
-ARENAS = ("default", "glibc", "1", "mmap")
+ARENAS = ("default", "threshold", "glibc", "1", "mmap")
 _MALLOC_ENV = {"1": ("MALLOC_ARENA_MAX", "1"), "mmap": ("MALLOC_MMAP_THRESHOLD_", "65536")}
 BREAKDOWN = ("weights", "grads", "state", "other")  # measure.persistent_breakdown, largest rank of each
 TARGET = 0.92  # ours (fp32 state) / FSDP2 peak, at every world size
@@ -74,7 +82,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--size", choices=list(SIZES), default="70M")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     p.add_argument("--arenas", nargs="+", choices=ARENAS, default=["default", "glibc"],
-                   help="glibc settings: 'default' (as the training job launches: its fixed mmap threshold), "
+                   help="glibc settings: 'default' (as the training job launches: its fixed mmap threshold and a "
+                        "heap trim after each unit's backward), 'threshold' (the job's threshold, no trim), "
                         "'glibc' (glibc's defaults), '1' (MALLOC_ARENA_MAX=1), 'mmap' (MALLOC_MMAP_THRESHOLD_=65536)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps (the optimizer state appears in the first)")
     p.add_argument("--steps", type=int, default=2, help="timed steps over which the peak is taken")
@@ -83,26 +92,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--upcast-bf16", choices=("auto", "yes", "no"), default="auto",
                    help="bf16 linears and attention through fp32 kernels with bf16 saved tensors "
                         "(bf16_support.upcast_bf16_kernels); auto: where bf16 is emulated")
+    p.add_argument("--shared-pool", dest="fresh_pool", action="store_false",
+                   help="measure every system in one pool per setting (before issue 28's second round); default: "
+                        "fresh ranks for every run, since what a big run leaves in a process moved the next "
+                        "run's peak by up to 85 MiB at 70M (docs/performance.md)")
     p.add_argument("--out", default=None, help="JSON of every run")
     return p.parse_args(argv)
 
 
-@contextlib.contextmanager
 def _arena_env(setting: str):
     """The glibc setting for the ranks a pool spawns now (glibc reads it at process start)."""
-    if setting not in _MALLOC_ENV:
-        yield
-        return
-    name, value = _MALLOC_ENV[setting]
-    previous = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = previous
+    return M.spawn_env(*_MALLOC_ENV[setting]) if setting in _MALLOC_ENV else contextlib.nullcontext()
 
 
 def _median(values: List[float]) -> float:
@@ -116,19 +116,30 @@ def run_all(args, log=print) -> List[Dict]:
     records = []
     for ranks in args.ranks:
         for arena in args.arenas:
-            with _arena_env(arena):
-                pool = WorkerPool(ranks, start_timeout=900.0)
             settings = dict(bf16=True, threads=max(1, (os.cpu_count() or 1) // ranks), upcast_bf16=args.upcast,
-                            job_allocator=arena == "default")
-            try:
-                # One discarded tiny step per system: imports and one-time allocations.
-                for system in args.systems:
+                            job_allocator=arena in ("default", "threshold"), trim=arena == "default")
+
+            def spawn(systems):
+                """A pool, with one discarded tiny step per system: imports and one-time allocations."""
+                with _arena_env(arena):
+                    pool = WorkerPool(ranks, start_timeout=900.0)
+                for system in systems:
                     pool.run(CASE, timeout=600.0, system=system, size_name="tiny", warmup=1, steps=1, **settings)
+                return pool
+
+            pool = None if args.fresh_pool else spawn(args.systems)
+            try:
                 for rnd in range(args.rounds):
                     for system in args.systems[rnd % len(args.systems):] + args.systems[:rnd % len(args.systems)]:
                         start = time.perf_counter()
-                        per_rank = pool.run(CASE, timeout=args.timeout, system=system, size_name=args.size,
-                                            warmup=args.warmup, steps=args.steps, **settings)
+                        if args.fresh_pool:
+                            pool = spawn([system])
+                        try:
+                            per_rank = pool.run(CASE, timeout=args.timeout, system=system, size_name=args.size,
+                                                warmup=args.warmup, steps=args.steps, **settings)
+                        finally:
+                            if args.fresh_pool:
+                                pool.close()
                         record = {"ranks": ranks, "arena": arena, "system": system, "round": rnd,
                                   "params": per_rank[0]["params"],
                                   "peak_bytes": max(r["peak_bytes"] for r in per_rank),
@@ -140,7 +151,8 @@ def run_all(args, log=print) -> List[Dict]:
                         log(f"[N={ranks} allocator={arena}] {LABELS[system]}: peak "
                             f"{record['peak_bytes'] / MIB:.1f} MiB ({time.perf_counter() - start:.0f} s)")
             finally:
-                pool.close()
+                if pool is not None and not args.fresh_pool:
+                    pool.close()
     return records
 
 

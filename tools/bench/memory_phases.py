@@ -13,10 +13,11 @@ boundary a rank reads its resident set's high-water mark since the previous boun
 attributed to the interval it happened in. Figures are above the resident set before the
 model was built, largest rank.
 
-The ranks fix glibc's mmap threshold as the training job does (``--allocator default``:
-``megatron/training/allocator.py``), so the resident set follows the live tensors and the
-profile shows what the step needs rather than what glibc kept (``--allocator glibc``: glibc's
-own defaults).
+The ranks set glibc up as the training job does (``--allocator default``:
+``megatron/training/allocator.py``: a fixed mmap threshold, and the heap trimmed after each
+unit's backward), so the resident set follows the live tensors and the profile shows what
+the step needs rather than what glibc kept (``--allocator threshold``: the threshold alone;
+``--allocator glibc``: glibc's own defaults).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _instrument(model, phases: _Phases) -> None:
 
 
 def case(ctx, system: str, size_name: str, warmup: int, threads: int, upcast_bf16: bool = True,
-         job_allocator: bool = True) -> dict:
+         job_allocator: bool = True, trim: Optional[bool] = None) -> dict:
     """Worker-pool case: ``warmup`` steps, then one step with a mark at every boundary."""
     import torch
     import torch.distributed as dist
@@ -85,9 +86,10 @@ def case(ctx, system: str, size_name: str, warmup: int, threads: int, upcast_bf1
     from tools.bench.spec import SIZES
 
     M.prepare_worker(threads)
-    if job_allocator:
-        from megatron.training.allocator import fix_mmap_threshold
-        fix_mmap_threshold()
+    trim = job_allocator if trim is None else trim
+    if job_allocator:  # the job's whole setting with the trim; its threshold alone without
+        from megatron.training.allocator import apply_job_setting, fix_mmap_threshold
+        (apply_job_setting if trim else fix_mmap_threshold)()
     if upcast_bf16:
         from tools.bench.bf16_support import upcast_bf16_kernels
         upcast_bf16_kernels()
@@ -96,7 +98,7 @@ def case(ctx, system: str, size_name: str, warmup: int, threads: int, upcast_bf1
     tokens = torch.randint(0, shape.vocab, (shape.rows, shape.seq + 1), generator=gen)
     _, base_rss = M.baselines()
     model = T.build_model(size_name)
-    built = T.build_system(system, model, tokens, bf16=True)
+    built = T.build_system(system, model, tokens, bf16=True, trim=trim)
     for _ in range(warmup):
         built.step()
     M.trim_heap()
@@ -160,23 +162,31 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     p.add_argument("--systems", nargs="+", default=["fsdp2", "ours:optim_grads_params"])
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--out", default=None, help="JSON of the profiles")
-    p.add_argument("--allocator", choices=("default", "glibc"), default="default",
-                   help="'default': glibc's mmap threshold fixed as the training job fixes it; 'glibc': its defaults")
+    p.add_argument("--allocator", choices=("default", "threshold", "glibc"), default="default",
+                   help="'default': as the training job sets glibc up (its fixed mmap threshold, and the heap "
+                        "trimmed after each unit's backward); 'threshold': the threshold without the trim; "
+                        "'glibc': glibc's defaults")
+    p.add_argument("--upcast-bf16", choices=("auto", "yes", "no"), default="auto",
+                   help="bf16 linears and attention through fp32 kernels (bf16_support.upcast_bf16_kernels); "
+                        "auto: where bf16 is emulated (as memory.py)")
     args = p.parse_args(argv)
     from megatron.fsdp.testing import WorkerPool
+    from tools.bench.bf16_support import native_bf16
 
+    upcast = args.upcast_bf16 == "yes" or (args.upcast_bf16 == "auto" and not native_bf16()[0])
+
+    job, trim = args.allocator in ("default", "threshold"), args.allocator == "default"
     pool = WorkerPool(args.ranks, start_timeout=900.0)
     threads = max(1, (os.cpu_count() or 1) // args.ranks)
     profiles = {}
     target = case
-    job = args.allocator == "default"
     try:
         for system in args.systems:  # one discarded tiny run each: imports and one-time allocations
             pool.run(target, timeout=600.0, system=system, size_name="tiny", warmup=1, threads=threads,
-                     job_allocator=job)
+                     job_allocator=job, trim=trim, upcast_bf16=upcast)
         for system in args.systems:
             per_rank = pool.run(target, timeout=3600.0, system=system, size_name=args.size, warmup=args.warmup,
-                                threads=threads, job_allocator=job)
+                                threads=threads, job_allocator=job, trim=trim, upcast_bf16=upcast)
             profiles[system] = merge(per_rank)
             if args.out:
                 with open(args.out, "w") as f:
@@ -185,7 +195,8 @@ def main(argv: Optional[List[str]] = None) -> Dict:
                   flush=True)
     finally:
         pool.close()
-    print(f"{args.size}, {args.ranks} ranks, MiB above the resident set before the model was built "
+    print(f"{args.size}, {args.ranks} ranks, allocator {args.allocator}, bf16 kernels "
+          f"{'fp32 (--upcast-bf16)' if upcast else 'native'}, MiB above the resident set before the model was built "
           f"(hwm: peak since the previous boundary; rss: at the boundary)")
     print(format_profile(profiles))
     return profiles

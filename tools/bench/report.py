@@ -10,7 +10,8 @@ import math
 import statistics
 from typing import Dict, List, Optional
 
-from tools.bench.spec import FLOOR, LABELS, OURS, PEERS, theory_bytes, theory_persistent
+from tools.bench.spec import (FLOOR, LABELS, OURS, OURS_OPTIONS, PEERS, reduce_bytes_of, theory_bytes,
+                              theory_persistent)
 
 MIB = 1024 * 1024
 GLOO_WIRE = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 2, "broadcast": 1}  # passes of (N-1)/N
@@ -59,7 +60,7 @@ def aggregate(runs: List[dict]) -> List[dict]:
         median = statistics.median(steps)
         compute_bytes = 2 if row["dtype"] == "bf16" else 4
         params, root = sample["params"], sample["root_params"]
-        ours = system in OURS
+        ours = system in OURS + OURS_OPTIONS
         source = "ledger_bytes" if ours else "counted_bytes"
         collectives = {k: v for k, v in sample.get(source, {}).items() if k in GLOO_WIRE or k == "send"}
         if ours and "wire_bytes" in sample:
@@ -72,11 +73,12 @@ def aggregate(runs: List[dict]) -> List[dict]:
                     "n": len(steps)},
             tokens_per_s=sample["tokens_per_step"] / median,
             persistent_bytes=statistics.median(max(p["persistent_bytes"] for p in r["per_rank"]) for r in ok),
-            persistent_theory=theory_persistent(system, params, ranks, compute_bytes),
+            persistent_theory=theory_persistent(system, params, ranks, compute_bytes,
+                                                sample.get("gather_buffer_params", 0)),
             own_persistent_bytes=sample.get("own_persistent_bytes"),
             peak_bytes=_median_or_none([_max_or_none(p["peak_bytes"] for p in r["per_rank"]) for r in ok]),
             bytes=collectives, bytes_source="ledger" if ours else "torch.distributed counter",
-            bytes_theory=theory_bytes(system, params, root, ranks, compute_bytes),
+            bytes_theory=theory_bytes(system, params, root, ranks, compute_bytes, reduce_bytes_of(system)),
             wire_bytes=wire, wire_source=wire_source,
         )
     by_group: Dict[tuple, Dict[str, dict]] = {}
@@ -201,7 +203,7 @@ def targets(rows: List[dict]) -> List[dict]:
                 verdicts.append(ours["peak_bytes"] <= fsdp2["peak_bytes"])
                 details.append(f"{size} {n} ranks: peak {_mib(ours['peak_bytes'])} vs {_mib(fsdp2['peak_bytes'])} MiB")
     out.append(_target("ours ZeRO-3 peak memory <= FSDP2's, every shape", verdicts, details))
-    ours_rows = [r for r in rows if r["system"] in OURS and r["rounds_ok"]]
+    ours_rows = [r for r in rows if r["system"] in OURS + OURS_OPTIONS and r["rounds_ok"]]
     comm = [(r, _rel(sum(_per_kind(r["bytes"]).values()), sum(r["bytes_theory"].values())))
             for r in ours_rows if r["ranks"] > 1]
     out.append(_target("collective bytes within 1% of theory (ours)", [abs(e) <= 0.01 for _, e in comm],

@@ -37,7 +37,7 @@ if _ROOT not in sys.path:
 from megatron.fsdp.testing import RankError, WorkerTimeout  # noqa: E402
 from tools.bench import plot, report  # noqa: E402
 from tools.bench import mcore_case, nv_fsdp, torch_case  # noqa: E402
-from tools.bench.spec import NV_FSDP, SIZES, SYSTEMS, runs_at  # noqa: E402
+from tools.bench.spec import NV_FSDP, SIZES, SYSTEMS, option_of, runs_at  # noqa: E402
 
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -66,6 +66,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per run (default 2; --quick: 1)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default 5; --quick: 2)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores // ranks)")
+    p.add_argument("--allocator", choices=ALLOCATORS, default="glibc",
+                   help="glibc setting of the ranks: 'glibc' (its defaults), 'job' (as the training job sets it up, "
+                        "megatron/training/allocator.py: a fixed mmap threshold and the heap trimmed after each "
+                        "unit's backward), 'threshold' (the job's threshold alone; torch workload)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take before it counts as a hang")
     p.add_argument("--quick", action="store_true", help="tiny model, one round, few steps: a smoke run")
     p.add_argument("--out", default=None, help="write every run, row and target as JSON here (rewritten after "
@@ -74,6 +78,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                                                 "--quick: none); '' for none")
     p.add_argument("--from-json", default=None, help="re-report a saved --out file instead of running")
     args = p.parse_args(argv)
+    if args.allocator == "threshold" and "mcore" in args.workloads:
+        p.error("--allocator threshold (the job's threshold without its trim) is for --workloads torch: the mcore "
+                "workload wraps as the job does, which trims whenever it sets the threshold")
     quick = args.quick
     args.sizes = args.sizes or (["tiny"] if quick else ["5M", "50M"])
     args.rounds = args.rounds or (1 if quick else 3)
@@ -108,10 +115,17 @@ def plan(args) -> List[tuple]:
     return out
 
 
-def not_runnable(system: str) -> Optional[str]:
-    """Why ``system`` cannot run here before trying (an optional package absent), or None."""
+ALLOCATORS = ("glibc", "job", "threshold")
+BF16_REDUCE_NEEDS_BF16 = "--grad-reduce-in-bf16 needs bf16 compute (--dtype bf16)"
+
+
+def not_runnable(system: str, dtype: str = "bf16") -> Optional[str]:
+    """Why ``system`` cannot run here before trying (an optional package absent, or the job's
+    ``--grad-reduce-in-bf16`` without bf16 compute, which the job refuses), or None."""
     if system in NV_FSDP and not nv_fsdp.available():
         return nv_fsdp.NOT_INSTALLED
+    if option_of(system) == "bf16_reduce" and dtype != "bf16":
+        return BF16_REDUCE_NEEDS_BF16
     return None
 
 
@@ -133,22 +147,30 @@ class _Pool:
     and peak memory (a failure there is left to the measured run to report).
     """
 
-    def __init__(self, workload: str, ranks: int, dtype: str, threads: int, timeout: float):
+    def __init__(self, workload: str, ranks: int, dtype: str, threads: int, timeout: float,
+                 allocator: str = "glibc"):
         self.case, self.ranks, self.timeout = CASES[workload], ranks, timeout
-        self.settings = dict(bf16=dtype == "bf16", threads=threads)
+        self.settings = dict(bf16=dtype == "bf16", threads=threads, job_allocator=allocator != "glibc")
+        if allocator == "threshold":
+            self.settings["trim"] = False
         self.pool = None
 
+    def _spawn(self):
+        from megatron.fsdp.testing import WorkerPool
+
+        return WorkerPool(self.ranks, start_timeout=600.0)
+
     def run(self, system: str, size: str, warmup: int, steps: int) -> List[dict]:
-        from megatron.fsdp.testing import RankError, WorkerPool
+        from megatron.fsdp.testing import RankError
 
         if self.pool is None or not self.pool.alive:
-            self.pool = WorkerPool(self.ranks, start_timeout=600.0)
+            self.pool = self._spawn()
             try:
                 self.pool.run(self.case, timeout=min(self.timeout, 300.0), system=system, size_name="tiny",
                               warmup=1, steps=1, **self.settings)
             except FAILURES:
                 if not self.pool.alive:  # the warm-up hung: measure in a fresh pool all the same
-                    self.pool = WorkerPool(self.ranks, start_timeout=600.0)
+                    self.pool = self._spawn()
         try:
             return self.pool.run(self.case, timeout=self.timeout, system=system, size_name=size, warmup=warmup,
                                  steps=steps, **self.settings)
@@ -168,7 +190,8 @@ def run_matrix(args, log=print, on_run=None) -> List[dict]:
     total = sum(len(systems) for _, _, systems in the_plan) * len(args.sizes) * args.rounds
     for workload, ranks, systems in the_plan:
         dtype = "fp32" if ranks == 1 else args.dtype
-        pool = _Pool(workload, ranks, dtype, args.threads or max(1, (os.cpu_count() or 1) // ranks), args.timeout)
+        pool = _Pool(workload, ranks, dtype, args.threads or max(1, (os.cpu_count() or 1) // ranks), args.timeout,
+                     args.allocator)
         try:
             for size in args.sizes:
                 for rnd in range(args.rounds):
@@ -177,7 +200,7 @@ def run_matrix(args, log=print, on_run=None) -> List[dict]:
                                   "dtype": dtype, "round": rnd, "status": "ok", "reason": None}
                         where = (f"[{len(runs) + 1}/{total} {workload} {size} N={ranks} {dtype} "
                                  f"round {rnd + 1}/{args.rounds}] {system}")
-                        missing = not_runnable(system)
+                        missing = not_runnable(system, dtype)
                         if missing:
                             record.update(status="not runnable", reason=missing)
                             runs.append(record)
@@ -223,7 +246,7 @@ def meta(args) -> dict:
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
             "python": platform.python_version(), "cpus": os.cpu_count(), "gloo_reduce_scatter": path,
             "quick": args.quick, "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps, "dtype": args.dtype,
-            "sizes": {name: vars(SIZES[name]) for name in args.sizes}}
+            "allocator": args.allocator, "sizes": {name: vars(SIZES[name]) for name in args.sizes}}
 
 
 def main(argv: Optional[List[str]] = None) -> dict:

@@ -12,6 +12,12 @@ from typing import Dict, Optional
 
 LEVELS = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 OURS = tuple(f"ours:{level}" for level in LEVELS)
+# The engine options the training job's two flags turn on, as rows of their own at ZeRO-3:
+# ``--grad-reduce-in-bf16`` (gradients reduced in bf16: MixedPrecision(grad_reduce_dtype=bf16),
+# half the reduce-scatter bytes) and ``--fsdp-double-buffer`` (fully_shard(double_buffer=True):
+# persistent gather buffers). ``ours:<level>+<option>``.
+OPTIONS = ("bf16_reduce", "double_buffer")
+OURS_OPTIONS = tuple(f"ours:optim_grads_params+{option}" for option in OPTIONS)
 
 # NVIDIA's standalone megatron-fsdp package (its own ``fully_shard``), at ZeRO-3 and ZeRO-2.
 NV_FSDP = ("nv_fsdp:optim_grads_params", "nv_fsdp:optim_grads")
@@ -21,20 +27,33 @@ NV_FSDP = ("nv_fsdp:optim_grads_params", "nv_fsdp:optim_grads")
 # yardstick for every system: the unwrapped model on every rank at once, the same
 # per-rank batch and optimizer, no collectives (the no-communication limit).
 SYSTEMS = {
-    "torch": ("unwrapped",) + OURS + ("fsdp2",) + NV_FSDP + ("floor",),
-    "mcore": OURS + ("mcore_ddp", "mcore_distopt", "mfsdp_v1"),
+    "torch": ("unwrapped",) + OURS + OURS_OPTIONS + ("fsdp2",) + NV_FSDP + ("floor",),
+    "mcore": OURS + OURS_OPTIONS + ("mcore_ddp", "mcore_distopt", "mfsdp_v1"),
 }
 PEERS = {"torch": ("fsdp2", "unwrapped"), "mcore": ("mcore_ddp", "mcore_distopt", "mfsdp_v1")}
 FLOOR = "floor"
 LABELS = {"unwrapped": "unwrapped", "floor": "floor (no comm)", "fsdp2": "FSDP2", "mcore_ddp": "MCore DDP",
           "mcore_distopt": "MCore DistOpt", "mfsdp_v1": "M-FSDP v1",
           "nv_fsdp:optim_grads_params": "megatron-fsdp ZeRO-3", "nv_fsdp:optim_grads": "megatron-fsdp ZeRO-2",
-          **{f"ours:{level}": f"ours {level}" for level in LEVELS}}
+          **{f"ours:{level}": f"ours {level}" for level in LEVELS},
+          **{system: "ours ZeRO-3+" + system.partition("+")[2].replace("_", " ").replace("buffer", "buf")
+              for system in OURS_OPTIONS}}
 
 # The level each peer corresponds to, for the byte and memory formulas.
 LEVEL_OF = {**{f"ours:{level}": level for level in LEVELS}, "mcore_ddp": "no_shard",
             "mcore_distopt": "optim", "mfsdp_v1": "optim_grads_params", "fsdp2": "optim_grads_params",
-            **{system: system.partition(":")[2] for system in NV_FSDP}}
+            **{system: system.partition(":")[2] for system in NV_FSDP},
+            **{system: system.partition(":")[2].partition("+")[0] for system in OURS_OPTIONS}}
+
+
+def option_of(system: str) -> str:
+    """The engine option of an ``ours:<level>+<option>`` row ("" for none)."""
+    return system.partition("+")[2]
+
+
+def reduce_bytes_of(system: str) -> int:
+    """Bytes per gradient element on the wire: 2 where the row reduces in bf16, else 4 (fp32)."""
+    return 2 if option_of(system) == "bf16_reduce" else 4
 
 
 def runs_at(system: str, ranks: int) -> bool:
@@ -91,13 +110,15 @@ def theory_bytes(system: str, params: int, root_params: int, world: int, compute
     return {"reduce_scatter": grads, "all_gather": compute_bytes * (2 * params - root_params)}
 
 
-def theory_persistent(system: str, params: int, world: int, compute_bytes: int) -> Optional[float]:
+def theory_persistent(system: str, params: int, world: int, compute_bytes: int,
+                      gather_buffer_params: int = 0) -> Optional[float]:
     """Persistent bytes per rank between steps, with Adam (two fp32 moments) and no padding.
 
     This project: the table of docs/engine.md between steps (the gradient accumulators are
     released by ``zero_grad()``; fp32 main weights only when compute is not fp32; under
     ZeRO-3 with bf16 compute no compute weights at all: each gather casts the main shard).
-    Megatron-Core's DDP and DistributedOptimizer keep their fp32 grad buffers at the
+    ``+double_buffer`` keeps its persistent gather buffers besides, ``gather_buffer_params``
+    elements in the compute dtype (``gather_buffer_elements``). Megatron-Core's DDP and DistributedOptimizer keep their fp32 grad buffers at the
     ``no_shard``/``optim`` levels, and Megatron-FSDP v1 at ``optim_grads_params``. FSDP2 and
     the unwrapped model free their gradients in ``zero_grad`` and keep fp32 parameters
     (sharded for FSDP2) and Adam state.
@@ -115,5 +136,15 @@ def theory_persistent(system: str, params: int, world: int, compute_bytes: int) 
     grads = 4 * psi / n if level in ("optim_grads", "optim_grads_params") else 4 * psi
     if system.startswith("ours:"):
         grads = 0.0  # released by zero_grad (set_to_none), allocated again by the next backward
+    if option_of(system) == "double_buffer" and n > 1:
+        compute += c * gather_buffer_params
     sharded = level != "no_shard"
     return compute + grads + (m * psi + 8 * psi) / (n if sharded else 1)
+
+
+def gather_buffer_elements(unit_params, depth: int = 1) -> int:
+    """Elements of ``double_buffer``'s persistent buffers for units of ``unit_params`` parameters,
+    the root first, then the layers in order (all at one nesting depth): the root one buffer of its
+    own, the layers ``max(2, depth + 1)`` buffers as large as the largest (gather_buffers.plan)."""
+    root, *layers = unit_params
+    return root + (max(2, depth + 1) * max(layers) if layers else 0)

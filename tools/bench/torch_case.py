@@ -11,6 +11,7 @@ reduction. ``run`` is a worker-pool case (``megatron/fsdp/testing/pool.py``).
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,8 @@ import torch.distributed as dist
 from examples.tiny_transformer import Block, TinyTransformer
 from tools.bench import measure as M
 from tools.bench import nv_fsdp
-from tools.bench.spec import BETAS, CLIP_GRAD, EPS, FLOOR, LR, NV_FSDP, SIZES, WEIGHT_DECAY
+from tools.bench.spec import (BETAS, CLIP_GRAD, EPS, FLOOR, LR, NV_FSDP, OPTIONS, SIZES, WEIGHT_DECAY,
+                             gather_buffer_elements, option_of)
 
 SEED = 1234
 
@@ -56,16 +58,24 @@ def _plain_step(model, optimizer, tokens, clip=torch.nn.utils.clip_grad_norm_) -
     return M.Built(step, optimizer=optimizer)
 
 
-def wrap_ours(model: torch.nn.Module, level: str, bf16: bool, state_dtype=None):
+def wrap_ours(model: torch.nn.Module, level: str, bf16: bool, state_dtype=None, option: str = ""):
     """This engine at ``level``: blocks are units; bf16 compute with fp32 main weights and reduction.
 
     ``state_dtype=torch.bfloat16``: AdamW's moments in bf16 (system ``ours:<level>:bf16-state``).
+    ``option`` (``spec.OPTIONS``, system ``ours:<level>+<option>``): ``bf16_reduce`` reduces the
+    gradients in bf16 (the job's ``--grad-reduce-in-bf16``), ``double_buffer`` gathers into
+    persistent buffers (the job's ``--fsdp-double-buffer``).
     """
     import megatron.fsdp as mfsdp
 
-    mp = mfsdp.MixedPrecision(param_dtype=torch.bfloat16, main_dtype=torch.float32,
-                              grad_reduce_dtype=torch.float32) if bf16 else None
-    wrapped = mfsdp.fully_shard(model, strategy=level, unit_modules=(Block,), mixed_precision=mp)
+    if option not in ("",) + OPTIONS:
+        raise ValueError(f"unknown engine option {option!r}; known: {', '.join(OPTIONS)}")
+    if option == "bf16_reduce" and not bf16:
+        raise ValueError("bf16_reduce (--grad-reduce-in-bf16) needs bf16 compute, as the training job requires")
+    mp = mfsdp.MixedPrecision(param_dtype=torch.bfloat16, main_dtype=torch.float32, grad_reduce_dtype=(
+        torch.bfloat16 if option == "bf16_reduce" else torch.float32)) if bf16 else None
+    wrapped = mfsdp.fully_shard(model, strategy=level, unit_modules=(Block,), mixed_precision=mp,
+                                double_buffer=option == "double_buffer")
     optimizer = mfsdp.FullyShardedOptimizer(wrapped, torch.optim.AdamW, lr=LR, betas=BETAS, eps=EPS,
                                             weight_decay=WEIGHT_DECAY, clip_grad=CLIP_GRAD, state_dtype=state_dtype)
     return wrapped, optimizer
@@ -106,7 +116,21 @@ def adamw(groups):
     return torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, foreach=True)
 
 
-def build_system(system: str, model: torch.nn.Module, tokens: torch.Tensor, bf16: bool) -> M.Built:
+def _trim_after_block_backward(model: torch.nn.Module) -> None:
+    """The job's trim (``allocator.trim_after_unit_backward``) for a system without the engine's
+    post-backward hook (FSDP2, the floor): after each block's backward, through a module hook."""
+    from megatron.training.allocator import trim_after_unit_backward
+
+    hook = trim_after_unit_backward()
+    for block in model.blocks:
+        block.register_full_backward_hook(lambda _m, _gi, _go: hook(""))
+
+
+def build_system(system: str, model: torch.nn.Module, tokens: torch.Tensor, bf16: bool,
+                 trim: bool = False) -> M.Built:
+    """``trim``: the job's allocator policy after each unit's (block's) backward, on any system."""
+    if trim and not system.startswith("ours:"):
+        _trim_after_block_backward(model)
     if system == "unwrapped":
         if bf16:
             raise ValueError("the unwrapped model has no mixed-precision policy: it runs in fp32 only")
@@ -129,10 +153,14 @@ def build_system(system: str, model: torch.nn.Module, tokens: torch.Tensor, bf16
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return _plain_step(model, adamw(param_groups(model.named_parameters())), tokens)
     if system.startswith("ours:"):
-        level, _, variant = system.partition(":")[2].partition(":")
+        level, _, variant = system.partition(":")[2].partition("+")[0].partition(":")
         if variant not in ("", "bf16-state"):
             raise ValueError(f"unknown variant {variant!r} of {system!r}; known: bf16-state")
-        wrapped, optimizer = wrap_ours(model, level, bf16, torch.bfloat16 if variant == "bf16-state" else None)
+        wrapped, optimizer = wrap_ours(model, level, bf16, torch.bfloat16 if variant == "bf16-state" else None,
+                                       option_of(system))
+        if trim:
+            from megatron.training.allocator import trim_after_unit_backward
+            wrapped.register_post_backward_hook(trim_after_unit_backward())
 
         def step():
             wrapped(tokens).backward()
@@ -144,18 +172,21 @@ def build_system(system: str, model: torch.nn.Module, tokens: torch.Tensor, bf16
 
 
 def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, threads: int,
-        upcast_bf16: bool = False, job_allocator: bool = False) -> dict:
+        upcast_bf16: bool = False, job_allocator: bool = False, trim: Optional[bool] = None) -> dict:
     """Build ``system`` on ``size_name``, train ``warmup + steps`` steps, return this rank's figures.
 
     ``upcast_bf16``: bf16 linears and attention through fp32 kernels (``bf16_support``), for
     CPUs that emulate bf16 matrix products; it stays installed in the worker process.
-    ``job_allocator``: glibc's mmap threshold fixed as the training job fixes it
-    (``megatron.training.allocator``), whatever the system; process-wide, it stays set too.
+    ``job_allocator``: the training job's allocator setting (``megatron.training.allocator``),
+    whatever the system: glibc's mmap threshold fixed (process-wide, it stays set) and, unless
+    ``trim`` is False, the heap trimmed after each unit's backward (``trim`` None: as
+    ``job_allocator``).
     """
     M.prepare_worker(threads)
-    if job_allocator:
-        from megatron.training.allocator import fix_mmap_threshold
-        fix_mmap_threshold()
+    trim = job_allocator if trim is None else trim
+    if job_allocator:  # the job's whole setting with the trim; its threshold alone without
+        from megatron.training.allocator import apply_job_setting, fix_mmap_threshold
+        (apply_job_setting if trim else fix_mmap_threshold)()
     if upcast_bf16:
         from tools.bench.bf16_support import upcast_bf16_kernels
         upcast_bf16_kernels()
@@ -166,10 +197,12 @@ def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, t
     base_tensors, base_rss = M.baselines()
     model = build_model(size_name)
     params, root = sum(p.numel() for p in model.parameters()), root_params(model)
+    units = [root] + [sum(p.numel() for p in block.parameters()) for block in model.blocks]
     with nv_fsdp.cpu_peer() if system in NV_FSDP else contextlib.nullcontext():
-        built = build_system(system, model, tokens, bf16)
+        built = build_system(system, model, tokens, bf16, trim=trim)
         result = M.measure(built, warmup, steps, base_tensors, base_rss)
         del built, model
     M.trim_heap()
-    result.update(params=params, root_params=root, tokens_per_step=shape.rows * shape.seq * dist.get_world_size())
+    result.update(params=params, root_params=root, tokens_per_step=shape.rows * shape.seq * dist.get_world_size(),
+                  gather_buffer_params=gather_buffer_elements(units))
     return result

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -122,6 +122,10 @@ class Schedule:
         # Multi-stage collectives with stages not yet issued, in issue order: (kind, unit, handle).
         self._staged: List[Tuple[str, str, StagedHandle]] = []
         self._callback_queued = False
+        # Called with a unit's name once that unit's backward is done (its gradient reduction
+        # issued, its weights released): a place for a caller's per-unit policy, such as the job
+        # handing freed activation memory back to the OS (megatron/training/allocator.py).
+        self.post_backward_hooks: Dict[int, Callable[[str], None]] = collections.OrderedDict()  # weak-referable
 
     # ---------------------------------------------------------------- forward
     def root_pre_forward(self) -> None:
@@ -296,6 +300,8 @@ class Schedule:
         storage.end_grads()
         profiling.mark("backward", "end", unit.name)
         unit.release()
+        for hook in tuple(self.post_backward_hooks.values()):
+            hook(unit.name)
 
     def _reduce_step(self, unit: FSDPUnit) -> None:
         with profiling.span("reduce", unit.name):

@@ -51,6 +51,28 @@ def gather_schedule(ctx, micro_batches: int, recompute: bool, steps: int = 2):
     }
 
 
+def post_backward_hooks(ctx, micro_batches: int = 2):
+    """ZeRO-3: what a ``register_post_backward_hook`` hook sees at each call (the unit, whether its
+    weights are released and its reduction issued), one step with the hook, one after ``remove()``."""
+    cfg = RunConfig(strategy="optim_grads_params", micro_batches=micro_batches, steps=2)
+    fsdp, opt = wrap(ctx, cfg)
+    fsdp.ledger.trace = True
+    by_name = {u.name: u for u in fsdp.units}
+    calls = []
+
+    def hook(name):
+        reduced = sum(1 for e in fsdp.ledger.events if e.kind in GRAD_KINDS and e.tag == name)
+        calls.append((name, by_name[name].storage.resident, reduced))
+    handle = fsdp.register_post_backward_hook(hook)
+    first, second = make_batches(cfg.steps, cfg.micro_batches, GLOBAL_MICRO_BATCH)
+    train_step(ctx, fsdp, opt, first, cfg)
+    with_hook = list(calls)
+    handle.remove()
+    train_step(ctx, fsdp, opt, second, cfg)
+    return {"calls": with_hook, "after_remove": len(calls) - len(with_hook),
+            "units": [u.name for u in fsdp.units if u.num_trainable]}
+
+
 def max_resident_units(ctx, steps: int = 2):
     """Largest number of units holding full ZeRO-3 weights at any forward or backward hook."""
     cfg = RunConfig(strategy="optim_grads_params", micro_batches=1, steps=steps)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch.utils._pytree import tree_map
+from torch.utils.hooks import RemovableHandle
 
 from ..checkpoint.state_dict import load_model_state_dict, model_state_dict
 from ..collectives.comm import Ledger, collective
@@ -133,6 +134,19 @@ class FullyShardedModule(torch.nn.Module):
     def root_unit(self) -> Optional[FSDPUnit]:
         """The unit of the parameters outside every unit module (None when there are none)."""
         return self._runtime.root
+
+    def register_post_backward_hook(self, hook: Callable[[str], None]) -> RemovableHandle:
+        """Call ``hook(unit_name)`` after each unit's backward, once its reduction is issued and its
+        weights released; returns a handle whose ``remove()`` unregisters it.
+
+        Why: a per-unit point in the backward for the caller's own policy, which the engine
+        leaves alone: the training job returns the heap's freed activation pages to the OS
+        there (``megatron/training/allocator.py``), since a process-wide allocator setting is
+        the job's decision, not the engine's.
+        """
+        handle = RemovableHandle(self._runtime.post_backward_hooks)
+        self._runtime.post_backward_hooks[handle.id] = hook
+        return handle
 
     def wait_weights(self) -> None:
         """Wait for every gather in flight (the install after a step, prefetches)."""
