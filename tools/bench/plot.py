@@ -9,6 +9,8 @@ has no point there and says so in the legend. A pure function of the table's row
 
 from __future__ import annotations
 
+import textwrap
+
 from typing import List, Optional
 
 from tools.bench.spec import LABELS, SYSTEMS
@@ -53,7 +55,7 @@ def plot(rows: List[dict], path: str, title: str = "") -> Optional[str]:
             ax.set_title(f"{workload}, {ranks} rank{'s' if ranks > 1 else ''}: {what}", fontsize=10)
         ax_time.legend(fontsize=7, ncol=2)
     if title:
-        fig.suptitle(title, fontsize=9)
+        fig.suptitle("\n".join(textwrap.wrap(title, 160)), fontsize=9)  # a long command wraps, not cut
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
