@@ -105,11 +105,17 @@ def test_meta_device_build_equals_eager(what, argv):
         assert diffs == [], (what, rank, diffs)
 
 
+@pytest.fixture(scope="module")
+def dp4_ddp():
+    """Megatron-Core DDP at DP 4 (EP 1): one baseline for every level below."""
+    return _run(4, dispatcher("alltoall", 1))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("level", LEVELS if full_matrix() else LEVELS[:3])
-def test_dp4_levels_match_megatron_ddp(level):
+def test_dp4_levels_match_megatron_ddp(level, dp4_ddp):
     """DP 4 (EP 1) at each level; ZeRO-3 at DP 4 runs above (dense section of the EP 2 case)."""
-    baseline = _run(4, dispatcher("alltoall", 1))
+    baseline = dp4_ddp
     runs = _run(4, dispatcher("alltoall", 1) + fsdp(level))
     _close(runs[0], baseline[0])
     _same_bias_everywhere(runs, baseline)
