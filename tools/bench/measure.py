@@ -25,7 +25,6 @@ a difference in the table comes from the systems, not from the instruments:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import gc
 import inspect
@@ -196,12 +195,11 @@ def spawn_env(name: str, value: str):
 
 
 def trim_heap() -> None:
-    """Collect garbage and hand freed heap pages back to the OS (glibc ``malloc_trim``)."""
+    """Collect garbage and hand freed heap pages back to the OS (the job's ``allocator.trim_heap``)."""
+    from megatron.training.allocator import trim_heap as hand_back
+
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    hand_back()
 
 
 def rss_bytes() -> Optional[int]:
