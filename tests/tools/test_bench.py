@@ -140,3 +140,38 @@ def test_bf16_support_prints_its_verdict(capsys):
     assert bf16_support.main() == 0
     printed = capsys.readouterr().out
     assert printed.startswith(f"bf16: {'native' if native else 'emulated'} ({reason})"), printed
+
+
+def test_zero3_memory_bound_adds_the_floors_activations_to_the_sharded_state():
+    """memory_phases' lower bound: persistent theory + what the floor adds up to its first backward mark
+    (its activations and loss, not its optimizer step) + the gathered root and largest block in bf16."""
+    from tools.bench.memory_phases import MIB, activation_peak, format_bound, zero3_bound
+    from tools.bench.spec import theory_persistent
+
+    rows = [("start", 900 * MIB, 900 * MIB), ("fwd> 0", 950 * MIB, 940 * MIB), ("fwd< 0", 1000 * MIB, 990 * MIB),
+            ("bwd> 0", 1030 * MIB, 1000 * MIB), ("bwd< 0", 1010 * MIB, 960 * MIB),
+            ("optimizer step", 1500 * MIB, 1200 * MIB)]
+    assert activation_peak(rows) == 130 * MIB
+    sizes = {"params": 10 * 2 ** 20, "root_params": 2 ** 20, "largest_unit": 2 * 2 ** 20}
+    bound = zero3_bound(rows, sizes, world=4)
+    assert bound["persistent"] == theory_persistent("ours:optim_grads_params", sizes["params"], 4, 2) == 30 * MIB
+    assert bound["gathered"] == 6 * MIB
+    assert bound["bound"] == 166 * MIB
+    text = format_bound(bound, {"floor": 1500 * MIB, "fsdp2": 200 * MIB, "ours:optim_grads_params": 170 * MIB})
+    assert "= 166.0 MiB" in text and "ours:optim_grads_params: peak 170.0 MiB, 1.024x the bound" in text
+    assert "0.92x FSDP2 = 184.0 MiB: 1.108x the bound" in text and "floor: peak" not in text
+
+
+def test_memory_verdict_judges_the_jobs_allocator_and_glibcs_defaults_apart():
+    from tools.bench.memory import verdict
+
+    def row(ranks, arena, system, ratio):
+        return {"ranks": ranks, "arena": arena, "system": system, "peak_x_fsdp2": ratio}
+    table = [row(2, "default", "fsdp2", None), row(2, "default", "ours:optim_grads_params", 0.93),
+             row(2, "glibc", "ours:optim_grads_params", 0.89), row(4, "glibc", "ours:optim_grads_params", 0.82),
+             row(2, "1", "ours:optim_grads_params", 0.5)]
+    lines = verdict(table).splitlines()
+    assert lines == ["[fail] ZeRO-3 (bf16 compute, fp32 state) peak <= 0.92x FSDP2, allocator default: N=2: 0.930x",
+                     "[pass] ZeRO-3 (bf16 compute, fp32 state) peak <= 0.92x FSDP2, allocator glibc: "
+                     "N=2: 0.890x, N=4: 0.820x"]
+    assert verdict([row(2, "1", "ours:optim_grads_params", 0.5)]).startswith("[not measured]")

@@ -10,6 +10,11 @@ a difference in the table comes from the systems, not from the instruments:
   (after ``zero_grad``), found by walking the garbage collector's tensors (and their
   ``.grad``), minus those alive before the model was built. It does not depend on the
   allocator or on what a system says about itself.
+- **CPU time**: user and system seconds of the whole process (every thread: compute,
+  the engine's ring workers, gloo's I/O threads) during each step, from ``getrusage``. With
+  more ranks than cores, or a core per rank, a step cannot take less wall time than the
+  CPU it needs, so this says where a system's distance from the floor goes: kernel time
+  (``sys``) is mostly the loopback sockets gloo moves every byte through.
 - **Peak memory**: the process's resident-set high-water mark (``VmHWM``, reset through
   ``/proc/self/clear_refs`` after warm-up) during the measured steps, minus the resident
   set before the model was built. It includes everything a step touches: activations,
@@ -30,6 +35,7 @@ import gc
 import inspect
 import logging
 import os
+import resource
 import sys
 import threading
 import time
@@ -333,17 +339,25 @@ def measure(built: Built, warmup: int, steps: int, baseline_tensors: int, baseli
     trim_heap()
     peak_ok = reset_peak_rss()
     times: List[float] = []
+    cpu_user: List[float] = []
+    cpu_sys: List[float] = []
     with COUNTER.counting():
         for _ in range(steps):
             dist.barrier()
+            before = resource.getrusage(resource.RUSAGE_SELF)
             start = time.perf_counter()
             built.step()
             times.append(time.perf_counter() - start)
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            cpu_user.append(after.ru_utime - before.ru_utime)
+            cpu_sys.append(after.ru_stime - before.ru_stime)
         calls = {k: dict(v) for k, v in COUNTER.calls.items()}
         counted = {k: dict(v) for k, v in COUNTER.bytes.items()}
     peak = peak_rss_bytes() if peak_ok else None
     out = {
         "times": times,
+        "cpu_user": cpu_user,
+        "cpu_sys": cpu_sys,
         "persistent_bytes": persistent,
         "own_persistent_bytes": own,
         "persistent_breakdown": breakdown,

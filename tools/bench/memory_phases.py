@@ -33,6 +33,8 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
+from tools.bench.spec import FLOOR  # noqa: E402
+
 MIB = 2 ** 20
 
 
@@ -98,6 +100,8 @@ def case(ctx, system: str, size_name: str, warmup: int, threads: int, upcast_bf1
     tokens = torch.randint(0, shape.vocab, (shape.rows, shape.seq + 1), generator=gen)
     _, base_rss = M.baselines()
     model = T.build_model(size_name)
+    sizes = {"params": sum(p.numel() for p in model.parameters()), "root_params": T.root_params(model),
+             "largest_unit": max(sum(p.numel() for p in block.parameters()) for block in model.blocks)}
     built = T.build_system(system, model, tokens, bf16=True, trim=trim)
     for _ in range(warmup):
         built.step()
@@ -125,7 +129,7 @@ def case(ctx, system: str, size_name: str, warmup: int, threads: int, upcast_bf1
     optimizer.step, optimizer.zero_grad = step_fn, zero_fn
     del built, model
     M.trim_heap()
-    return {"rows": phases.rows}
+    return {"rows": phases.rows, **sizes}
 
 
 def merge(per_rank: List[dict]) -> List[tuple]:
@@ -134,6 +138,50 @@ def merge(per_rank: List[dict]) -> List[tuple]:
     for marks in zip(*(r["rows"] for r in per_rank)):
         rows.append((marks[0][0], max(m[1] for m in marks), max(m[2] for m in marks)))
     return rows
+
+
+def activation_peak(rows: List[tuple]) -> int:
+    """Bytes a step adds above its start until the backward reaches the last block: the forward's
+    activations, the loss and the head's backward (the first ``bwd>`` mark), whatever the system."""
+    start = next(row[2] for row in rows if row[0] == "start")
+    first_backward = next(i for i, row in enumerate(rows) if row[0].startswith("bwd>"))
+    return max(row[1] for row in rows[:first_backward + 1]) - start
+
+
+def zero3_bound(floor_rows: List[tuple], sizes: dict, world: int) -> Dict[str, float]:
+    """The least any ZeRO-3 must hold at the start of this model's backward, in bytes.
+
+    Its persistent state (``spec.theory_persistent``: 12 bytes per parameter over the ranks,
+    bf16 compute, fp32 main weights and Adam), what the model itself adds to reach the start
+    of the backward (measured on the floor, the unwrapped model with no communication: its
+    activations, the loss and the head's backward), and the weights the backward starts
+    with gathered in bf16: the root unit (embeddings and tied head, gathered from the
+    forward through the backward in FSDP2 and here) and the last block. Prefetching, staging
+    and allocator slack come on top. A peak target below this bound cannot be met by the
+    sharding; only a smaller model footprint (activation recomputation, a chunked loss) or
+    smaller state (``state_dtype=torch.bfloat16``) gets under it.
+    """
+    from tools.bench.spec import theory_persistent
+
+    persistent = theory_persistent("ours:optim_grads_params", sizes["params"], world, 2)
+    model = activation_peak(floor_rows)
+    gathered = 2.0 * (sizes["root_params"] + sizes["largest_unit"])
+    return {"persistent": persistent, "model": float(model), "gathered": gathered,
+            "bound": persistent + model + gathered}
+
+
+def format_bound(bound: Dict[str, float], peaks: Dict[str, float]) -> str:
+    lines = [f"ZeRO-3 lower bound at the start of the backward: persistent {bound['persistent'] / MIB:.1f} + "
+             f"the model's activations and loss (floor) {bound['model'] / MIB:.1f} + gathered root and last block "
+             f"{bound['gathered'] / MIB:.1f} = {bound['bound'] / MIB:.1f} MiB"]
+    fsdp2 = peaks.get("fsdp2")
+    for name, peak in peaks.items():
+        if name != FLOOR:
+            lines.append(f"  {name}: peak {peak / MIB:.1f} MiB, {peak / bound['bound']:.3f}x the bound")
+    if fsdp2:
+        target = 0.92 * fsdp2
+        lines.append(f"  0.92x FSDP2 = {target / MIB:.1f} MiB: {target / bound['bound']:.3f}x the bound")
+    return "\n".join(lines)
 
 
 def format_profile(profiles: Dict[str, List[tuple]]) -> str:
@@ -188,6 +236,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
             per_rank = pool.run(target, timeout=3600.0, system=system, size_name=args.size, warmup=args.warmup,
                                 threads=threads, job_allocator=job, trim=trim, upcast_bf16=upcast)
             profiles[system] = merge(per_rank)
+            sizes = {k: per_rank[0][k] for k in ("params", "root_params", "largest_unit")}
             if args.out:
                 with open(args.out, "w") as f:
                     json.dump(profiles, f)
@@ -199,6 +248,9 @@ def main(argv: Optional[List[str]] = None) -> Dict:
           f"{'fp32 (--upcast-bf16)' if upcast else 'native'}, MiB above the resident set before the model was built "
           f"(hwm: peak since the previous boundary; rss: at the boundary)")
     print(format_profile(profiles))
+    if FLOOR in profiles:
+        bound = zero3_bound(profiles[FLOOR], sizes, args.ranks)
+        print(format_bound(bound, {n: max(r[1] for r in rows) for n, rows in profiles.items()}))
     return profiles
 
 

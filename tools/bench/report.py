@@ -58,6 +58,7 @@ def aggregate(runs: List[dict]) -> List[dict]:
         sample = ok[-1]["per_rank"][0]  # figures that do not vary between rounds: the last round, rank 0
         steps = [max(ts) for r in ok for ts in zip(*(p["times"] for p in r["per_rank"]))]
         median = statistics.median(steps)
+        cpu_total, cpu_sys = _cpu_per_step(ok)
         compute_bytes = 2 if row["dtype"] == "bf16" else 4
         params, root = sample["params"], sample["root_params"]
         ours = system in OURS + OURS_OPTIONS
@@ -72,6 +73,7 @@ def aggregate(runs: List[dict]) -> List[dict]:
             step_s={"median": median, "p25": _quantile(steps, 0.25), "p75": _quantile(steps, 0.75),
                     "n": len(steps)},
             tokens_per_s=sample["tokens_per_step"] / median,
+            cpu_s=cpu_total, cpu_sys_s=cpu_sys,
             persistent_bytes=statistics.median(max(p["persistent_bytes"] for p in r["per_rank"]) for r in ok),
             persistent_theory=theory_persistent(system, params, ranks, compute_bytes,
                                                 sample.get("gather_buffer_params", 0)),
@@ -98,6 +100,20 @@ def aggregate(runs: List[dict]) -> List[dict]:
         row["of_floor"] = (floor["step_s"]["median"] / row["step_s"]["median"]
                            if floor is not None and "step_s" in floor and "step_s" in row else None)
     return rows
+
+
+def _cpu_per_step(ok: List[dict]):
+    """(user + system, system) CPU seconds per step of the busiest rank, medians over every timed step;
+    (None, None) for runs saved before the benchmark measured CPU time."""
+    total, kernel = [], []
+    for r in ok:
+        ranks = r["per_rank"]
+        if any("cpu_user" not in p for p in ranks):
+            return None, None
+        for step in range(len(ranks[0]["cpu_user"])):
+            total.append(max(p["cpu_user"][step] + p["cpu_sys"][step] for p in ranks))
+            kernel.append(max(p["cpu_sys"][step] for p in ranks))
+    return (statistics.median(total), statistics.median(kernel)) if total else (None, None)
 
 
 def _max_or_none(xs):
@@ -128,7 +144,8 @@ SHORT = {"fsdp2": "FSDP2", "unwrapped": "unwrapped", "mcore_ddp": "DDP", "mcore_
 
 def header(workload: str) -> str:
     peers = "".join(f" {'x ' + SHORT[p]:>11}" for p in PEERS[workload])
-    return (f"{'workload':<8} {'size':<11} {'N':>2} {'system':<24} | {'step ms':>8} {'spread':>7} | {'tok/s':>8} |"
+    return (f"{'workload':<8} {'size':<11} {'N':>2} {'system':<24} | {'step ms':>8} {'spread':>7} | "
+            f"{'cpu ms':>7} {'sys':>5} | {'tok/s':>8} |"
             f"{peers} {'of floor':>8} | {'persist MiB':>11} {'vs th':>7} | {'peak MiB':>8} | {'AG MB':>7} {'RS MB':>7} "
             f"{'AR MB':>7} {'vs th':>7} | {'wire MB':>7}")
 
@@ -148,7 +165,10 @@ def format_row(row: dict) -> str:
     kinds = _per_kind(row["bytes"])
     total, theory = sum(kinds.values()), sum(row["bytes_theory"].values())
     mb = lambda kind: f"{kinds.get(kind, 0) / 1e6:>7.2f}"  # noqa: E731
-    text = (head + f"{step['median'] * 1e3:>8.1f} {f'±{spread(row):.0%}':>7} | {row['tokens_per_s']:>8.0f} |{ratios} | "
+    cpu = "-" if row.get("cpu_s") is None else f"{row['cpu_s'] * 1e3:.1f}"
+    kernel = "-" if row.get("cpu_sys_s") is None else f"{row['cpu_sys_s'] * 1e3:.0f}"
+    text = (head + f"{step['median'] * 1e3:>8.1f} {f'±{spread(row):.0%}':>7} | {cpu:>7} {kernel:>5} | "
+            f"{row['tokens_per_s']:>8.0f} |{ratios} | "
             f"{_mib(row['persistent_bytes']):>11} "
             f"{_pct(_rel(row['persistent_bytes'], row['persistent_theory'])):>7} | {_mib(row['peak_bytes']):>8} | "
             f"{mb('all_gather')} {mb('reduce_scatter')} {mb('all_reduce')} "
