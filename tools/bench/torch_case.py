@@ -11,7 +11,7 @@ reduction. ``run`` is a worker-pool case (``megatron/fsdp/testing/pool.py``).
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,11 @@ def root_params(model: torch.nn.Module) -> int:
     """Parameters outside the blocks (embeddings, final norm): the root unit."""
     in_blocks = {id(p) for b in model.blocks for p in b.parameters()}
     return sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)
+
+
+def unit_params(model: torch.nn.Module) -> List[int]:
+    """Parameters per unit as ours and FSDP2 wrap the model: the root first, then each block."""
+    return [root_params(model)] + [sum(p.numel() for p in block.parameters()) for block in model.blocks]
 
 
 def param_groups(named):
@@ -196,8 +201,8 @@ def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, t
     tokens = torch.randint(0, shape.vocab, (shape.rows, shape.seq + 1), generator=gen)
     base_tensors, base_rss = M.baselines()
     model = build_model(size_name)
-    params, root = sum(p.numel() for p in model.parameters()), root_params(model)
-    units = [root] + [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+    params, units = sum(p.numel() for p in model.parameters()), unit_params(model)
+    root = units[0]
     with nv_fsdp.cpu_peer() if system in NV_FSDP else contextlib.nullcontext():
         built = build_system(system, model, tokens, bf16, trim=trim)
         result = M.measure(built, warmup, steps, base_tensors, base_rss)
