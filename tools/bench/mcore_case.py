@@ -7,7 +7,9 @@ DistributedOptimizer are wrapped by ``megatron.training.model.wrap_and_optimize`
 code ``pretrain_gpt.py`` runs, so the benchmark measures what users get; for bf16
 Megatron's wrappers get ``Float16Module`` first, as Megatron-LM's ``get_model`` does
 (the adapter casts by itself). Megatron-FSDP v1 (``megatron.core.distributed.fsdp``)
-is wrapped as Megatron-LM does under ``--use-megatron-fsdp``.
+is wrapped as Megatron-LM does under ``--use-megatron-fsdp``. The floor is the same
+``GPTModel`` unwrapped (``Float16Module`` for bf16) with the torch workload's
+``FloorOptimizer``: Megatron's schedule with no gradient hooks and no collectives.
 
 Every system runs under Megatron-Core's CPU mode (``megatron.fsdp.mcore.cpu_mode``): its
 CUDA-to-CPU redirection costs every system the same per torch call. ``run`` is a
@@ -20,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from tools.bench import measure as M
-from tools.bench.spec import (BETAS, CLIP_GRAD, EPS, LEVEL_OF, LR, SIZES, WEIGHT_DECAY, gather_buffer_elements,
+from tools.bench.spec import (BETAS, CLIP_GRAD, EPS, FLOOR, LEVEL_OF, LR, SIZES, WEIGHT_DECAY, gather_buffer_elements,
                              option_of)
 
 
@@ -78,10 +80,33 @@ def _megatron_fsdp_v1(config, chunks, args):
     return model, optimizer, wire
 
 
+class _FloorStep:
+    """The floor's optimizer in the interface the step below calls (``step() -> (ok, norm, zeros)``)."""
+
+    def __init__(self, chunks, bf16: bool):
+        from tools.bench.torch_case import FloorOptimizer
+
+        self.floor = FloorOptimizer([(n, p) for chunk in chunks for n, p in chunk.named_parameters()], bf16)
+
+    def step(self):
+        return True, float(self.floor.step()), 0
+
+    def zero_grad(self):
+        """Done by ``step`` (as the torch workload's floor does)."""
+
+
+def _floor(config, chunks, bf16: bool):
+    """The unwrapped GPTModel on every rank: no DDP, no gradient hooks, no finalize (nothing exchanged)."""
+    optimizer = _FloorStep(chunks, bf16)  # before Float16Module casts the parameters in place
+    return (_float16(config, chunks) if bf16 else chunks), optimizer, lambda: None
+
+
 def _wrap(system: str, config, chunks, bf16: bool):
     """(model chunks, optimizer, wire) as ``wrap_and_optimize`` returns them, for every mcore system."""
     from megatron.training.model import wrap_and_optimize
 
+    if system == FLOOR:
+        return _floor(config, chunks, bf16)
     args = _args(system, bf16)
     if not system.startswith("ours:"):
         if system not in ("mcore_ddp", "mcore_distopt", "mfsdp_v1"):
@@ -170,7 +195,8 @@ def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, t
             # by design (Megatron-Core's grad buffers stay allocated, zeroed; this project's are released),
             # which is what the persistent-memory theory counts.
             for chunk in model:
-                chunk.zero_grad_buffer()
+                if system != FLOOR:  # the floor's chunks have no gradient buffer (its step cleared the grads)
+                    chunk.zero_grad_buffer()
             optimizer.zero_grad()
 
         ledgers, own = _engine_figures(model, optimizer)

@@ -28,7 +28,7 @@ NV_FSDP = ("nv_fsdp:optim_grads_params", "nv_fsdp:optim_grads")
 # per-rank batch and optimizer, no collectives (the no-communication limit).
 SYSTEMS = {
     "torch": ("unwrapped",) + OURS + OURS_OPTIONS + ("fsdp2",) + NV_FSDP + ("floor",),
-    "mcore": OURS + OURS_OPTIONS + ("mcore_ddp", "mcore_distopt", "mfsdp_v1"),
+    "mcore": OURS + OURS_OPTIONS + ("mcore_ddp", "mcore_distopt", "mfsdp_v1", "floor"),
 }
 PEERS = {"torch": ("fsdp2", "unwrapped"), "mcore": ("mcore_ddp", "mcore_distopt", "mfsdp_v1")}
 FLOOR = "floor"

@@ -86,35 +86,55 @@ def wrap_ours(model: torch.nn.Module, level: str, bf16: bool, state_dtype=None, 
     return wrapped, optimizer
 
 
+class FloorOptimizer:
+    """The no-communication limit's optimizer: Megatron's mixed-precision recipe without its collectives.
+
+    bf16 is ``Float16Module`` + ``Float16OptimizerWithFloat16Params``: the model itself computes
+    in bf16 and fp32 main weights receive its gradients, are clipped and stepped, and are copied
+    back. Build it on the fp32 model, then cast the model to bf16 in place (``model.to`` or
+    ``Float16Module``, which keep the parameter objects): the main weights are cloned here,
+    before the cast. fp32: AdamW on the model's own parameters. Both workloads' floors use it.
+    """
+
+    def __init__(self, named_params, bf16: bool):
+        named = list(named_params)
+        self._params = [p for _, p in named]
+        self._mains = [torch.nn.Parameter(p.detach().clone()) for p in self._params] if bf16 else self._params
+        self.optimizer = adamw(param_groups([(n, m) for (n, _), m in zip(named, self._mains)]))
+
+    def step(self) -> torch.Tensor:
+        """Gradients to the main weights, clip, AdamW, clear every gradient, copy back; the norm before clipping."""
+        bf16 = self._mains is not self._params
+        if bf16:
+            for m, p in zip(self._mains, self._params):
+                m.grad = p.grad.float()
+        norm = torch.nn.utils.clip_grad_norm_(self._mains, CLIP_GRAD)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if bf16:
+            with torch.no_grad():
+                for m, p in zip(self._mains, self._params):
+                    p.grad = None
+                    p.copy_(m)
+        return norm
+
+
 def _floor_step(model, tokens, bf16: bool) -> M.Built:
     """The no-communication limit: every rank its own unwrapped model, nothing exchanged.
 
-    bf16 is Megatron's mixed-precision recipe without its collectives (``Float16Module`` +
-    ``Float16OptimizerWithFloat16Params``): the model itself in bf16, so every op runs in the
-    dtype the sharded systems compute in, and fp32 main weights that receive the gradients,
-    are clipped and stepped, and are copied back. (CPU autocast with fp32 weights, the first
-    floor, ran norms, softmax and the loss in fp32 and cast every weight per use: 10-20%
-    slower than the same model in bf16, a floor the systems could beat.)
+    bf16: the model itself in bf16 (``FloorOptimizer``), so every op runs in the dtype the
+    sharded systems compute in. (CPU autocast with fp32 weights, the first floor, ran norms,
+    softmax and the loss in fp32 and cast every weight per use: 10-20% slower than the same
+    model in bf16, a floor the systems could beat.)
     """
-    if not bf16:
-        return _plain_step(model, adamw(param_groups(model.named_parameters())), tokens)
-    main = [(name, torch.nn.Parameter(p.detach().clone())) for name, p in model.named_parameters()]
-    model.to(torch.bfloat16)
-    pairs = [(m, p) for (_, m), p in zip(main, model.parameters())]
-    optimizer = adamw(param_groups(main))
+    optimizer = FloorOptimizer(model.named_parameters(), bf16)
+    if bf16:
+        model.to(torch.bfloat16)
 
     def step():
         model(tokens).backward()
-        for m, p in pairs:
-            m.grad = p.grad.float()
-        torch.nn.utils.clip_grad_norm_([m for m, _ in pairs], CLIP_GRAD)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        model.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for m, p in pairs:
-                p.copy_(m)
-    return M.Built(step, optimizer=optimizer)
+    return M.Built(step, optimizer=optimizer.optimizer)
 
 
 def adamw(groups):
