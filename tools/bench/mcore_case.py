@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 from tools.bench import measure as M
-from tools.bench.spec import (BETAS, CLIP_GRAD, EPS, FLOOR, LEVEL_OF, LR, SIZES, WEIGHT_DECAY, gather_buffer_elements,
-                             option_of)
+from tools.bench.spec import (BETAS, CLIP_GRAD, EPS, FLOOR, LEVEL_OF, LR, SIZES, WEIGHT_DECAY,
+                             gather_buffer_elements, option_of)
 
 
 def _config(size_name: str, bf16: bool):
@@ -183,6 +183,9 @@ def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, t
         for chunk in model:
             chunk.train()
 
+        # the floor's chunks have no gradient buffer (its step clears the grads)
+        grad_buffers = [] if system == FLOOR else [chunk.zero_grad_buffer for chunk in model]
+
         def step():
             forward_backward(forward_step_func=forward_step, data_iterator=iter([batch]), model=model[0],
                              num_microbatches=1, seq_length=s.seq, micro_batch_size=s.rows,
@@ -194,14 +197,13 @@ def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, t
             # loop clears at the next iteration's start): between steps each system holds what it keeps
             # by design (Megatron-Core's grad buffers stay allocated, zeroed; this project's are released),
             # which is what the persistent-memory theory counts.
-            for chunk in model:
-                if system != FLOOR:  # the floor's chunks have no gradient buffer (its step cleared the grads)
-                    chunk.zero_grad_buffer()
+            for zero_grad_buffer in grad_buffers:
+                zero_grad_buffer()
             optimizer.zero_grad()
 
         ledgers, own = _engine_figures(model, optimizer)
         result = M.measure(M.Built(step, ledgers=ledgers, own_report=own), warmup, steps, base_tensors, base_rss)
-        del step, model, optimizer, chunks, wire
+        del step, grad_buffers, model, optimizer, chunks, wire
     M.trim_heap()
     result.update(params=params, root_params=units[0], tokens_per_step=s.rows * s.seq * dist.get_world_size(),
                   gather_buffer_params=gather_buffer_elements(units))

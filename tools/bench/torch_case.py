@@ -98,20 +98,20 @@ class FloorOptimizer:
 
     def __init__(self, named_params, bf16: bool):
         named = list(named_params)
+        self._bf16 = bf16
         self._params = [p for _, p in named]
         self._mains = [torch.nn.Parameter(p.detach().clone()) for p in self._params] if bf16 else self._params
         self.optimizer = adamw(param_groups([(n, m) for (n, _), m in zip(named, self._mains)]))
 
     def step(self) -> torch.Tensor:
         """Gradients to the main weights, clip, AdamW, clear every gradient, copy back; the norm before clipping."""
-        bf16 = self._mains is not self._params
-        if bf16:
+        if self._bf16:
             for m, p in zip(self._mains, self._params):
                 m.grad = p.grad.float()
         norm = torch.nn.utils.clip_grad_norm_(self._mains, CLIP_GRAD)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if bf16:
+        if self._bf16:
             with torch.no_grad():
                 for m, p in zip(self._mains, self._params):
                     p.grad = None
