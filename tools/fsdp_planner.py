@@ -225,8 +225,10 @@ def ledger_bytes(levels: MeshStrategy, n: int, m: int, model: ModelSpec, micro_b
 
     Assumes Megatron's schedule (``no_sync`` on all but the last micro-batch) and that
     every parameter sits in a unit gathered before forward and again before backward
-    (the root unit, gathered once per micro-batch, makes the real ZeRO-3 figure a little
-    lower). The scalar grad-norm all-reduce is left out. An axis of one rank sends nothing.
+    (the root unit, gathered once per micro-batch, and the unit the backward starts with,
+    which stays gathered from its forward, make the real ZeRO-3 figure a little lower: one
+    layer's gathers per micro-batch fewer each). The scalar grad-norm all-reduce is left
+    out. An axis of one rank sends nothing.
 
     * ``unshard`` (ZeRO-3 inner, twice per micro-batch): outer all-gather of the inner
       shard if the outer level shards params, then the inner all-gather of the buffer;

@@ -95,7 +95,7 @@ def prefetch_stats(ctx, configs: List[Tuple[int, dict]]) -> List[Dict[str, objec
         for i, step in enumerate(batches):
             if i == len(batches) - 1:
                 for phase in fsdp.gather_stats.values():
-                    phase.update(prefetched=0, on_demand=0)
+                    phase.update(dict.fromkeys(phase, 0))
             train_step(ctx, fsdp, opt, step, cfg)
         out.append({"gather_stats": fsdp.gather_stats, "units": [u.name for u in fsdp.units],
                     "peak": peak[0], "overlap": fsdp.overlap})
@@ -120,3 +120,34 @@ def profiler_ranges(ctx) -> Dict[str, object]:
         _train(ctx, fsdp, opt, steps=1, record_last=False)
     names = sorted({e.name for e in prof.events() if e.name.startswith("fsdp.")})
     return {"names": names, "idle_range": idle}
+
+
+def held_without_backward(ctx, extra_forwards: bool) -> Dict[str, object]:
+    """TinyLM at ZeRO-3, two steps; with ``extra_forwards``, between them a forward with autograd on and
+    no backward, then one under ``no_grad``: which units hold full weights after each, and the weights
+    after the second step (the extra forwards must change nothing)."""
+    from megatron.fsdp.testing.engine_training import local_slice
+
+    cfg = RunConfig(strategy="optim_grads_params", micro_batches=1, steps=2)
+    fsdp, opt = wrap(ctx, cfg)
+    batches = make_batches(cfg.steps, 1, GLOBAL_MICRO_BATCH)
+
+    def resident():
+        return [u.name for u in fsdp.units if u.storage.resident]
+
+    train_step(ctx, fsdp, opt, batches[0], cfg)
+    out: Dict[str, object] = {}
+    if extra_forwards:
+        tokens, targets = (local_slice(ctx, t) for t in batches[1][0])
+        fsdp(tokens, targets)  # its graph is dropped: the backward it prepared for never comes
+        out["after_forward"] = resident()
+        with torch.no_grad():
+            fsdp(tokens, targets)
+        out["after_no_grad_forward"] = resident()
+        for phase in fsdp.gather_stats.values():
+            phase.update(dict.fromkeys(phase, 0))
+    train_step(ctx, fsdp, opt, batches[1], cfg)
+    out["after_step"] = resident()
+    out["gather_stats"] = fsdp.gather_stats
+    out["params"] = fsdp.full_state_dict()
+    return out

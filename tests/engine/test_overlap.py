@@ -10,9 +10,10 @@
   compute end, see docs/mesh.md "What overlaps"), in the same order on every rank;
 * no stage is issued inside a wait, the first unit of each pass and the last reductions
   included: the forward's first stages advance at the root's pre-forward (so they land during
-  the root's compute), the backward's first unit issues its second stage in its pre-hook
-  before it prefetches the next unit, and the last reductions' second stages are all issued
-  at the end of the backward before the first of them is waited;
+  the root's compute), the backward's first unit is still gathered from its forward (its
+  forward ended last) and the next one's second stage is issued at the end of its backward
+  compute, and the last reductions' second stages are all issued at the end of the backward
+  before the first of them is waited;
 * every collective a unit issues runs inside a profiler range named by kind and unit.
 """
 
@@ -33,12 +34,33 @@ def test_prefetch_depths_first_pass_and_memory(pool):
     non_root = len(default["units"]) - 1
     assert default["overlap"] == mfsdp.Overlap(forward_prefetch=1, backward_prefetch=1, reductions_in_flight=None)
     for phase in ("forward", "backward"):
-        # First pass: the forward plan is the registration order, the backward plan the reversed forward ends.
-        assert default["gather_stats"][phase] == {"prefetched": non_root, "on_demand": 0}, (phase, default)
-        assert none["gather_stats"][phase] == {"prefetched": 0, "on_demand": non_root}, (phase, none)
-        assert deep["gather_stats"][phase] == {"prefetched": non_root, "on_demand": 0}, (phase, deep)
+        # First pass: the forward plan is the registration order, the backward plan the reversed forward
+        # ends, and no unit is held from its forward into its backward (no pass has shown the order yet).
+        assert default["gather_stats"][phase] == {"prefetched": non_root, "on_demand": 0, "held": 0}, (phase, default)
+        assert none["gather_stats"][phase] == {"prefetched": 0, "on_demand": non_root, "held": 0}, (phase, none)
+        # Second pass: the unit whose forward ended last in the first stays gathered for the backward.
+        held = 1 if phase == "backward" else 0
+        assert deep["gather_stats"][phase] == {"prefetched": non_root - held, "on_demand": 0, "held": held}, (phase, deep)
     # Root + a block + its nested MLP + one prefetched unit; one fewer without prefetch, one more at depth 2.
     assert (none["peak"], default["peak"], deep["peak"]) == (3, 4, 5), (none, default, deep)
+
+
+def test_unit_held_for_a_backward_that_never_comes_is_released(pool):
+    """The unit the backward starts with stays gathered after its forward; if no backward follows, the
+    next forward releases it first and gathers it as usual, a ``no_grad`` forward holds nothing, and
+    the training that follows is bitwise the one without those forwards."""
+    plain, extra = pool.run(cases.held_without_backward, size=2, extra_forwards=False)[0], \
+        pool.run(cases.held_without_backward, size=2, extra_forwards=True)[0]
+    assert extra["after_forward"] == ["<root>", "blocks.1"], extra
+    assert extra["after_no_grad_forward"] == [], extra
+    assert plain["after_step"] == extra["after_step"] == [], (plain, extra)
+    held = {"forward": 0, "backward": 1}
+    for phase in ("forward", "backward"):
+        assert extra["gather_stats"][phase]["held"] == held[phase], extra["gather_stats"]
+        assert extra["gather_stats"][phase]["on_demand"] == 0, extra["gather_stats"]
+    assert plain["params"].keys() == extra["params"].keys()
+    for name, tensor in plain["params"].items():
+        assert torch.equal(tensor, extra["params"][name]), name
 
 
 def _pos(rows, event, kind, unit, axis=None, collective=None, nth=0):
@@ -127,15 +149,20 @@ def test_two_stage_collectives_on_a_2x2_mesh(pool):
         second, where = _issue(rows, unit, "dp_shard", "all_gather")
         assert where == "stage.all_gather" and first < second < root_compute, (unit, where)
     assert _pos(rows, "begin", "wait.all_gather", forward[0]) > root_compute
-    # The first unit of the backward (prefetched by the root's pre-backward): its second stage is
-    # issued in its pre-hook, after the root's backward compute began and before the prefetch of
-    # the next unit and its own wait (nth=1: each unit's second gather of the step is its backward's).
+    # The first unit of the backward is the one whose forward ended last: it stays gathered from its
+    # forward into its backward (one gather per axis in the step). The next unit's first stage is
+    # issued by that unit's pre-backward (the prefetch), its second at the end of that unit's backward
+    # compute (nth=1: each unit's second gather of the step is its backward's).
     last, before_last = backward[0], backward[1]
-    second, where = _issue(rows, last, "dp_shard", "all_gather", nth=1)
-    prefetch, _ = _issue(rows, before_last, "dp_outer", "all_gather", nth=1)
+    for axis in ("dp_outer", "dp_shard"):
+        gathers = [r for r in rows if r[0] == "issue" and r[2] == last and r[3] == axis and r[4] == "all_gather"]
+        assert len(gathers) == 1, (last, axis, gathers)
+    prefetch, where = _issue(rows, before_last, "dp_outer", "all_gather", nth=1)
+    assert where == "all_gather"
+    second, where = _issue(rows, before_last, "dp_shard", "all_gather", nth=1)
     assert where == "stage.all_gather"
-    assert _pos(rows, "backward", "begin", "<root>") < second < prefetch < _pos(
-        rows, "begin", "wait.all_gather", last, nth=1), (second, prefetch)
+    assert _pos(rows, "backward", "begin", "<root>") < prefetch < _pos(rows, "backward", "begin", last) < second < _pos(
+        rows, "backward", "end", last), (prefetch, second)
     # The last reductions: the root's (its parameters' gradients arrive last) and layers.0's outer
     # reduce-scatters are issued before the end of the backward waits for either of them; the
     # root's, with no compute left, at the end of the backward itself.

@@ -167,8 +167,12 @@ def engine_ledger(ctx, micro_batches: int, hidden: int = 64, units: int = 3):
 
 
 def test_traffic_formulas_match_the_engine_ledger(mcore_pool):
-    micro_batches = 2
-    measured = mcore_pool.run(engine_ledger, size=4, micro_batches=micro_batches)[0]
+    micro_batches, units = 2, 3
+    measured = mcore_pool.run(engine_ledger, size=4, micro_batches=micro_batches, units=units)[0]
+    # The planner gathers every unit before its forward and its backward; the engine keeps the unit the
+    # backward starts with gathered from its forward, once a pass has shown the order (from the second
+    # micro-batch of this first step on): that many of the 2 x micro_batches x units gathers are not sent.
+    held = (micro_batches - 1) / (2 * micro_batches * units)
     model = fp.ModelSpec(measured["params"], fp.StateBytes(param=2, main=4, grad=4, optim=8, reduce=4))
     rows = fp.plan(model, fp.Topology(2, 2), fp.Budget(1.0, micro_batches))
     assert len(rows) == len(measured) - 1
@@ -177,6 +181,9 @@ def test_traffic_formulas_match_the_engine_ledger(mcore_pool):
         for axis, traffic in (("dp_shard", row.inner_axis), ("dp_outer", row.outer_axis)):
             for kind in fp.KINDS:
                 expected, actual = getattr(traffic.ledger, kind), got.get(f"{kind}/{axis}", 0)
+                level = row.inner if axis == "dp_shard" else row.outer
+                if kind == "all_gather" and level is not None and fp.STRATEGIES[level].shard_params:
+                    expected *= 1 - held
                 if expected == 0:
                     assert actual == 0, (row.name, row.mesh, kind, axis, got)
                 else:  # the engine pads each buffer to the alignment and the rank count

@@ -205,6 +205,7 @@ def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, t
         result = M.measure(M.Built(step, ledgers=ledgers, own_report=own), warmup, steps, base_tensors, base_rss)
         del step, grad_buffers, model, optimizer, chunks, wire
     M.trim_heap()
-    result.update(params=params, root_params=units[0], tokens_per_step=s.rows * s.seq * dist.get_world_size(),
+    result.update(params=params, root_params=units[0], last_unit_params=units[-1],
+                  tokens_per_step=s.rows * s.seq * dist.get_world_size(),
                   gather_buffer_params=gather_buffer_elements(units))
     return result

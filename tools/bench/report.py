@@ -80,7 +80,8 @@ def aggregate(runs: List[dict]) -> List[dict]:
             own_persistent_bytes=sample.get("own_persistent_bytes"),
             peak_bytes=_median_or_none([_max_or_none(p["peak_bytes"] for p in r["per_rank"]) for r in ok]),
             bytes=collectives, bytes_source="ledger" if ours else "torch.distributed counter",
-            bytes_theory=theory_bytes(system, params, root, ranks, compute_bytes, reduce_bytes_of(system)),
+            bytes_theory=theory_bytes(system, params, root, ranks, compute_bytes, reduce_bytes_of(system),
+                                      sample.get("last_unit_params", 0)),  # absent from runs before it was held
             wire_bytes=wire, wire_source=wire_source,
         )
     by_group: Dict[tuple, Dict[str, dict]] = {}

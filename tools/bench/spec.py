@@ -46,6 +46,12 @@ LEVEL_OF = {**{f"ours:{level}": level for level in LEVELS}, "mcore_ddp": "no_sha
             **{system: system.partition(":")[2] for system in NV_FSDP},
             **{system: system.partition(":")[2].partition("+")[0] for system in OURS_OPTIONS}}
 
+# ZeRO-3 systems that keep the unit whose forward ends last (the last block) gathered from its forward
+# into the backward, which starts with it: this project (megatron/fsdp/schedule/runtime.py) and FSDP2
+# set up as torchtitan sets it up (``reshard_after_forward=False`` on the last block). Megatron-FSDP v1
+# and megatron-fsdp release it after its forward and gather it again.
+HOLDS_LAST_UNIT = frozenset(OURS + OURS_OPTIONS + ("fsdp2",))
+
 
 def option_of(system: str) -> str:
     """The engine option of an ``ours:<level>+<option>`` row ("" for none)."""
@@ -90,15 +96,16 @@ LR, BETAS, EPS, WEIGHT_DECAY, CLIP_GRAD = 1e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 
 
 def theory_bytes(system: str, params: int, root_params: int, world: int, compute_bytes: int,
-                 reduce_bytes: int = 4) -> Dict[str, int]:
+                 reduce_bytes: int = 4, last_unit_params: int = 0) -> Dict[str, int]:
     """Minimum bytes per collective kind for one step of one micro-batch (ledger convention).
 
     Bytes are those of the full buffer a collective works on. Gradients are reduced once
     in ``reduce_bytes`` (fp32); weights are gathered in the compute dtype: under ZeRO-1/2
     once after the optimizer step, under ZeRO-3 before forward and again before backward,
     except the root's parameters (embeddings, final norm), which stay gathered from the
-    forward through the backward (as in FSDP2). The scalar all-reduce of the gradient norm
-    is left out (8 bytes).
+    forward through the backward (as in FSDP2), and, for the systems in ``HOLDS_LAST_UNIT``,
+    the ``last_unit_params`` of the unit the backward starts with (steady state: from the
+    second step on). The scalar all-reduce of the gradient norm is left out (8 bytes).
     """
     level = LEVEL_OF.get(system)
     if world == 1 or level is None:
@@ -108,7 +115,8 @@ def theory_bytes(system: str, params: int, root_params: int, world: int, compute
         return {"all_reduce": grads}
     if level in ("optim", "optim_grads"):
         return {"reduce_scatter": grads, "all_gather": compute_bytes * params}
-    return {"reduce_scatter": grads, "all_gather": compute_bytes * (2 * params - root_params)}
+    held = last_unit_params if system in HOLDS_LAST_UNIT else 0
+    return {"reduce_scatter": grads, "all_gather": compute_bytes * (2 * params - root_params - held)}
 
 
 def theory_persistent(system: str, params: int, world: int, compute_bytes: int,

@@ -173,8 +173,9 @@ def build_system(system: str, model: torch.nn.Module, tokens: torch.Tensor, bf16
         policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                   if bf16 else MixedPrecisionPolicy())
         mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")  # the world group: no new group per run
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
+        for k, block in enumerate(model.blocks):  # torchtitan's recipe: the last block, which the
+            # backward starts with, stays gathered after its forward
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=k < len(model.blocks) - 1)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         return _plain_step(model, adamw(param_groups(model.named_parameters())), tokens)
     if system.startswith("ours:"):
@@ -228,6 +229,7 @@ def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, t
         result = M.measure(built, warmup, steps, base_tensors, base_rss)
         del built, model
     M.trim_heap()
-    result.update(params=params, root_params=root, tokens_per_step=shape.rows * shape.seq * dist.get_world_size(),
+    result.update(params=params, root_params=root, last_unit_params=units[-1],
+                  tokens_per_step=shape.rows * shape.seq * dist.get_world_size(),
                   gather_buffer_params=gather_buffer_elements(units))
     return result

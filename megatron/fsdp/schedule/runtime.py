@@ -11,6 +11,14 @@ in flight (its ring runs during the next unit's backward; a second one in flight
 keep one more unit's gradient and reduction output alive through that backward, where
 the step's memory peaks), two while the newest has a later stage to issue.
 
+The unit whose forward ended last in the previous pass is not released after its forward:
+the backward starts with it, so releasing it would only gather it again at once (the
+same choice as torchtitan's ``reshard_after_forward=False`` on the last block). It costs
+no memory at the peak (the backward's first unit is gathered there either way) and saves
+one unit's gather per micro-batch. The first pass, with no order seen yet, releases every
+unit; a forward with autograd off holds nothing; a unit held for a backward that never
+comes is released by the next forward before anything else.
+
 The order a pass prefetches in is the order of the previous pass; the first
 forward uses the registration order (the order of ``module.named_modules()``,
 which is the call order of a sequential stack), the first backward the
@@ -88,6 +96,9 @@ class Overlap:
                 raise ValueError(f"{field.name} must be an integer >= 0, got {value!r}")
 
 
+GATHER_OUTCOMES = ("prefetched", "on_demand", "held")  # how a unit's weights were there when it ran
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -117,7 +128,11 @@ class Schedule:
         self._bwd_plan: Optional[_Plan] = None     # this backward's plan, fixed at its first unit
         # How each gather was satisfied, per phase: "prefetched" (issued before the
         # unit was needed) or "on_demand" (the unit had to wait for its own gather).
-        self.gather_stats = {p: {"prefetched": 0, "on_demand": 0} for p in ("forward", "backward")}
+        # "held": a unit whose backward found it still gathered from its forward (``_held_for_backward``).
+        self.gather_stats = {p: dict.fromkeys(GATHER_OUTCOMES, 0) for p in ("forward", "backward")}
+        # The unit whose forward ended last in the previous pass: the backward starts with it, so it
+        # stays gathered from its forward into its backward (None until a pass has shown the order).
+        self._held_for_backward: Optional[FSDPUnit] = None
         self._reductions: Deque[Tuple[str, Handle]] = collections.deque()
         # Multi-stage collectives with stages not yet issued, in issue order: (kind, unit, handle).
         self._staged: List[Tuple[str, str, StagedHandle]] = []
@@ -129,8 +144,13 @@ class Schedule:
 
     # ---------------------------------------------------------------- forward
     def root_pre_forward(self) -> None:
+        # A unit still gathered from the last forward (kept for a backward that did not come): released,
+        # so this forward gathers, hooks and records it like every other unit.
+        self._release_all()
         if self._order:
             self._fwd_plan = _Plan(self._order)
+        if self._fwd_ends:
+            self._held_for_backward = self._fwd_ends[-1]
         self._order = []
         self._fwd_ends = []
         self._bwd_plan = None
@@ -176,13 +196,18 @@ class Schedule:
         self._advance_staged()
         profiling.mark("forward", "end", unit.name)
         self._fwd_ends.append(unit)
-        unit.release()
         if torch.is_grad_enabled():
+            if unit is not self._held_for_backward:
+                unit.release()
             self._register_pre_backward(unit, output)
+        else:
+            unit.release()
         return output
 
     def _count_gather(self, unit: FSDPUnit, phase: str) -> None:
-        if unit.state is UnitState.UNSHARDING:
+        if unit.state is UnitState.FORWARD:
+            self.gather_stats[phase]["held"] += 1
+        elif unit.state is UnitState.UNSHARDING:
             self.gather_stats[phase]["prefetched"] += 1
         elif not unit.storage.resident:
             self.gather_stats[phase]["on_demand"] += 1
@@ -197,7 +222,8 @@ class Schedule:
         prefetch did), every stage of it still unissued issued now (its input has had the compute
         before this hook to land), then the prefetch of the units ``ahead``, so the last stage
         lands while those are issued. Only the first unit of a pass has stages left here (later
-        ones were advanced at the previous unit's compute end)."""
+        ones were advanced at the previous unit's compute end; the backward's first unit is
+        usually still gathered from its forward)."""
         self._prefetch([unit])
         kind, handle = unit.pending
         while _stages_left(handle):

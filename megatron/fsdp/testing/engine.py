@@ -36,7 +36,7 @@ def gather_schedule(ctx, micro_batches: int, recompute: bool, steps: int = 2):
         if i == len(batches) - 1:
             fsdp.ledger.reset()
             for phase in fsdp.gather_stats.values():
-                phase.update(prefetched=0, on_demand=0)
+                phase.update(dict.fromkeys(phase, 0))
             train_step(ctx, fsdp, opt, step, cfg, after_micro_batch=snapshot)
         else:
             train_step(ctx, fsdp, opt, step, cfg)
