@@ -12,7 +12,7 @@ import os
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # CPU: a first compiled step would take seconds
 
-from megatron.training.training import main  # noqa: E402
+from megatron.fsdp_training.training import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

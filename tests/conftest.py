@@ -4,7 +4,7 @@
 ``mcore_pool``: four ranks for Megatron-Core cases, dense and MoE; ``initialize_model_parallel``
 creates groups over the whole world, so every Megatron case runs on all ranks of a
 pool whose size is exactly ``tp * pp * cp * dp``, and four covers every 2 x 2 topology.
-``megatron.training.testing.pools.pool_of(n)`` gives the Megatron pool of ``n`` ranks to any module (checkpoints
+``megatron.fsdp_training.testing.pools.pool_of(n)`` gives the Megatron pool of ``n`` ranks to any module (checkpoints
 resharded to 1, 2 and 3 ranks, ``pretrain_gpt`` on 2). ``pool`` closes after the last test that
 uses it. A pool is started on first use, shared by every module that asks for the same one, and
 restarted only after a case killed it (a hang or a crash). See docs/testing.md for the time budget.
@@ -15,7 +15,7 @@ import os
 import pytest
 import torch  # noqa: E402
 
-from megatron.training.testing import pools  # noqa: E402
+from megatron.fsdp_training.testing import pools  # noqa: E402
 
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")

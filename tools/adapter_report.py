@@ -21,8 +21,8 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
 def print_parity(rows, width: int = 42) -> None:
-    from megatron.training.testing.adapter import fsdp_run
-    from megatron.training.testing.gpt import megatron_ddp_run
+    from megatron.fsdp_training.testing.adapter import fsdp_run
+    from megatron.fsdp_training.testing.gpt import megatron_ddp_run
     """``rows``: (label, topology, level, FullyShardedDataParallelConfig overrides); one line each.
 
     The baseline of a row is Megatron-Core DDP on the same topology with one optimizer
@@ -51,7 +51,7 @@ def print_parity(rows, width: int = 42) -> None:
 
 def main() -> None:
     from megatron.fsdp.testing.common import LEVELS
-    from megatron.training.testing.gpt import TOPOLOGIES, Topology
+    from megatron.fsdp_training.testing.gpt import TOPOLOGIES, Topology
 
     rows = [(f"{name} {level}", topo, level, {}) for name, topo in TOPOLOGIES.items() for level in LEVELS]
     rows += [(f"dp2x2-instances {outer}", Topology(instances=2), "optim_grads_params", {"outer": outer})

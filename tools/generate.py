@@ -4,7 +4,7 @@
         [--greedy | --temperature 0.8 --top-k 50 --top-p 0.9] [--seed 1234]
     torchrun --nproc_per_node 2 tools/generate.py --load CKPT_DIR --tensor-model-parallel-size 2 ...
 
-The model is built and loaded by the training job itself (``megatron.training.training.setup``
+The model is built and loaded by the training job itself (``megatron.fsdp_training.training.setup``
 and ``checkpointing.save_load.load_checkpoint``), so every checkpoint the job can resume from
 loads here, at any layout: DCP reshards it to this launch's TP / DP / ZeRO level. The job's
 flags are accepted as they are; the model's shape and tokenizer flags default to the values
@@ -137,7 +137,7 @@ class Stream:
 # ------------------------------------------------------------------ the command
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """The job's parser plus the generation flags, with the checkpoint's model and tokenizer as defaults."""
-    from megatron.training.arguments import build_parser
+    from megatron.fsdp_training.arguments.parser import build_parser
 
     parser = build_parser()
     parser.description = __doc__.split("\n")[0]
@@ -170,7 +170,7 @@ def _saved_defaults(parser: argparse.ArgumentParser, load: str, step: Optional[i
     import json
     from pathlib import Path
 
-    from megatron.training.checkpointing import files
+    from megatron.fsdp_training.checkpointing import files
 
     root = Path(load)
     iteration = step if step is not None else files.read_tracker(root) if root.is_dir() else None
@@ -195,12 +195,12 @@ def run(args: argparse.Namespace, out=None) -> List[int]:
     """Build, load, generate; returns the generated ids (every rank). ``out``: where rank 0 streams the text."""
     import torch.distributed as dist
 
-    from megatron.training.checkpointing.files import TRACKER, CheckpointError
-    from megatron.training.checkpointing.paths import find_checkpoint
-    from megatron.training.checkpointing.save_load import load_checkpoint
-    from megatron.training.errors import ArgumentError
-    from megatron.training.logs.lines import print_rank_0
-    from megatron.training.training import setup
+    from megatron.fsdp_training.checkpointing.files import TRACKER, CheckpointError
+    from megatron.fsdp_training.checkpointing.paths import find_checkpoint
+    from megatron.fsdp_training.checkpointing.save_load import load_checkpoint
+    from megatron.fsdp_training.errors import ArgumentError
+    from megatron.fsdp_training.logs.lines import print_rank_0
+    from megatron.fsdp_training.training import setup
 
     for flag, value in (("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
                         ("--context-parallel-size", args.context_parallel_size)):
@@ -234,7 +234,7 @@ def run(args: argparse.Namespace, out=None) -> List[int]:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    from megatron.training.training import run_entry_point
+    from megatron.fsdp_training.training import run_entry_point
 
     run_entry_point(run, parse_args(argv))
 

@@ -9,7 +9,7 @@ Each rank builds the model chunk and wraps it in ``FullyShardedDataParallel`` tw
 then on the meta device, and reports the resident-set high-water mark (``VmHWM``, reset
 through ``/proc/self/clear_refs``) above the resident set before the build. Large blocks
 are served by ``mmap`` (a fixed 64 KiB ``M_MMAP_THRESHOLD``, ``MEASURE_MMAP_THRESHOLD`` of
-``megatron/training/allocator.py``) so freed memory leaves the resident set, and a small build of each kind runs first (the first meta build loads torch's meta
+``megatron/fsdp_training/allocator.py``) so freed memory leaves the resident set, and a small build of each kind runs first (the first meta build loads torch's meta
 kernels). The bound column is ``persistent + root + 2 units`` (the meta build's promise)
 and, as a fraction of the eager peak, ``1/N + root + 2 units``.
 """
@@ -33,7 +33,7 @@ MIB = 2 ** 20
 
 def _build(args, meta: bool):
     from megatron.fsdp.mcore import FullyShardedDataParallel, FullyShardedDataParallelConfig
-    from megatron.training import model as model_lib
+    from megatron.fsdp_training import model as model_lib
 
     args = copy.copy(args)
     args.init_model_with_meta_device = meta
@@ -63,15 +63,15 @@ def _measure(args, meta: bool) -> dict:
 
 
 def main(argv) -> None:
-    from megatron.training.arguments import parse_args, validate_args
-    from megatron.training.data.datasets import build_tokenizer, padded_vocab_size
-    from megatron.training.initialize import initialize
+    from megatron.fsdp_training.arguments.parser import parse_args, validate_args
+    from megatron.fsdp_training.data.datasets import build_tokenizer, padded_vocab_size
+    from megatron.fsdp_training.initialize import initialize
 
     args = parse_args(argv + ["--mock-data", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
                               "optim_grads_params"])
     validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     initialize(args)
-    from megatron.training.allocator import MEASURE_MMAP_THRESHOLD, fix_mmap_threshold
+    from megatron.fsdp_training.allocator import MEASURE_MMAP_THRESHOLD, fix_mmap_threshold
 
     fix_mmap_threshold(MEASURE_MMAP_THRESHOLD)  # the resident set follows every tensor over 64 KiB
     args.padded_vocab_size = padded_vocab_size(build_tokenizer(args).vocab_size, args)

@@ -19,7 +19,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 
 def main() -> None:
-    from megatron.training.testing.moe import EP_CASES, MIXED_CASES, moe_topology
+    from megatron.fsdp_training.testing.moe import EP_CASES, MIXED_CASES, moe_topology
     from tools.adapter_report import print_parity
 
     rows = [(f"EP {ep}, {dispatcher}, {level}", moe_topology(dispatcher, ep), level, {})

@@ -35,10 +35,10 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy
 
 try:
-    from megatron.training.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+    from megatron.fsdp_training.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 except ImportError:  # run from a checkout without the editable install
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from megatron.training.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+    from megatron.fsdp_training.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main() -> None:
     from megatron.fsdp.testing.common import LEVELS
-    from megatron.training.testing.job import PRETRAIN_MODEL, fsdp, torchrun
+    from megatron.fsdp_training.testing.job import PRETRAIN_MODEL, fsdp, torchrun
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--nproc", type=int, default=2)

@@ -72,7 +72,7 @@ def _help_text(action: argparse.Action) -> str:
 
 def arguments_reference() -> str:
     """Every ``pretrain_gpt.py`` argument by group, with its default, from the parser itself."""
-    from megatron.training.arguments import build_parser
+    from megatron.fsdp_training.arguments.parser import build_parser
 
     parser = build_parser()
     out = []
@@ -130,7 +130,7 @@ LAYOUT = (
     ("megatron/fsdp/", "the engine: `fully_shard`, `FullyShardedOptimizer`, `MixedPrecision` (torch only)"),
     ("megatron/fsdp/mcore/", "the Megatron-Core adapter: `FullyShardedDataParallel`, its optimizer, CPU mode "
                              "([docs/adapter.md](docs/adapter.md))"),
-    ("megatron/training/", "the training job behind `pretrain_gpt.py` ([docs/training.md](docs/training.md))"),
+    ("megatron/fsdp_training/", "the training job behind `pretrain_gpt.py` ([docs/training.md](docs/training.md))"),
     ("pretrain_gpt.py", "Megatron-LM's entry point: `torchrun ... pretrain_gpt.py --use-megatron-fsdp ...`"),
     ("tests/", "pytest suite: single-process and multi-process (gloo) tests, `slow` parity matrix "
                "([docs/testing.md](docs/testing.md))"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from megatron.training.testing.gpt import MICRO_BATCHES, STEPS, Topology, megatron_ddp_run
+from megatron.fsdp_training.testing.gpt import MICRO_BATCHES, STEPS, Topology, megatron_ddp_run
 
 
 _runs: Dict[tuple, List[dict]] = {}

@@ -12,8 +12,8 @@ def pretrain_with_ledger(ctx, argv: List[str]) -> dict:
     The wrappers are taken from ``model.wrap_and_optimize`` as the job builds them; Megatron-Core's
     DDP has no ledger (``None``).
     """
-    from megatron.training import model as model_lib
-    from megatron.training.testing.pretrain import pretrain_in_pool
+    from megatron.fsdp_training import model as model_lib
+    from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
 
     built = []
     original = model_lib.wrap_and_optimize

@@ -15,9 +15,9 @@ def megatron_logits(ctx, argv: List[str], model_file: str, tokens: torch.Tensor)
     """
     from megatron.core import parallel_state as ps
     from megatron.fsdp.mcore.cpu_mode import enable_cpu_mode
-    from megatron.training import model as model_lib
-    from megatron.training.arguments import parse_args, validate_args
-    from megatron.training.testing.megatron_case import megatron_case
+    from megatron.fsdp_training import model as model_lib
+    from megatron.fsdp_training.arguments.parser import parse_args, validate_args
+    from megatron.fsdp_training.testing.megatron_case import megatron_case
 
     state = torch.load(model_file, weights_only=False)
     vocab = state["embedding.word_embeddings.weight"].shape[0]
@@ -40,9 +40,9 @@ def megatron_logits(ctx, argv: List[str], model_file: str, tokens: torch.Tensor)
 
 def finetune_first_batch(ctx, argv: List[str]) -> dict:
     """``pretrain`` of ``argv`` (``--load ... --finetune``), and the first global batch it trained on."""
-    from megatron.training.data import datasets as data
-    from megatron.training.arguments import parse_args, validate_args
-    from megatron.training.testing.pretrain import pretrain_in_pool
+    from megatron.fsdp_training.data import datasets as data
+    from megatron.fsdp_training.arguments.parser import parse_args, validate_args
+    from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
 
     history = pretrain_in_pool(ctx, argv)
     args = validate_args(parse_args(argv), ctx.size)

@@ -6,7 +6,7 @@ from typing import Dict, List
 
 import torch
 
-from megatron.training.testing.megatron_case import megatron_case
+from megatron.fsdp_training.testing.megatron_case import megatron_case
 
 
 def _snapshot(model, optimizer) -> Dict[str, torch.Tensor]:
@@ -26,9 +26,9 @@ def _same(a, b) -> bool:
 
 def load_error(ctx, argv: List[str]) -> Dict[str, object]:
     """Build the model of ``argv``, try ``--load``: the error, and whether anything changed."""
-    from megatron.training.checkpointing import save_load as checkpointing
-    from megatron.training.arguments import parse_args
-    from megatron.training.training import setup
+    from megatron.fsdp_training.checkpointing import save_load as checkpointing
+    from megatron.fsdp_training.arguments.parser import parse_args
+    from megatron.fsdp_training.training import setup
 
     args = parse_args(argv)
     with megatron_case():
@@ -71,10 +71,10 @@ def loaded_vs_unsharded(ctx, argv: List[str], model_file: str) -> Dict[str, obje
     Also: compute weights equal the loaded main weights before the first forward,
     and the unsharded model's weights equal the sharded model's full weights.
     """
-    from megatron.training.checkpointing import save_load as checkpointing
-    from megatron.training import model as model_lib
-    from megatron.training.arguments import parse_args
-    from megatron.training.training import setup
+    from megatron.fsdp_training.checkpointing import save_load as checkpointing
+    from megatron.fsdp_training import model as model_lib
+    from megatron.fsdp_training.arguments.parser import parse_args
+    from megatron.fsdp_training.training import setup
 
     args = parse_args(argv)
     with megatron_case():
@@ -105,9 +105,9 @@ def rng_round_trip(ctx, argv: List[str], directory: str) -> Dict[str, bool]:
     import numpy as np
 
     from megatron.core import tensor_parallel
-    from megatron.training.checkpointing import save_load as checkpointing
-    from megatron.training.arguments import parse_args
-    from megatron.training.training import setup
+    from megatron.fsdp_training.checkpointing import save_load as checkpointing
+    from megatron.fsdp_training.arguments.parser import parse_args
+    from megatron.fsdp_training.training import setup
 
     def draws():
         with tensor_parallel.get_cuda_rng_tracker().fork():
@@ -138,10 +138,10 @@ def failing_background_write(ctx, argv: List[str], rank: int, iteration: int) ->
     """
     import torch.distributed as dist
 
-    from megatron.training.checkpointing import save_steps
-    from megatron.training.arguments import parse_args
-    from megatron.training.checkpointing.files import CheckpointError
-    from megatron.training.training import pretrain
+    from megatron.fsdp_training.checkpointing import save_steps
+    from megatron.fsdp_training.arguments.parser import parse_args
+    from megatron.fsdp_training.checkpointing.files import CheckpointError
+    from megatron.fsdp_training.training import pretrain
 
     real = save_steps.write_pieces
 
@@ -164,9 +164,9 @@ def failing_background_write(ctx, argv: List[str], rank: int, iteration: int) ->
 def fresh_then_loaded(ctx, argv: List[str], fresh, loaded: str) -> None:
     """Save the freshly built model of ``argv`` (iteration 0) to ``fresh`` (unless None), load ``--load``,
     save it to ``loaded``."""
-    from megatron.training.checkpointing import save_load as checkpointing
-    from megatron.training.arguments import parse_args
-    from megatron.training.training import setup
+    from megatron.fsdp_training.checkpointing import save_load as checkpointing
+    from megatron.fsdp_training.arguments.parser import parse_args
+    from megatron.fsdp_training.training import setup
 
     args = parse_args(argv)
     with megatron_case():
@@ -188,7 +188,7 @@ def layout_v1_translation(ctx, directory: str) -> Dict[str, bool]:
     import torch.distributed.checkpoint as dcp
 
     from megatron.fsdp.checkpoint.pieces import sharded_piece
-    from megatron.training.checkpointing.layout_v1 import Rule, TranslatedReader
+    from megatron.fsdp_training.checkpointing.layout_v1 import Rule, TranslatedReader
 
     rank, gen = dist.get_rank(), torch.Generator().manual_seed(5)
     experts, hidden, ffn, local_experts, local_ffn = 4, 3, 4, 2, 2

@@ -8,7 +8,7 @@ from typing import Dict, List
 
 import torch.distributed as dist
 
-from megatron.training.testing.megatron_case import megatron_case
+from megatron.fsdp_training.testing.megatron_case import megatron_case
 
 
 def _damage(directory: Path, how: str) -> None:
@@ -30,9 +30,9 @@ def _damage(directory: Path, how: str) -> None:
 
 def damaged_loads(ctx, argv: List[str], directory: str, damages: List[str]) -> Dict[str, str]:
     """For each kind of damage: apply it to the newest checkpoint (a pristine copy restored first), try --load."""
-    from megatron.training.checkpointing import save_load as checkpointing
-    from megatron.training.arguments import parse_args
-    from megatron.training.training import setup
+    from megatron.fsdp_training.checkpointing import save_load as checkpointing
+    from megatron.fsdp_training.arguments.parser import parse_args
+    from megatron.fsdp_training.training import setup
 
     root = Path(directory)
     newest = root / f"iter_{int((root / 'latest_checkpointed_iteration.txt').read_text()):07d}"
@@ -63,9 +63,9 @@ def damaged_loads(ctx, argv: List[str], directory: str, damages: List[str]) -> D
 
 def full_disk_saves(ctx, argv: List[str], directory: str) -> Dict[str, object]:
     """Save into a size-limited ``directory``: the size check, then a write that really hits ENOSPC."""
-    from megatron.training.checkpointing import paths as checkpoint_paths, save_load as checkpointing
-    from megatron.training.arguments import parse_args
-    from megatron.training.training import setup
+    from megatron.fsdp_training.checkpointing import paths as checkpoint_paths, save_load as checkpointing
+    from megatron.fsdp_training.arguments.parser import parse_args
+    from megatron.fsdp_training.training import setup
 
     args = parse_args(argv + ["--save", directory])
     out: Dict[str, object] = {}
@@ -92,8 +92,8 @@ def sigterm_mid_training(ctx, argv: List[str], at_iteration: int) -> Dict[str, o
     import os
     import signal
 
-    from megatron.training import training
-    from megatron.training.testing.pretrain import pretrain_in_pool
+    from megatron.fsdp_training import training
+    from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
 
     calls = {"n": 0}
     original = training._mean_loss

@@ -7,14 +7,14 @@ from typing import Dict, List
 
 import torch.distributed as dist
 
-from megatron.training.testing.megatron_case import megatron_case
+from megatron.fsdp_training.testing.megatron_case import megatron_case
 
 
 def save_size_estimate(ctx, argv: List[str]) -> Dict[str, int]:
     """Train and save once (``argv`` has ``--save``): the save's size estimate, and the bytes it wrote."""
-    from megatron.training.arguments import parse_args
-    from megatron.training.checkpointing import files, paths, save_load
-    from megatron.training.training import pretrain
+    from megatron.fsdp_training.arguments.parser import parse_args
+    from megatron.fsdp_training.checkpointing import files, paths, save_load
+    from megatron.fsdp_training.training import pretrain
 
     args = parse_args(argv)
     estimates = []
@@ -41,10 +41,10 @@ def start_error(ctx, argv: List[str], capture_log: bool = False) -> Dict[str, ob
     import contextlib
     import io
 
-    from megatron.training.arguments import parse_args
-    from megatron.training.checkpointing.files import CheckpointError
-    from megatron.training.errors import ArgumentError
-    from megatron.training.training import pretrain
+    from megatron.fsdp_training.arguments.parser import parse_args
+    from megatron.fsdp_training.checkpointing.files import CheckpointError
+    from megatron.fsdp_training.errors import ArgumentError
+    from megatron.fsdp_training.training import pretrain
 
     log = io.StringIO()
     out: Dict[str, object] = {"error": None, "history": None}

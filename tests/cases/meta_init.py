@@ -104,7 +104,7 @@ def _rss_tools():
 def _mmap_large_allocations() -> None:
     """glibc: serve blocks over 64 KiB by mmap (and unmap them on free), so the resident set follows the
     live tensors; by default the threshold grows after the first large free and freed blocks stay resident."""
-    from megatron.training.allocator import MEASURE_MMAP_THRESHOLD, fix_mmap_threshold
+    from megatron.fsdp_training.allocator import MEASURE_MMAP_THRESHOLD, fix_mmap_threshold
 
     fix_mmap_threshold(MEASURE_MMAP_THRESHOLD, respect_env=False)
 

@@ -9,7 +9,7 @@ def hsdp_rank_layout(ctx, ranks_per_node: int, instances: int = 2, ep: int = 1) 
     """The adapter's dense and expert axes under ``--num-distributed-optimizer-instances instances``,
     as global ranks, and the node (``rank // ranks_per_node``) of each."""
     from megatron.fsdp.mcore.distributed_index import FSDPDistributedIndex
-    from megatron.training.testing.gpt import Topology, parallel
+    from megatron.fsdp_training.testing.gpt import Topology, parallel
 
     with parallel(ctx, Topology(instances=instances, ep=ep)):
         index = FSDPDistributedIndex.from_parallel_state(instances, instances)

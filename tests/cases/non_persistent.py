@@ -14,9 +14,9 @@ class Crash(RuntimeError):
 def crashed_after(ctx, argv: List[str], iteration: int) -> Dict[str, object]:
     """``pretrain`` on ``argv``, stopped at the start of iteration ``iteration + 1`` (after iteration ``iteration``
     and its saves): whether it crashed there, and rank 0's log."""
-    from megatron.training import training
-    from megatron.training.arguments import parse_args
-    from megatron.training.testing.megatron_case import megatron_case
+    from megatron.fsdp_training import training
+    from megatron.fsdp_training.arguments.parser import parse_args
+    from megatron.fsdp_training.testing.megatron_case import megatron_case
 
     original = training.global_batch_at
 
@@ -43,11 +43,11 @@ def local_write_fails(ctx, argv: List[str], rank: int, iteration: int) -> Dict[s
     one-line error every rank stops with."""
     import torch.distributed as dist
 
-    from megatron.training import training
-    from megatron.training.arguments import parse_args
-    from megatron.training.checkpointing import non_persistent
-    from megatron.training.checkpointing.files import CheckpointError
-    from megatron.training.testing.megatron_case import megatron_case
+    from megatron.fsdp_training import training
+    from megatron.fsdp_training.arguments.parser import parse_args
+    from megatron.fsdp_training.checkpointing import non_persistent
+    from megatron.fsdp_training.checkpointing.files import CheckpointError
+    from megatron.fsdp_training.testing.megatron_case import megatron_case
 
     original = non_persistent._write_local
 

@@ -105,7 +105,7 @@ def _join(tokens: List[str]) -> str:
 
 # ------------------------------------------------------------------ fixtures
 def _gpt2_vocab(d: Path) -> None:
-    from megatron.training.data.tokenizer import bytes_to_unicode
+    from megatron.fsdp_training.data.tokenizer import bytes_to_unicode
 
     (d / "gpt2").mkdir()
     vocab = {s: i for i, s in enumerate(bytes_to_unicode().values())}

@@ -63,7 +63,7 @@ def test_replicas_built_with_different_seeds_become_rank0s(pool, strategy):
 
 def test_collective_called_on_one_rank_names_itself_instead_of_hanging():
     """Issue 18.2: ``full_state_dict`` on rank 0 alone waited gloo's 30 minutes, silently."""
-    from megatron.training.testing.pools import pool_of
+    from megatron.fsdp_training.testing.pools import pool_of
 
     message = pool_of(2).run(collective_on_one_rank, timeout=HANG_TIMEOUT)[0]
     assert message.startswith("full_state_dict is a collective: every rank of dp_shard must call it; "
@@ -84,6 +84,6 @@ def test_state_dict_pieces_pickle_and_submodules_called_alone_say_why():
     back = torch.load(buf, weights_only=False)
     assert all(torch.equal(back[k].full_tensor(), v.full_tensor()) for k, v in sd.items() if hasattr(v, "full_tensor"))
     # one rank: ZeRO-3 keeps everything resident, nothing to guard; the guard is exercised on 2 ranks below
-    from megatron.training.testing.pools import pool_of
+    from megatron.fsdp_training.testing.pools import pool_of
     message = pool_of(2).run(submodule_called_alone, timeout=HANG_TIMEOUT)[0]
     assert "'blocks.0.mlp.up' was called outside the forward of its FSDP unit blocks.0" in message, message

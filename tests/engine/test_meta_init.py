@@ -9,7 +9,7 @@ import pytest
 
 from megatron.fsdp import STRATEGIES
 from tests.cases import meta_init as cases
-from megatron.training.testing.pools import pool_of
+from megatron.fsdp_training.testing.pools import pool_of
 
 
 LEVELS = list(STRATEGIES)

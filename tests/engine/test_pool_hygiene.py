@@ -16,7 +16,7 @@ import torch
 
 from tests.cases.harness import pid_after_starting_threads
 from megatron.fsdp.testing.pool import _release_leftovers
-from megatron.training.testing.pools import pool_of
+from megatron.fsdp_training.testing.pools import pool_of
 
 
 class _Keep(torch.autograd.Function):

@@ -7,10 +7,10 @@ schedule hooks differ. Losses and grad norms must agree within 1e-5 relative.
 
 import pytest
 
-from megatron.training.testing.adapter import eval_leaves_nothing_gathered, fsdp_run
+from megatron.fsdp_training.testing.adapter import eval_leaves_nothing_gathered, fsdp_run
 from tests.cases.baselines import megatron_ddp
 from megatron.fsdp.testing.common import LEVELS, rel
-from megatron.training.testing.gpt import STEPS, TOPOLOGIES, Topology
+from megatron.fsdp_training.testing.gpt import STEPS, TOPOLOGIES, Topology
 from megatron.fsdp.testing.matrix import covering
 
 

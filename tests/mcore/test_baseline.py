@@ -12,7 +12,7 @@ import math
 import pytest
 
 from tests.cases.baselines import MICRO_BATCHES, STEPS, megatron_ddp
-from megatron.training.testing.gpt import TOPOLOGIES, Topology, megatron_ddp_run
+from megatron.fsdp_training.testing.gpt import TOPOLOGIES, Topology, megatron_ddp_run
 
 
 def _baseline(pool, name, use_distributed_optimizer=False):
@@ -78,7 +78,7 @@ def check_context_parallel_attention(ctx):
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.fsdp.mcore.cpu_mode import SDPACoreAttention, _load_balanced_positions
-    from megatron.training.testing.gpt import parallel, tiny_gpt_config
+    from megatron.fsdp_training.testing.gpt import parallel, tiny_gpt_config
 
     topology = Topology(cp=2)
     errors = {}
@@ -113,7 +113,7 @@ def check_cpu_mode_switches(ctx):
     import torch
 
     from megatron.fsdp.mcore.cpu_mode import cpu_mode_enabled
-    from megatron.training.testing.gpt import parallel
+    from megatron.fsdp_training.testing.gpt import parallel
 
     seen = {}
     with parallel(ctx, Topology()):

@@ -1,6 +1,6 @@
 """MoE parity: experts on their own data-parallel mesh and level vs Megatron-Core's own DDP.
 
-The tiny GPT of ``megatron/training/testing/gpt.py`` with 4 experts (top-2, aux-loss load
+The tiny GPT of ``megatron/fsdp_training/testing/gpt.py`` with 4 experts (top-2, aux-loss load
 balancing) in every layer, fp32, 2 micro-batches, 3 iterations on 4 ranks. Only
 the data-parallel wrapper and the optimizer differ from the baseline
 (Megatron-Core DDP + its chained dense/expert optimizer), so losses and grad
@@ -15,11 +15,11 @@ import dataclasses
 
 import pytest
 
-from megatron.training.testing.adapter import fsdp_run
+from megatron.fsdp_training.testing.adapter import fsdp_run
 from tests.cases.baselines import megatron_ddp
 from megatron.fsdp.testing.common import rel
-from megatron.training.testing.gpt import STEPS, Topology
-from megatron.training.testing.moe import EP_CASES, MIXED_CASES, moe_topology
+from megatron.fsdp_training.testing.gpt import STEPS, Topology
+from megatron.fsdp_training.testing.moe import EP_CASES, MIXED_CASES, moe_topology
 
 
 RTOL = 1e-5

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from megatron.training.checkpointing import files
+from megatron.fsdp_training.checkpointing import files
 from tools.checkpoint import convert, inspect as ckpt_inspect
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -214,7 +214,7 @@ def megatron_param_counts(ctx, shapes):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron.training.testing.gpt import Topology, parallel
+    from megatron.fsdp_training.testing.gpt import Topology, parallel
 
     counts = []
     with parallel(ctx, Topology()):

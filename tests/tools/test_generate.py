@@ -67,7 +67,7 @@ def test_sampling_filters():
 
 def test_a_directory_without_a_checkpoint_is_refused(tmp_path):
     """Not a model with random weights (the job itself would start from scratch there): one error."""
-    from megatron.training.checkpointing.files import CheckpointError
+    from megatron.fsdp_training.checkpointing.files import CheckpointError
 
     with pytest.raises(CheckpointError, match="no checkpoint to generate from"):
         generate.run(generate.parse_args(["--load", str(tmp_path / "none"), "--prompt", "x"]))
@@ -78,7 +78,7 @@ def test_the_load_line_says_generation_not_fine_tuning():
     import argparse
     import inspect
 
-    from megatron.training.checkpointing.compatibility import weights_only_suffix
+    from megatron.fsdp_training.checkpointing.compatibility import weights_only_suffix
 
     assert weights_only_suffix(argparse.Namespace(finetune=False)) == ""
     assert weights_only_suffix(argparse.Namespace(finetune=True)) == " for fine-tuning"

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from tests.cases.hf import finetune_first_batch, megatron_logits
-from megatron.training.testing.pretrain import pretrain_in_pool
+from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
 from tools.checkpoint import convert, hf_convert
 from tools.checkpoint.hf_io import SafetensorsReader
 

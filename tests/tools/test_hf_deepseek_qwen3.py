@@ -21,8 +21,8 @@ import json
 import pytest
 import torch
 
-from megatron.training.testing.deepseek import DEEPSEEK_MODEL
-from megatron.training.testing.pretrain import pretrain_in_pool
+from megatron.fsdp_training.testing.deepseek import DEEPSEEK_MODEL
+from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
 from tests.cases.hf import megatron_logits
 from tests.tools.test_hf_checkpoints import exported_again_equals, finetune_from_hf, from_hf_with_flags
 from tools.checkpoint import convert, hf_convert

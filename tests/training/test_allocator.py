@@ -37,7 +37,7 @@ print(fixed, rss() - before)
 
 
 def _probe(setting: str, env=None):
-    path = os.path.join(ROOT, "megatron", "training", "allocator.py")
+    path = os.path.join(ROOT, "megatron", "fsdp_training", "allocator.py")
     environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     environ.update(env or {})
     out = subprocess.run([sys.executable, "-c", _PROBE, path, setting], capture_output=True, text=True,
@@ -79,7 +79,7 @@ print(before_setting is None, applied, hook is not None, kept, rss() - before)
 
 
 def _trim_probe(env=None):
-    path = os.path.join(ROOT, "megatron", "training", "allocator.py")
+    path = os.path.join(ROOT, "megatron", "fsdp_training", "allocator.py")
     environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     environ.update(env or {})
     run = subprocess.run([sys.executable, "-c", _TRIM_PROBE, path], capture_output=True, text=True,

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from megatron.training.checkpointing import files
-from megatron.training.arguments import ArgumentError, parse_args, validate_args
-from megatron.training.testing.job import B8, MODEL, ROOT, fsdp, pretrain
+from megatron.fsdp_training.checkpointing import files
+from megatron.fsdp_training.arguments.parser import ArgumentError, parse_args, validate_args
+from megatron.fsdp_training.testing.job import B8, MODEL, ROOT, fsdp, pretrain
 from tests.cases.job_failures import damaged_loads, full_disk_saves, sigterm_mid_training
-from megatron.training.testing.pools import pool_of
+from megatron.fsdp_training.testing.pools import pool_of
 
 
 def test_damaged_checkpoints_name_the_file_and_the_previous_good_one(tmp_path):
@@ -24,7 +24,7 @@ def test_damaged_checkpoints_name_the_file_and_the_previous_good_one(tmp_path):
     import json
     listed = json.loads((tmp_path / "ckpt" / "iter_0000003" / "manifest.json").read_text())["files"]
     assert ".metadata" in listed and "common.json" in listed and any(n.endswith(".distcp") for n in listed)
-    from megatron.training.checkpointing import manifest as checkpoint_manifest
+    from megatron.fsdp_training.checkpointing import manifest as checkpoint_manifest
     assert checkpoint_manifest.verify(tmp_path / "ckpt" / "iter_0000003") == []  # checksums taken while writing
     errors = pool_of(2).run(damaged_loads, timeout=300, argv=argv,
                              directory=save, damages=["truncate", "overwrite", "no_metadata", "binary_tracker"])
@@ -68,7 +68,7 @@ def test_stale_temporaries_are_removed_only_when_no_live_job_owns_them(tmp_path)
     import json
     import time
 
-    from megatron.training.checkpointing import ownership, paths
+    from megatron.fsdp_training.checkpointing import ownership, paths
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (tmp_path / ".tmp_iter_0000005_dead").mkdir()
@@ -93,7 +93,7 @@ def test_bad_paths_and_fault_tolerance_flags_fail_at_start_up(argv, pattern):
 
 
 def test_read_only_save_dir_and_one_checkpoint_as_load_dir(tmp_path):
-    from megatron.training.checkpointing import paths
+    from megatron.fsdp_training.checkpointing import paths
 
     ro = tmp_path / "ro"
     ro.mkdir()

@@ -18,15 +18,15 @@ import torch
 
 from megatron.fsdp.mcore.checkpoint_keys import (ParallelRanks, chunk_keys, global_key, rename_optimizer_key,
                                                  split_placement, tp1_shape, tp_placements)
-from megatron.training.checkpointing import files
-from megatron.training.arguments import ArgumentError, parse_args, validate_args
-from megatron.training.checkpointing.layout_v1 import parse_key as parse_v1_key
+from megatron.fsdp_training.checkpointing import files
+from megatron.fsdp_training.arguments.parser import ArgumentError, parse_args, validate_args
+from megatron.fsdp_training.checkpointing.layout_v1 import parse_key as parse_v1_key
 from megatron.fsdp.testing.common import LEVELS, rel
-from megatron.training.testing.job import B8, B12, LINE, MODEL, ROOT, assert_exact_resume, fsdp, pretrain
+from megatron.fsdp_training.testing.job import B8, B12, LINE, MODEL, ROOT, assert_exact_resume, fsdp, pretrain
 from tests.cases.job_checkpoint import (failing_background_write, fresh_then_loaded, layout_v1_translation, load_error,
                                         loaded_vs_unsharded, rng_round_trip)
 from megatron.fsdp.testing.matrix import full_matrix
-from megatron.training.testing.pools import pool_of
+from megatron.fsdp_training.testing.pools import pool_of
 from tools.checkpoint import convert
 from tools.checkpoint import inspect as ckpt_inspect
 

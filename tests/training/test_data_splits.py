@@ -10,8 +10,8 @@ import signal
 import numpy as np
 import pytest
 
-from megatron.training.arguments import ArgumentError, parse_args, validate_args
-from megatron.training.testing.pretrain import pretrain_in_pool
+from megatron.fsdp_training.arguments.parser import ArgumentError, parse_args, validate_args
+from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
 
 
 SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
@@ -51,7 +51,7 @@ def corpora(tmp_path_factory):
 
 
 def test_small_corpus_errors_name_the_split_and_a_working_split(corpora, capsys):
-    from megatron.training.training import main
+    from megatron.fsdp_training.training import main
 
     # 10 documents at the default 969,30,1: validation rounds to 0 documents.
     argv = SMALL + ["--data-path", corpora[10]]
@@ -75,7 +75,7 @@ def test_small_corpus_errors_name_the_split_and_a_working_split(corpora, capsys)
 
 def test_default_split_builds_only_used_splits(corpora):
     """40 documents at 969,30,1: the test split has none; it is unused, so it is not built (no hang)."""
-    from megatron.training.data import datasets as data
+    from megatron.fsdp_training.data import datasets as data
 
     args = validate_args(parse_args(SMALL + ["--data-path", corpora[40]]), 1)
     with _no_hang():

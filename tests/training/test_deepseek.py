@@ -1,4 +1,4 @@
-"""DeepSeek-V3's shape on fully-sharded state (megatron/training/testing/deepseek.py's tiny model: MLA,
+"""DeepSeek-V3's shape on fully-sharded state (megatron/fsdp_training/testing/deepseek.py's tiny model: MLA,
 one MTP layer, sigmoid routing with the expert bias, group-limited top-k, a shared expert, a dense first
 layer) through pretrain_gpt.py: --use-megatron-fsdp against Megatron-Core DDP with the same flags, 10
 iterations, lm loss, MTP loss and grad norm within 1e-5 per iteration; the expert bias equal on every
@@ -9,10 +9,10 @@ import pytest
 
 from megatron.fsdp.testing.common import LEVELS, rel
 from megatron.fsdp.testing.matrix import full_matrix
-from megatron.training.testing.deepseek import DEEPSEEK_MODEL, dispatcher, meta_build_equals_eager
-from megatron.training.testing.job import assert_exact_resume, fsdp
-from megatron.training.testing.pools import pool_of
-from megatron.training.testing.pretrain import pretrain_in_pool
+from megatron.fsdp_training.testing.deepseek import DEEPSEEK_MODEL, dispatcher, meta_build_equals_eager
+from megatron.fsdp_training.testing.job import assert_exact_resume, fsdp
+from megatron.fsdp_training.testing.pools import pool_of
+from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
 
 RTOL = 1e-5
 CURVES = ("losses", "mtp_1 loss", "grad_norms", "seq_load_balancing_loss", "valid")

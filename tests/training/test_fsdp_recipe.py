@@ -4,10 +4,10 @@ flag within bf16's tolerance; --fsdp-double-buffer is bitwise the run without it
 
 import pytest
 
-from megatron.training.arguments import ArgumentError, parse_args, validate_args
-from megatron.training.substitutions import substitution_line
-from megatron.training.testing.job import PRETRAIN_MODEL
-from megatron.training.testing.pools import pool_of
+from megatron.fsdp_training.arguments.parser import ArgumentError, parse_args, validate_args
+from megatron.fsdp_training.arguments.substitutions import substitution_line
+from megatron.fsdp_training.testing.job import PRETRAIN_MODEL
+from megatron.fsdp_training.testing.pools import pool_of
 from tests.cases.fsdp_recipe import pretrain_with_ledger
 
 REQUIRED = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",

@@ -10,12 +10,12 @@ layers mixed). Every case runs inside the long-lived 4-rank pools (no new proces
 
 import pytest
 
-from megatron.training.architecture import moe_layer_freq_type, swiglu_ffn_hidden_size
-from megatron.training.arguments import ArgumentError, parse_args, validate_args
+from megatron.fsdp_training.architecture import moe_layer_freq_type, swiglu_ffn_hidden_size
+from megatron.fsdp_training.arguments.parser import ArgumentError, parse_args, validate_args
 from megatron.fsdp.testing.common import LEVELS
-from megatron.training.testing.job import fsdp
+from megatron.fsdp_training.testing.job import fsdp
 from tests.cases.llama import local_spec_matches_cpu_spec
-from megatron.training.testing.pretrain import pretrain_in_pool
+from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
 
 
 LLAMA = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

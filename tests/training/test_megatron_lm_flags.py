@@ -9,8 +9,8 @@ import re
 import numpy as np
 import pytest
 
-from megatron.training.arguments import ArgumentError, build_parser, parse_args, validate_args
-from megatron.training.testing.job import B8, MODEL, PRETRAIN_MODEL, assert_exact_resume, fsdp, pretrain
+from megatron.fsdp_training.arguments.parser import ArgumentError, build_parser, parse_args, validate_args
+from megatron.fsdp_training.testing.job import B8, MODEL, PRETRAIN_MODEL, assert_exact_resume, fsdp, pretrain
 
 # examples/mixtral/train_mixtral_8x7b_distributed.sh (Megatron-LM d98e8a64), every flag as the script passes it,
 # with --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params added. Changed, and only these:
@@ -117,7 +117,7 @@ def test_rampup_batch_size_follows_megatron_core_and_matches_ddp():
     calculator gives each iteration's batch (4, 4, 4, 4, 8, 8, 8: 7 iterations, its update_train_iters);
     ZeRO-3 trains them as Megatron-Core's DDP does, within 1e-5, and logs each batch size."""
     from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
-    from megatron.training.schedule import global_batch_at
+    from megatron.fsdp_training.schedule import global_batch_at
 
     args = validate_args(parse_args(_ramp_argv()), 2)
     calculator = RampupBatchsizeNumMicroBatchesCalculator(8, 2, 2, False, 1, 4, 4, 16)
@@ -220,8 +220,8 @@ def test_megatron_lm_rules_stop_start_up_with_one_line(argv, pattern):
 
 
 def test_sample_based_length_and_the_fusion_fields():
-    from megatron.training.compat_args import transformer_config_fields
-    from megatron.training.schedule import scheduler_steps
+    from megatron.fsdp_training.arguments.megatron_lm import transformer_config_fields
+    from megatron.fsdp_training.schedule import scheduler_steps
 
     args = validate_args(parse_args(["--mock-data", "--train-samples", "100", "--global-batch-size", "8",
                                      "--lr-warmup-samples", "16", "--no-rope-fusion", "--apply-layernorm-1p",
@@ -232,7 +232,7 @@ def test_sample_based_length_and_the_fusion_fields():
     fields = transformer_config_fields(args, cpu=True)
     assert fields["layernorm_zero_centered_gamma"] and fields["recompute_modules"] == ["core_attn", "mlp"]
     assert not fields["masked_softmax_fusion"] and not fields["apply_rope_fusion"]
-    from megatron.training.substitutions import substitution_line
+    from megatron.fsdp_training.arguments.substitutions import substitution_line
 
     line = substitution_line(validate_args(parse_args(["--mock-data", "--use-megatron-fsdp", "--dist-ckpt-strictness",
                                                        "log_all", "--auto-detect-ckpt-format"]), 2))
@@ -298,7 +298,7 @@ def _small_corpus(directory, name: str, documents: int = 40) -> str:
 def test_weighted_data_path_and_a_dataset_per_split(tmp_path):
     """--data-path 0.3 A 0.7 B blends the two by weight; --train-data-path A --valid-data-path B builds each
     split from its own prefix (no --split); --no-mmap-bin-files reads the .bin files without mmap."""
-    from megatron.training.data import datasets as data
+    from megatron.fsdp_training.data import datasets as data
 
     a, b = _small_corpus(tmp_path, "a"), _small_corpus(tmp_path, "bb")
     small = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",

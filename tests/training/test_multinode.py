@@ -11,8 +11,8 @@ import sys
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from megatron.training.testing.job import LINE, ROOT, pretrain
-from megatron.training.testing.pools import pool_of
+from megatron.fsdp_training.testing.job import LINE, ROOT, pretrain
+from megatron.fsdp_training.testing.pools import pool_of
 from tests.cases.multinode import hsdp_rank_layout
 
 SCRIPT = os.path.join(ROOT, "examples", "sbatch_pretrain.sh")

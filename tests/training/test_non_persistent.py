@@ -10,11 +10,11 @@ import re
 
 import pytest
 
-from megatron.training.arguments import ArgumentError, parse_args, validate_args
-from megatron.training.checkpointing import files
-from megatron.training.checkpointing.non_persistent import _local_verdict
-from megatron.training.testing.job import B8, MODEL, fsdp, pretrain
-from megatron.training.testing.pools import pool_of
+from megatron.fsdp_training.arguments.parser import ArgumentError, parse_args, validate_args
+from megatron.fsdp_training.checkpointing import files
+from megatron.fsdp_training.checkpointing.non_persistent import _local_verdict
+from megatron.fsdp_training.testing.job import B8, MODEL, fsdp, pretrain
+from megatron.fsdp_training.testing.pools import pool_of
 from tests.cases.non_persistent import crashed_after, local_write_fails
 
 ARGV = MODEL + B8 + fsdp("optim_grads_params")
@@ -166,7 +166,7 @@ def test_local_verdict_names_why_a_local_checkpoint_is_not_used():
 
 def test_a_load_directory_with_only_non_persistent_checkpoints_is_one(tmp_path):
     """A job killed before its first persistent save leaves --save with only non_persistent/ inside: --load takes it."""
-    from megatron.training.checkpointing.paths import load_dir_problem
+    from megatron.fsdp_training.checkpointing.paths import load_dir_problem
 
     (tmp_path / "non_persistent").mkdir()
     assert load_dir_problem(str(tmp_path)) is None

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training.arguments import ArgumentError, parse_args, validate_args
-from megatron.training.logs.throughput import num_floating_point_operations, throughput
-from megatron.training.testing.pretrain import pretrain_in_pool
+from megatron.fsdp_training.arguments.parser import ArgumentError, parse_args, validate_args
+from megatron.fsdp_training.logs.throughput import num_floating_point_operations, throughput
+from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
 from tools.train_hf_tokenizer import train_tokenizer
 
 
@@ -77,7 +77,7 @@ def test_writer_startup_errors(monkeypatch, package, argv, pattern):
 
 def test_missing_package_stops_the_job_once(monkeypatch, capsys):
     """From the job's entry point: exit status 2, the message printed by rank 0 only (before any group)."""
-    from megatron.training.training import main
+    from megatron.fsdp_training.training import main
 
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     for rank, printed in (("0", 1), ("1", 0)):
@@ -89,7 +89,7 @@ def test_missing_package_stops_the_job_once(monkeypatch, capsys):
 
 
 def test_hf_tokenizer_error_without_transformers(monkeypatch):
-    from megatron.training.data.tokenizer import build_tokenizer
+    from megatron.fsdp_training.data.tokenizer import build_tokenizer
 
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ImportError, match=r"pip install transformers.*ByteLevelTokenizer"):
@@ -149,7 +149,7 @@ def test_hf_tokenizer_preprocess_train_and_scalars(mcore_pool, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from megatron.core.datasets.indexed_dataset import IndexedDataset
-    from megatron.training.data.tokenizer import build_tokenizer
+    from megatron.fsdp_training.data.tokenizer import build_tokenizer
 
     docs = _corpus()
     corpus = tmp_path / "corpus.jsonl"

@@ -1,4 +1,4 @@
-"""Tokenizers (megatron/training/data/tokenizer.py) and tools/preprocess_data.py round trips."""
+"""Tokenizers (megatron/fsdp_training/data/tokenizer.py) and tools/preprocess_data.py round trips."""
 
 import glob
 import importlib.util
@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron.training.data import tokenizer as tk
-from megatron.training.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+from megatron.fsdp_training.data import tokenizer as tk
+from megatron.fsdp_training.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -2,14 +2,14 @@
 
 import pytest
 
-from megatron.training.arguments import ArgumentError, parse_args, validate_args
+from megatron.fsdp_training.arguments.parser import ArgumentError, parse_args, validate_args
 from megatron.fsdp.testing.common import LEVELS
-from megatron.training.testing.job import LINE
-from megatron.training.testing.job import PRETRAIN_MODEL as MODEL
-from megatron.training.testing.job import fsdp, torchrun
-from megatron.training.testing.pretrain import pretrain_in_pool
+from megatron.fsdp_training.testing.job import LINE
+from megatron.fsdp_training.testing.job import PRETRAIN_MODEL as MODEL
+from megatron.fsdp_training.testing.job import fsdp, torchrun
+from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
 from megatron.fsdp.testing.matrix import full_matrix
-from megatron.training.testing.pools import pool_of
+from megatron.fsdp_training.testing.pools import pool_of
 
 
 def _in_pool(ranks, extra):
@@ -159,14 +159,14 @@ def test_startup_errors(argv, world, pattern):
 def test_startup_error_from_the_command_line(capsys):
     """pretrain_gpt.py's entry point (``training.main``, what the script calls): the message on stdout, exit
     status 2, before any process group exists (run in this process: no second Megatron-Core import)."""
-    from megatron.training.training import main
+    from megatron.fsdp_training.training import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--mock-data", "--global-batch-size", "6", "--micro-batch-size", "4"])
     assert exit_info.value.code == 2
     assert "error: --global-batch-size 6 is not a multiple of --micro-batch-size 4" in capsys.readouterr().out
 def test_help_shows_every_default():
-    from megatron.training.arguments import build_parser
+    from megatron.fsdp_training.arguments.parser import build_parser
 
     parser = build_parser()
     text = " ".join(parser.format_help().split())

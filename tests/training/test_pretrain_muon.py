@@ -9,10 +9,10 @@ Measured differences: see RTOL. ``--muon-extra-scale-factor 0.2``
 
 import pytest
 
-from megatron.training.arguments import ArgumentError, parse_args, validate_args
-from megatron.training.testing.job import PRETRAIN_MODEL as MODEL
-from megatron.training.testing.job import assert_exact_resume, fsdp
-from megatron.training.testing.pretrain import pretrain_in_pool
+from megatron.fsdp_training.arguments.parser import ArgumentError, parse_args, validate_args
+from megatron.fsdp_training.testing.job import PRETRAIN_MODEL as MODEL
+from megatron.fsdp_training.testing.job import assert_exact_resume, fsdp
+from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
 
 
 MUON = ["--optimizer", "muon", "--muon-use-nesterov", "--muon-extra-scale-factor", "0.2"]

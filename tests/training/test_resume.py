@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron.training.arguments import ArgumentError, parse_args, validate_args
-from megatron.training.checkpointing import files
-from megatron.training.testing.job import B8, MODEL, ROOT, fsdp, pretrain
-from megatron.training.testing.pools import pool_of
+from megatron.fsdp_training.arguments.parser import ArgumentError, parse_args, validate_args
+from megatron.fsdp_training.checkpointing import files
+from megatron.fsdp_training.testing.job import B8, MODEL, ROOT, fsdp, pretrain
+from megatron.fsdp_training.testing.pools import pool_of
 from tests.cases.job_checkpoint import load_error
 from tests.cases.job_resume import save_size_estimate, start_error
 from tools.checkpoint import inspect as ckpt_inspect
@@ -60,7 +60,7 @@ def _expected_lrs(argv, iterations):
     """The learning rates Megatron-Core's scheduler gives ``argv``'s schedule after each of ``iterations``."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron.training import model as model_lib
+    from megatron.fsdp_training import model as model_lib
 
     args = validate_args(parse_args(argv), 2)
     args.use_checkpoint_opt_param_scheduler = False
@@ -190,7 +190,7 @@ def test_set_aside_copies_are_reported_at_start_up(tmp_path, capsys):
 
 def test_minor_lines_name_what_they_mean():
     from megatron.fsdp.collectives.comm import CollectiveError
-    from megatron.training.logs.lines import end_of_run_line
+    from megatron.fsdp_training.logs.lines import end_of_run_line
 
     assert "(purpose: FSDP unit 0)" in str(CollectiveError("all_gather", "dp_shard", "0", RuntimeError("x")))
     assert "tokens per second: 0.0" in end_of_run_line(0, 1.0, 0.0, 0, 5.0)

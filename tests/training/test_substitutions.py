@@ -1,8 +1,8 @@
-"""The one start-up line of substituted kernels and backends (megatron/training/substitutions.py)."""
+"""The one start-up line of substituted kernels and backends (megatron/fsdp_training/arguments/substitutions.py)."""
 
 import argparse
 
-from megatron.training.substitutions import Substitution, substitution_line, substitutions
+from megatron.fsdp_training.arguments.substitutions import Substitution, substitution_line, substitutions
 
 
 def _flash(args):

@@ -13,10 +13,10 @@ import re
 
 import pytest
 
-from megatron.training.checkpointing import files, manifest
-from megatron.training.arguments import ArgumentError, parse_args, validate_args
+from megatron.fsdp_training.checkpointing import files, manifest
+from megatron.fsdp_training.arguments.parser import ArgumentError, parse_args, validate_args
 from megatron.fsdp.testing.common import rel
-from megatron.training.testing.job import B8, MODEL, assert_exact_resume, fsdp, pretrain
+from megatron.fsdp_training.testing.job import B8, MODEL, assert_exact_resume, fsdp, pretrain
 from megatron.fsdp.testing.pool import RankError
 from tools.checkpoint import convert
 from tools.checkpoint import torch_dist_dp_layout

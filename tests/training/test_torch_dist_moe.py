@@ -5,7 +5,7 @@ within 1e-5 of the same baseline resumed from its own checkpoint (losses and gra
 The dense case: test_torch_dist.py."""
 
 from megatron.fsdp.testing.common import rel
-from megatron.training.testing.job import B8, MODEL, assert_exact_resume, fsdp, pretrain
+from megatron.fsdp_training.testing.job import B8, MODEL, assert_exact_resume, fsdp, pretrain
 from tools.checkpoint import convert
 
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",

@@ -3,7 +3,7 @@
 The model, the parallel state and the step are Megatron's own: ``gpt_chunks`` (the training
 job's builder) with the CPU layer spec, ``get_forward_backward_func`` with one micro-batch,
 then ``optimizer.step()``. This project's adapter and Megatron-Core's DDP and
-DistributedOptimizer are wrapped by ``megatron.training.model.wrap_and_optimize``, the
+DistributedOptimizer are wrapped by ``megatron.fsdp_training.model.wrap_and_optimize``, the
 code ``pretrain_gpt.py`` runs, so the benchmark measures what users get; for bf16
 Megatron's wrappers get ``Float16Module`` first, as Megatron-LM's ``get_model`` does
 (the adapter casts by itself). Megatron-FSDP v1 (``megatron.core.distributed.fsdp``)
@@ -27,7 +27,7 @@ from tools.bench.spec import (BETAS, CLIP_GRAD, EPS, FLOOR, LEVEL_OF, LR, SIZES,
 
 
 def _config(size_name: str, bf16: bool):
-    from megatron.training.testing.gpt import Topology, tiny_gpt_config
+    from megatron.fsdp_training.testing.gpt import Topology, tiny_gpt_config
 
     s = SIZES[size_name]
     return tiny_gpt_config(Topology(), num_layers=s.layers, hidden_size=s.hidden, num_attention_heads=s.heads,
@@ -37,7 +37,7 @@ def _config(size_name: str, bf16: bool):
 
 def _args(system: str, bf16: bool):
     """The training job's arguments (its parser's defaults) with this benchmark's settings."""
-    from megatron.training.arguments import build_parser
+    from megatron.fsdp_training.arguments.parser import build_parser
 
     ours = system.startswith("ours:")
     option = option_of(system)  # the job's flag of each option row, as validate_fsdp_recipe maps it
@@ -56,8 +56,8 @@ def _megatron_fsdp_v1(config, chunks, args):
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
     from megatron.core.optimizer import get_megatron_optimizer, get_standard_config_overrides
-    from megatron.training.initialize import gloo_twin_groups
-    from megatron.training.model import optimizer_config
+    from megatron.fsdp_training.initialize import gloo_twin_groups
+    from megatron.fsdp_training.model import optimizer_config
 
     ddp_config = DistributedDataParallelConfig(
         use_megatron_fsdp=True, use_distributed_optimizer=True, data_parallel_sharding_strategy="optim_grads_params",
@@ -103,7 +103,7 @@ def _floor(config, chunks, bf16: bool):
 
 def _wrap(system: str, config, chunks, bf16: bool):
     """(model chunks, optimizer, wire) as ``wrap_and_optimize`` returns them, for every mcore system."""
-    from megatron.training.model import wrap_and_optimize
+    from megatron.fsdp_training.model import wrap_and_optimize
 
     if system == FLOOR:
         return _floor(config, chunks, bf16)
@@ -160,12 +160,12 @@ def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, t
     """
     M.prepare_worker(threads)
     if job_allocator:
-        from megatron.training.allocator import apply_job_setting
+        from megatron.fsdp_training.allocator import apply_job_setting
         apply_job_setting()
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.fsdp.mcore.cpu_mode import cpu_layer_spec
-    from megatron.training.model import gpt_chunks
-    from megatron.training.testing.gpt import Topology, forward_step, parallel, set_random_seed
+    from megatron.fsdp_training.model import gpt_chunks
+    from megatron.fsdp_training.testing.gpt import Topology, forward_step, parallel, set_random_seed
 
     s = SIZES[size_name]
     with parallel(ctx, Topology()):

@@ -202,7 +202,7 @@ def spawn_env(name: str, value: str):
 
 def trim_heap() -> None:
     """Collect garbage and hand freed heap pages back to the OS (the job's ``allocator.trim_heap``)."""
-    from megatron.training.allocator import trim_heap as hand_back
+    from megatron.fsdp_training.allocator import trim_heap as hand_back
 
     gc.collect()
     hand_back()

@@ -16,7 +16,7 @@ the weights the optimizer updates, their gradients, the optimizer state, and eve
 else alive between steps (``other``: buffers, staging, caches).
 
 Each configuration runs twice by default, both systems alike: as launched by the training
-job (``default``: the job's fixed glibc mmap threshold, ``megatron/training/allocator.py``,
+job (``default``: the job's fixed glibc mmap threshold, ``megatron/fsdp_training/allocator.py``,
 set in every rank before the model is built, as ``initialize`` does for pretrain_gpt.py,
 and its heap trim after each unit's backward, on both systems: the engine's post-backward
 hook for ours, a block backward hook for FSDP2),
@@ -63,7 +63,7 @@ SYSTEMS = ("fsdp2", "ours:optim_grads_params", "ours:optim_grads_params:bf16-sta
 LABELS = {"fsdp2": "FSDP2", "ours:optim_grads_params": "ours ZeRO-3, fp32 state",
           "ours:optim_grads_params:bf16-state": "ours ZeRO-3, bf16 state",
           **{system: "ours ZeRO-3, " + system.partition("+")[2].replace("_", " ") for system in OURS_OPTIONS}}
-# glibc settings of the ranks: as launched by the training job (megatron.training.allocator: its
+# glibc settings of the ranks: as launched by the training job (megatron.fsdp_training.allocator: its
 # fixed mmap threshold and the heap trimmed after each unit's backward); the job's threshold
 # without the trim (its setting before issue 28); glibc's defaults; one arena (MALLOC_ARENA_MAX=1); a fixed 64 KiB
 # mmap threshold from the environment (MALLOC_MMAP_THRESHOLD_, which also stops glibc raising it

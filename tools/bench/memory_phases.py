@@ -14,7 +14,7 @@ attributed to the interval it happened in. Figures are above the resident set be
 model was built, largest rank.
 
 The ranks set glibc up as the training job does (``--allocator default``:
-``megatron/training/allocator.py``: a fixed mmap threshold, and the heap trimmed after each
+``megatron/fsdp_training/allocator.py``: a fixed mmap threshold, and the heap trimmed after each
 unit's backward), so the resident set follows the live tensors and the profile shows what
 the step needs rather than what glibc kept (``--allocator threshold``: the threshold alone;
 ``--allocator glibc``: glibc's own defaults).
@@ -90,7 +90,7 @@ def case(ctx, system: str, size_name: str, warmup: int, threads: int, upcast_bf1
     M.prepare_worker(threads)
     trim = job_allocator if trim is None else trim
     if job_allocator:  # the job's whole setting with the trim; its threshold alone without
-        from megatron.training.allocator import apply_job_setting, fix_mmap_threshold
+        from megatron.fsdp_training.allocator import apply_job_setting, fix_mmap_threshold
         (apply_job_setting if trim else fix_mmap_threshold)()
     if upcast_bf16:
         from tools.bench.bf16_support import upcast_bf16_kernels

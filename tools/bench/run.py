@@ -68,7 +68,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores // ranks)")
     p.add_argument("--allocator", choices=ALLOCATORS, default="glibc",
                    help="glibc setting of the ranks: 'glibc' (its defaults), 'job' (as the training job sets it up, "
-                        "megatron/training/allocator.py: a fixed mmap threshold and the heap trimmed after each "
+                        "megatron/fsdp_training/allocator.py: a fixed mmap threshold and the heap trimmed after each "
                         "unit's backward), 'threshold' (the job's threshold alone; torch workload)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take before it counts as a hang")
     p.add_argument("--quick", action="store_true", help="tiny model, one round, few steps: a smoke run")

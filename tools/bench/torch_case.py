@@ -144,7 +144,7 @@ def adamw(groups):
 def _trim_after_block_backward(model: torch.nn.Module) -> None:
     """The job's trim (``allocator.trim_after_unit_backward``) for a system without the engine's
     post-backward hook (FSDP2, the floor): after each block's backward, through a module hook."""
-    from megatron.training.allocator import trim_after_unit_backward
+    from megatron.fsdp_training.allocator import trim_after_unit_backward
 
     hook = trim_after_unit_backward()
     for block in model.blocks:
@@ -185,7 +185,7 @@ def build_system(system: str, model: torch.nn.Module, tokens: torch.Tensor, bf16
         wrapped, optimizer = wrap_ours(model, level, bf16, torch.bfloat16 if variant == "bf16-state" else None,
                                        option_of(system))
         if trim:
-            from megatron.training.allocator import trim_after_unit_backward
+            from megatron.fsdp_training.allocator import trim_after_unit_backward
             wrapped.register_post_backward_hook(trim_after_unit_backward())
 
         def step():
@@ -203,7 +203,7 @@ def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, t
 
     ``upcast_bf16``: bf16 linears and attention through fp32 kernels (``bf16_support``), for
     CPUs that emulate bf16 matrix products; it stays installed in the worker process.
-    ``job_allocator``: the training job's allocator setting (``megatron.training.allocator``),
+    ``job_allocator``: the training job's allocator setting (``megatron.fsdp_training.allocator``),
     whatever the system: glibc's mmap threshold fixed (process-wide, it stays set) and, unless
     ``trim`` is False, the heap trimmed after each unit's backward (``trim`` None: as
     ``job_allocator``).
@@ -211,7 +211,7 @@ def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, t
     M.prepare_worker(threads)
     trim = job_allocator if trim is None else trim
     if job_allocator:  # the job's whole setting with the trim; its threshold alone without
-        from megatron.training.allocator import apply_job_setting, fix_mmap_threshold
+        from megatron.fsdp_training.allocator import apply_job_setting, fix_mmap_threshold
         (apply_job_setting if trim else fix_mmap_threshold)()
     if upcast_bf16:
         from tools.bench.bf16_support import upcast_bf16_kernels

@@ -56,7 +56,7 @@ def read_checkpoint(directory: Path) -> Dict[str, Any]:
 def to_torch(checkpoint: str, out: str, model_only: bool = False, iteration: Optional[int] = None) -> Path:
     import torch
 
-    from megatron.training.checkpointing import files
+    from megatron.fsdp_training.checkpointing import files
     from tools.checkpoint.inspect import resolve
 
     directory = resolve(checkpoint, iteration)
@@ -76,7 +76,7 @@ def model_state(state: Dict[str, Any]) -> Dict[str, Any]:
     """
     from megatron.fsdp.mcore.checkpoint_keys import tp1_shape
 
-    from megatron.training.checkpointing.save_load import tp_global
+    from megatron.fsdp_training.checkpointing.save_load import tp_global
 
     if not tp_global(state["common"]):
         raise SystemExit("this checkpoint has layout version 1 (keys per tensor-parallel rank): load it with "
@@ -93,7 +93,7 @@ def from_torch(path: str, save_dir: str, overwrite: bool = False) -> Path:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from megatron.training.checkpointing import files
+    from megatron.fsdp_training.checkpointing import files
     from tools.checkpoint import output
 
     state = torch.load(path, weights_only=False)

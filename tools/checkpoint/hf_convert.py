@@ -73,8 +73,8 @@ def _apply(rule: Rule, tensors: Dict[str, torch.Tensor], to_hf: bool) -> List[Tu
 def to_hf(checkpoint: str, out: str, model_type: Optional[str] = None, iteration: Optional[int] = None,
           dtype: Optional[str] = None, max_shard_bytes: int = 5 * 2 ** 30, overwrite: bool = False) -> ConversionReport:
     """Write ``checkpoint``'s model as a HuggingFace directory ``out`` (config.json, shards, index)."""
-    from megatron.training.checkpointing import files
-    from megatron.training.checkpointing.save_load import tp_global
+    from megatron.fsdp_training.checkpointing import files
+    from megatron.fsdp_training.checkpointing.save_load import tp_global
     from tools.checkpoint.inspect import resolve
 
     hf_io.return_large_buffers_to_the_os()
@@ -131,8 +131,8 @@ def to_hf(checkpoint: str, out: str, model_type: Optional[str] = None, iteration
 # ---------------------------------------------------------------------- from HF
 def from_hf(hf_dir: str, save_dir: str, overwrite: bool = False) -> Tuple[ConversionReport, Arch]:
     """Write HuggingFace model ``hf_dir`` as the fsdp_dtensor checkpoint ``save_dir/iter_0000000``."""
-    from megatron.training.checkpointing import files
-    from megatron.training.checkpointing.save_load import FORMAT, VERSION
+    from megatron.fsdp_training.checkpointing import files
+    from megatron.fsdp_training.checkpointing.save_load import FORMAT, VERSION
 
     hf_io.return_large_buffers_to_the_os()
     rss_before = hf_io.current_rss_bytes()

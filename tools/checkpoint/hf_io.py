@@ -44,7 +44,7 @@ def return_large_buffers_to_the_os() -> None:
     (``mallopt(M_MMAP_THRESHOLD)``, as ``MALLOC_MMAP_THRESHOLD_`` would set) stops that. No-op
     where glibc is not the allocator.
     """
-    from megatron.training.allocator import fix_mmap_threshold
+    from megatron.fsdp_training.allocator import fix_mmap_threshold
 
     fix_mmap_threshold(1 << 20)
 

@@ -25,7 +25,7 @@ def job_tokenizer(common: Mapping[str, Any]):
     args = common.get("args", {})
     if common.get("hf", {}).get("config") and "tokenizer_type" not in args:
         return None
-    from megatron.training.data.datasets import build_tokenizer
+    from megatron.fsdp_training.data.datasets import build_tokenizer
 
     names = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
     return build_tokenizer(argparse.Namespace(**{k: args.get(k) for k in names}))

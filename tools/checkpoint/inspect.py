@@ -27,7 +27,7 @@ from typing import Optional  # noqa: E402
 
 def resolve(path: str, iteration: Optional[int] = None) -> Path:
     """An ``iter_*`` directory from a save directory (tracker or ``iteration``) or the directory itself."""
-    from megatron.training.checkpointing import files
+    from megatron.fsdp_training.checkpointing import files
 
     root = Path(path)
     if (root / ".metadata").is_file() or (root / "manifest.json").is_file():
@@ -43,7 +43,7 @@ def describe(directory: Path) -> dict:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from megatron.training.checkpointing import files
+    from megatron.fsdp_training.checkpointing import files
 
     metadata = FileSystemReader(str(directory)).read_metadata()
     keys = {}
@@ -68,7 +68,7 @@ def layout_lines(common: dict) -> list:
                    f"{saved['num_distributed_optimizer_instances']} instance(s)")
     else:
         written = f"world {common.get('world_size')}, TP {args.get('tensor_model_parallel_size')}"
-    from megatron.training.checkpointing.save_load import tp_global
+    from megatron.fsdp_training.checkpointing.save_load import tp_global
 
     if tp_global(common):
         loads = "any TP, PP, EP, expert TP and DP size, level or mesh (TP-global keys)"
@@ -88,7 +88,7 @@ def verify(directory: Path) -> int:
     """Offline check of one checkpoint; prints one line per problem (or one ``verified`` line); the exit code."""
     import time
 
-    from megatron.training.checkpointing import manifest
+    from megatron.fsdp_training.checkpointing import manifest
 
     listed = manifest.read_manifest(directory)
     if listed is None and not manifest.verify(directory):  # one a save of today must have fails below

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from megatron.training.checkpointing import manifest  # noqa: E402
+from megatron.fsdp_training.checkpointing import manifest  # noqa: E402
 
 
 def main() -> None:

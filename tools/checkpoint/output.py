@@ -23,7 +23,7 @@ from typing import Tuple
 
 def check_destination(out: str, iteration: int, overwrite: bool = False) -> Path:
     """Refuse ``out`` unless it is new or empty (or ``overwrite``), and if its tracker is ahead of ``iteration``."""
-    from megatron.training.checkpointing import files
+    from megatron.fsdp_training.checkpointing import files
 
     root = Path(out)
     if root.exists() and not root.is_dir():
@@ -58,7 +58,7 @@ def check_empty(out: str, overwrite: bool = False) -> Path:
 
 def new_temporary(root: Path, iteration: int) -> Path:
     """The save protocol's temporary directory for ``iteration`` under ``root`` (created with ``root``)."""
-    from megatron.training.checkpointing import files
+    from megatron.fsdp_training.checkpointing import files
 
     root.mkdir(parents=True, exist_ok=True)
     tmp = files.temporary_dir(root, iteration, files.new_nonce())
@@ -68,7 +68,7 @@ def new_temporary(root: Path, iteration: int) -> Path:
 
 def publish(tmp: Path, root: Path, iteration: int) -> Path:
     """Checksum every file of ``tmp`` into its manifest, then rename it into place and move the tracker."""
-    from megatron.training.checkpointing import files, manifest
+    from megatron.fsdp_training.checkpointing import files, manifest
 
     names = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name != manifest.MANIFEST)
     manifest.write_manifest(tmp, {}, extra=names)

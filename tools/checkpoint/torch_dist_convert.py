@@ -218,9 +218,9 @@ def _rng_objects(directory: Path, metadata, args, world: int) -> Dict[str, bytes
 
 def from_torch_dist(source: str, out: str, iteration: Optional[int] = None, overwrite: bool = False) -> Path:
     """A torch_dist checkpoint (the baseline's, or Megatron-LM's) as an fsdp_dtensor one under ``out``."""
-    from megatron.training.checkpointing import files
-    from megatron.training.checkpointing import save_load as checkpointing
-    from megatron.training.checkpointing.torch_dist import is_torch_dist, read_common
+    from megatron.fsdp_training.checkpointing import files
+    from megatron.fsdp_training.checkpointing import save_load as checkpointing
+    from megatron.fsdp_training.checkpointing.torch_dist import is_torch_dist, read_common
     from tools.checkpoint.inspect import resolve
 
     directory = resolve(source, iteration)
@@ -327,9 +327,9 @@ def to_torch_dist(source: str, out: str, iteration: Optional[int] = None, overwr
     """An fsdp_dtensor checkpoint as a torch_dist one under ``out`` (the baseline loads it with its optimizer)."""
     from megatron.fsdp.mcore.checkpoint_keys import tp1_shape
 
-    from megatron.training.checkpointing import files
-    from megatron.training.checkpointing.save_load import tp_global
-    from megatron.training.checkpointing.torch_dist import CHECKPOINT_VERSION, SHARDED_METADATA
+    from megatron.fsdp_training.checkpointing import files
+    from megatron.fsdp_training.checkpointing.save_load import tp_global
+    from megatron.fsdp_training.checkpointing.torch_dist import CHECKPOINT_VERSION, SHARDED_METADATA
     from tools.checkpoint.inspect import resolve
 
     directory = resolve(source, iteration)

@@ -1,7 +1,7 @@
 """Checkpoint metadata validation: does a state dict fit a DCP checkpoint, before anything is read.
 
 One rule for the engine (``check_checkpoint_keys``, one rank's state dict) and the
-training job (``megatron.training.checkpointing.save_load.validate_keys``, the union over ranks):
+training job (``megatron.fsdp_training.checkpointing.save_load.validate_keys``, the union over ranks):
 keys are described as ``(shape, dtype)`` or ``("bytes",)`` after DCP's own flattening
 of nested dicts, and :func:`key_mismatches` compares two descriptions. An optimizer
 moment may load into another dtype (fp32 <-> bf16 state: ``converts_on_load``).

@@ -15,7 +15,7 @@ A context variable (not an argument) selects the arena: the state dicts are
 built through ``nn.Module.state_dict`` and the optimizer wrappers, whose
 signatures are not ours to extend; outside ``staging_into`` nothing changes.
 
-Safe reuse needs one rule, kept by the caller (``megatron/training/checkpointing/async_save.py``):
+Safe reuse needs one rule, kept by the caller (``megatron/fsdp_training/checkpointing/async_save.py``):
 the next save into an arena starts only after the writer of the previous one has
 finished reading it.
 

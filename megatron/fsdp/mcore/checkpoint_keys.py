@@ -26,7 +26,7 @@ adapter renames:
 Layout version 1 (checkpoints written before TP-global coordinates) prefixed every
 key with ``tp{rank}.`` under TP > 1 and legacy ``GroupedMLP`` weights with
 ``ep{rank}.`` under EP > 1, each key in TP-local shape; the training job reads such
-a checkpoint in TP-global coordinates (``megatron/training/checkpointing/layout_v1.py``),
+a checkpoint in TP-global coordinates (``megatron/fsdp_training/checkpointing/layout_v1.py``),
 told how each parameter was split by ``split_rules``.
 
 TP-global coordinates (``tp_placements``): where Megatron-Core's TP-1 model

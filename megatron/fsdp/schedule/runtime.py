@@ -139,7 +139,7 @@ class Schedule:
         self._callback_queued = False
         # Called with a unit's name once that unit's backward is done (its gradient reduction
         # issued, its weights released): a place for a caller's per-unit policy, such as the job
-        # handing freed activation memory back to the OS (megatron/training/allocator.py).
+        # handing freed activation memory back to the OS (megatron/fsdp_training/allocator.py).
         self.post_backward_hooks: Dict[int, Callable[[str], None]] = collections.OrderedDict()  # weak-referable
 
     # ---------------------------------------------------------------- forward

@@ -5,7 +5,7 @@ worker's settings (``worker_setup``), the sampled test matrix (``matrix``), and 
 cases and models that tools run too (``models``, ``engine_training``, ``engine``, ``common``).
 Installed, so that ``tools/`` and ``examples/`` never import ``tests/``.
 
-May import: torch and ``megatron.fsdp`` (never Megatron-Core: that side is ``megatron.training.testing``).
+May import: torch and ``megatron.fsdp`` (never Megatron-Core: that side is ``megatron.fsdp_training.testing``).
 """
 
 from .pool import RankError, WorkerPool, WorkerTimeout

@@ -1,7 +1,7 @@
 """A worker process's settings, applied on import, before torch or Megatron-Core is imported.
 
 Imported first by every pool worker, and by the forkserver the session's workers are
-forked from (``megatron/training/testing/pools.py``), so the imports made there are as quiet as a
+forked from (``megatron/fsdp_training/testing/pools.py``), so the imports made there are as quiet as a
 worker's own: no TorchDynamo, no FutureWarning, none of the notices a CPU worker pool
 would repeat once per process (they would interleave with the report tools' rows).
 """

@@ -141,7 +141,7 @@ class FullyShardedModule(torch.nn.Module):
 
         Why: a per-unit point in the backward for the caller's own policy, which the engine
         leaves alone: the training job returns the heap's freed activation pages to the OS
-        there (``megatron/training/allocator.py``), since a process-wide allocator setting is
+        there (``megatron/fsdp_training/allocator.py``), since a process-wide allocator setting is
         the job's decision, not the engine's.
         """
         handle = RemovableHandle(self._runtime.post_backward_hooks)

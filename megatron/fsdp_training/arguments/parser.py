@@ -13,14 +13,14 @@ from typing import List, Optional
 
 import megatron.fsdp as mfsdp
 
-from .architecture import add_architecture_args, validate_architecture
-from .compat_args import add_compat_args, validate_compat
-from .profiling import add_profiling_args, validate_profiling
-from .schedule import add_schedule_args, check_learning_rates, resolve_train_length
-from .errors import ArgumentError
+from ..architecture import add_architecture_args, validate_architecture
+from .megatron_lm import add_compat_args, validate_compat
+from ..profiling import add_profiling_args, validate_profiling
+from ..schedule import add_schedule_args, check_learning_rates, resolve_train_length
+from ..errors import ArgumentError
 from .fsdp_recipe import add_fsdp_recipe_args, validate_fsdp_recipe
-from .argument_help import DefaultsHelpFormatter, show_every_default
-from .logs.writers import add_writer_args, validate_writers
+from .help import DefaultsHelpFormatter, show_every_default
+from ..logs.writers import add_writer_args, validate_writers
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -279,7 +279,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _validate_fault_tolerance(args, world_size)
     if args.transformer_impl == "transformer_engine" and importlib.util.find_spec("transformer_engine") is None:
         # Only the layers' implementation differs (the same mathematics): Megatron-Core's own layers run instead,
-        # said in the start-up substitution line (compat_args.compat_substitutions reads what was asked for).
+        # said in the start-up substitution line (megatron_lm.compat_substitutions reads what was asked for).
         args.transformer_impl_requested, args.transformer_impl = args.transformer_impl, "local"
     return args
 
@@ -363,7 +363,7 @@ def _validate_moe(args: argparse.Namespace, world_size: int) -> None:
 
 def _validate_data(args: argparse.Namespace) -> None:
     """Every split the run reads has documents (an empty one would make Megatron-Core loop forever)."""
-    from .data.splits import DataSplitError, check_splits
+    from ..data.splits import DataSplitError, check_splits
 
     try:
         check_splits(args)
@@ -442,7 +442,7 @@ def _validate_async_save(args: argparse.Namespace) -> None:
 
 def _validate_fault_tolerance(args: argparse.Namespace, world_size: int) -> None:
     """Timeout, signal handler, fault injection and the --save/--load paths: all before any process group."""
-    from .checkpointing import files as checkpoint_files, paths as checkpoint_paths
+    from ..checkpointing import files as checkpoint_files, paths as checkpoint_paths
 
     if args.distributed_timeout_minutes < 1:
         _fail(f"--distributed-timeout-minutes={args.distributed_timeout_minutes} must be at least 1")

@@ -22,7 +22,7 @@ kept. Megatron-LM's meanings (``megatron/training/checkpointing.py``, ``training
 Non-persistent saves never write into ``--save``'s ``iter_*`` directories, so they never overwrite a
 persistent checkpoint; a non-persistent one that is newer than the run's start is replaced by its first
 non-persistent save, said at start-up (``check_newer``). The flags and their start-up rules are in
-``non_persistent_args.py``.
+``arguments/non_persistent.py``.
 """
 
 from __future__ import annotations

@@ -39,9 +39,9 @@ def meta_build_equals_eager(ctx, argv) -> list:
     every unit storage or buffer that differs (bitwise) on this rank: empty when the builds are equal."""
     import torch
 
-    from megatron.training import training
-    from megatron.training.arguments import parse_args
-    from megatron.training.testing.megatron_case import megatron_case
+    from megatron.fsdp_training import training
+    from megatron.fsdp_training.arguments.parser import parse_args
+    from megatron.fsdp_training.testing.megatron_case import megatron_case
 
     built = []
     for extra in ([], ["--init-model-with-meta-device"]):

@@ -16,7 +16,7 @@ from megatron.fsdp.testing.pool import WorkerPool
 # imported these once (WorkerPool's ``preload``). Forking after these imports is safe: they
 # start no thread.
 PRELOAD = ("megatron.fsdp.testing.worker_setup", "torch", "torch.distributed", "torch._dynamo", "megatron.fsdp", "megatron.core.models.gpt",
-           "megatron.core.optimizer", "megatron.training.training", "megatron.fsdp.testing.pool")
+           "megatron.core.optimizer", "megatron.fsdp_training.training", "megatron.fsdp.testing.pool")
 _pools: Dict[Tuple[int, str], WorkerPool] = {}
 
 

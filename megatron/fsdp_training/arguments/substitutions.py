@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 from typing import Callable, List, Tuple
 
-from .compat_args import compat_substitutions
+from .megatron_lm import compat_substitutions
 from .fsdp_recipe import fsdp_recipe_substitutions
-from .moe_dispatch import moe_dispatcher_substitutions
-from .profiling import profiling_substitutions
+from ..moe_dispatch import moe_dispatcher_substitutions
+from ..profiling import profiling_substitutions
 from .substitution_record import Substitution
 
 

@@ -18,7 +18,7 @@ from typing import List
 
 import torch
 
-from .errors import ArgumentError
+from ..errors import ArgumentError
 from .substitution_record import Substitution
 
 

@@ -1,6 +1,6 @@
 """The MoE parity matrix of tests/mcore/test_moe.py (also printed whole by tools/moe_report.py)."""
 
-from megatron.training.testing.gpt import Topology
+from megatron.fsdp_training.testing.gpt import Topology
 
 
 def moe_topology(dispatcher: str, ep: int, **kw) -> Topology:

@@ -12,8 +12,8 @@ import re
 import subprocess
 import sys
 
-from megatron.training.testing.pretrain import pretrain_in_pool
-from megatron.training.testing.pools import pool_of
+from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
+from megatron.fsdp_training.testing.pools import pool_of
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the checkout
@@ -45,7 +45,7 @@ def pretrain(ranks, argv, **kwargs):
 def torchrun(nproc, argv):
     """``torchrun pretrain_gpt.py argv``: the logged (iteration, lm loss, grad norm) rows (one per
     iteration of ``--train-iters``) and the output."""
-    from megatron.training.arguments import parse_args, validate_args
+    from megatron.fsdp_training.arguments.parser import parse_args, validate_args
 
     iterations = validate_args(parse_args(argv), nproc).train_iters  # also from --train-samples
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")

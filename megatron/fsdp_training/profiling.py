@@ -20,7 +20,7 @@ from typing import List, Optional
 import torch
 
 from .errors import ArgumentError
-from .substitution_record import Substitution
+from .arguments.substitution_record import Substitution
 
 
 def add_profiling_args(p: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ import argparse
 from typing import List
 
 from .architecture import FLEX_BACKEND_MODULES
-from .substitution_record import Substitution
+from .arguments.substitution_record import Substitution
 
 
 def _installed(module: str) -> bool:

@@ -114,8 +114,8 @@ def parallel(ctx, topology: Topology, seed: int = SEED):
     released, so the next case in the same worker starts clean.
     """
     from megatron.core import parallel_state as ps
-    from megatron.training.initialize import gloo_twin_groups
-    from megatron.training.testing.megatron_case import megatron_case
+    from megatron.fsdp_training.initialize import gloo_twin_groups
+    from megatron.fsdp_training.testing.megatron_case import megatron_case
 
     world = dist.get_world_size()
     if ctx.size != world:
@@ -186,7 +186,7 @@ def build_model_chunks(config, topology: Topology, seed: int = SEED) -> list:
     with the first stage's at construction, over the embedding group).
     """
     from megatron.fsdp.mcore.cpu_mode import cpu_layer_spec
-    from megatron.training.model import gpt_chunks
+    from megatron.fsdp_training.model import gpt_chunks
 
     set_random_seed(seed)
     return gpt_chunks(config, lambda vp_stage: cpu_layer_spec(config, vp_stage=vp_stage), VOCAB, SEQ_LENGTH)
@@ -244,9 +244,9 @@ def get_batch(iterator):
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """The training job's own masked token loss (``megatron.training.training.loss_func``),
+    """The training job's own masked token loss (``megatron.fsdp_training.training.loss_func``),
     so both sides of every parity test compute the loss the way pretrain_gpt.py does."""
-    from megatron.training.training import loss_func as pretrain_loss_func
+    from megatron.fsdp_training.training import loss_func as pretrain_loss_func
 
     return pretrain_loss_func(loss_mask, output_tensor)
 
@@ -375,7 +375,7 @@ def megatron_ddp_run(ctx, topology: Topology, steps: int = STEPS, micro_batches:
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import get_megatron_optimizer, get_standard_config_overrides
-    from megatron.training.initialize import gloo_twin_groups
+    from megatron.fsdp_training.initialize import gloo_twin_groups
 
     with parallel(ctx, topology):
         config = tiny_gpt_config(topology)

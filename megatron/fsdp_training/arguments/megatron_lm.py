@@ -10,7 +10,7 @@ flag here is one of:
 * refused: it would change the mathematics or needs a feature not implemented; start-up
   stops with one line naming it (``validate_compat``).
 
-The non-persistent checkpoint flags have their own module (``checkpointing/non_persistent_args.py``).
+The non-persistent checkpoint flags have their own module (``non_persistent.py``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import importlib.util
 from typing import List
 import logging
 
-from .checkpointing.non_persistent_args import add_non_persistent_args, non_persistent_substitutions, \
+from .non_persistent import add_non_persistent_args, non_persistent_substitutions, \
     validate_non_persistent
-from .errors import ArgumentError
+from ..errors import ArgumentError
 from .substitution_record import Substitution
 
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")

@@ -28,7 +28,7 @@ ALGOS = ("fully_parallel", "atomic")
 
 
 def add_non_persistent_args(g) -> None:
-    """The five flags, into the checkpoint group of ``compat_args``."""
+    """The five flags, into the checkpoint group of ``megatron_lm``."""
     g.add_argument("--non-persistent-save-interval", type=int, default=None,
                    help="iterations between non-persistent saves (needs --save and --non-persistent-ckpt-type; "
                         "an iteration of --save-interval saves persistently instead)")
@@ -83,7 +83,7 @@ def validate_non_persistent(args: argparse.Namespace) -> None:
               "--load DIR (or pass --non-persistent-save-interval N to save)")
     _check_not_a_persistent_directory(args)
     if kind == "global" and interval is not None and args.non_persistent_global_ckpt_dir:
-        from .paths import save_dir_problem
+        from ..checkpointing.paths import save_dir_problem
 
         problem = save_dir_problem(args.non_persistent_global_ckpt_dir)
         if problem:

@@ -302,7 +302,7 @@ def _iteration_scalars(args, losses, grad_norm, lr, elapsed_seconds, rates, peak
 
 
 def main(argv=None) -> None:
-    from .arguments import parse_args
+    from .arguments.parser import parse_args
 
     run_entry_point(pretrain, parse_args(argv))
 

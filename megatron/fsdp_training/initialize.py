@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from .allocator import apply_job_setting
-from .arguments import validate_args
+from .arguments.parser import validate_args
 
-logger = logging.getLogger("megatron.training")
+logger = logging.getLogger("megatron.fsdp_training")
 
 
 def _world_size_from_env() -> int:
@@ -85,8 +85,8 @@ def initialize(args):
 
 
 def announce_substitutions(args) -> None:
-    """Rank 0 says once, in one line, which kernels and backends the job substituted (substitutions.py)."""
-    from .substitutions import substitution_line
+    """Rank 0 says once, in one line, which kernels and backends the job substituted (arguments/substitutions.py)."""
+    from .arguments.substitutions import substitution_line
 
     line = substitution_line(args)
     if line and dist.get_rank() == 0:

@@ -3,5 +3,5 @@
 Owns ``datasets`` (mock or indexed GPT datasets, the per-rank iterators), ``splits`` (which splits a
 run reads, and their start-up check) and ``tokenizer`` (the job's and ``tools/preprocess_data.py``'s).
 
-May import: Megatron-Core, ``megatron.training.errors``.
+May import: Megatron-Core, ``megatron.fsdp_training.errors``.
 """

@@ -1,4 +1,4 @@
-"""Adapter cases: the tiny GPT of ``megatron/training/testing/gpt.py`` trained through ``megatron.fsdp.mcore``.
+"""Adapter cases: the tiny GPT of ``megatron/fsdp_training/testing/gpt.py`` trained through ``megatron.fsdp.mcore``.
 
 Everything but the wrapper, the optimizer and the schedule hooks is shared with
 the Megatron-Core baseline (``gpt.megatron_ddp_run``), so a difference in losses
@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 from typing import Optional
 
-from megatron.training.testing import gpt
+from megatron.fsdp_training.testing import gpt
 
 
 def _wire_fsdp_hooks(model_chunks, config, optimizer) -> None:

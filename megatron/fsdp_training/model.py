@@ -19,8 +19,8 @@ def transformer_config(args, cpu: bool):
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     from .architecture import transformer_config_fields
-    from .compat_args import transformer_config_fields as compat_config_fields
-    from .fsdp_recipe import gradient_accumulation_fusion
+    from .arguments.megatron_lm import transformer_config_fields as compat_config_fields
+    from .arguments.fsdp_recipe import gradient_accumulation_fusion
 
     interleaved = args.virtual_pipeline_model_parallel_size is not None
     # Megatron-LM's core_transformer_config_from_args: multi-latent attention has a config class of its own.
@@ -41,8 +41,8 @@ def transformer_config(args, cpu: bool):
         recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
         recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
         # Fused CUDA kernels do not exist on CPU. Gradient-accumulation fusion (Megatron-LM's default, off
-        # with --no-gradient-accumulation-fusion) only where APEX's kernel exists (fsdp_recipe.py).
-        # The other fusion flags: compat_args.py.
+        # with --no-gradient-accumulation-fusion) only where APEX's kernel exists (arguments/fsdp_recipe.py).
+        # The other fusion flags: arguments/megatron_lm.py.
         gradient_accumulation_fusion=gradient_accumulation_fusion(args),
         bias_dropout_fusion=not cpu, persist_layer_norm=not cpu,
         deallocate_pipeline_outputs=True, **compat_config_fields(args, cpu),

@@ -55,7 +55,7 @@ def padded_vocab_size(vocab_size: int, args) -> int:
 def build_datasets(args, tokenizer):
     """Train, validation and test datasets sized for the whole run; None for a split the run never reads.
 
-    Only the used splits are built (megatron/training/data/splits.py says why); their
+    Only the used splits are built (megatron/fsdp_training/data/splits.py says why); their
     document counts were checked at start-up.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder

@@ -1,7 +1,7 @@
 """``--log-throughput``: Megatron-LM's model FLOPs per iteration, TFLOP/s per GPU and tokens/s per rank.
 
 The FLOP count is Megatron-LM's ``num_floating_point_operations`` for a standard
-transformer (``megatron/training/training.py``), written from its definition
+transformer (``megatron/fsdp_training/training.py``), written from its definition
 (Narayanan et al. 2021, appendix "Floating-point operations"):
 
 * every GEMM runs three times (forward, weight gradient, input gradient) and costs
