@@ -37,8 +37,38 @@ def _uses(item, fixture: str) -> bool:
     return fixture in getattr(item, "fixturenames", ())
 
 
+# A test of something one supported Megatron-Core release has and another lacks carries
+# ``@pytest.mark.mcore_only(FEATURE, why=...)``, FEATURE a constant of megatron.fsdp_training.compat (or
+# ``"not " + constant``), and is not collected where it is false: deselected here, never skipped (a machine
+# that runs the suite runs every test it collects). docs/testing.md lists each such test and why.
+MCORE_ONLY = "mcore_only"
+
+
+def release_has(feature: str) -> bool:
+    """Whether the installed Megatron-Core has ``feature`` (``"NAME"`` or ``"not NAME"``, NAME of compat)."""
+    from megatron.fsdp_training import compat  # imported only when a collected test asks (it imports Megatron-Core)
+
+    negated = feature.startswith("not ")
+    name = feature[4:] if negated else feature
+    if not isinstance(getattr(compat, name, None), bool):
+        raise pytest.UsageError(f"@pytest.mark.{MCORE_ONLY}({feature!r}): megatron.fsdp_training.compat has no "
+                                f"boolean {name}")
+    return getattr(compat, name) != negated
+
+
+def _deselect_other_releases(config, items) -> None:
+    kept, dropped = [], []
+    for item in items:
+        marker = item.get_closest_marker(MCORE_ONLY)
+        (kept if marker is None or release_has(marker.args[0]) else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection
 def pytest_collection_modifyitems(session, config, items):
+    _deselect_other_releases(config, items)
     for name in _CLOSE_AFTER_LAST_USE:
         users = [item for item in items if _uses(item, name)]
         _last_users[name] = {id(users[-1])} if users else set()

@@ -28,6 +28,7 @@ LAYERS = {
     "megatron.fsdp.mcore": "adapter",
     "megatron.fsdp_training": "job",
     "megatron.fsdp_training.errors": "errors",
+    "megatron.fsdp_training.compat": "job_compat",
     "megatron.fsdp_training.architecture": "architecture",
     "megatron.fsdp_training.data": "data",
     "megatron.fsdp_training.logs": "logs",
@@ -43,7 +44,7 @@ MAY_IMPORT: Dict[str, Set[str]] = {
     "collectives": set(),
     "precision": set(),
     "warnings": set(),
-    "sharding": {"collectives"},
+    "sharding": {"collectives", "precision"},
     "schedule": {"collectives", "sharding"},
     "init": {"collectives"},
     "checkpoint": {"collectives", "precision", "sharding", "schedule"},
@@ -53,15 +54,17 @@ MAY_IMPORT: Dict[str, Set[str]] = {
     "engine_testing": set(ENGINE),
     # the Megatron-Core adapter: the engine and Megatron-Core
     "adapter": set(ENGINE) | {"megatron_core"},
-    # the job: its leaves, then the rest
+    # the job: its leaves (the release differences first: they read the adapter's version), then the rest
+    "job_compat": {"adapter", "megatron_core"},
     "errors": set(),
     "architecture": {"errors"},
-    "data": {"errors", "megatron_core"},
-    "logs": {"errors", "architecture", "megatron_core"},
-    "checkpointing": set(ENGINE) | {"adapter", "megatron_core", "errors", "logs"},
-    "job": set(ENGINE) | {"adapter", "megatron_core", "errors", "architecture", "data", "logs", "checkpointing"},
-    "job_testing": set(ENGINE) | {"engine_testing", "adapter", "megatron_core", "errors", "architecture", "data",
-                                  "logs", "checkpointing", "job"},
+    "data": {"errors", "job_compat", "megatron_core"},
+    "logs": {"errors", "architecture", "job_compat", "megatron_core"},
+    "checkpointing": set(ENGINE) | {"adapter", "job_compat", "megatron_core", "errors", "logs"},
+    "job": set(ENGINE) | {"adapter", "job_compat", "megatron_core", "errors", "architecture", "data", "logs",
+                          "checkpointing"},
+    "job_testing": set(ENGINE) | {"engine_testing", "adapter", "job_compat", "megatron_core", "errors",
+                                  "architecture", "data", "logs", "checkpointing", "job"},
 }
 
 

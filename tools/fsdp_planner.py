@@ -34,6 +34,9 @@ GB = 1e9
 ALIASES = {"no_shard": "DDP", "optim": "ZeRO-1", "optim_grads": "ZeRO-2", "optim_grads_params": "ZeRO-3"}
 NAMED_PAIRS = {("optim_grads_params", "no_shard"): "HSDP", ("optim_grads_params", "optim"): "HFSDP"}
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+# bytes per weight element on the wire of a quantized gather (megatron/fsdp/precision/param_gather.py's recipes);
+# the one definition: the benchmark's theory (tools/bench/spec.py) imports it
+QUANTIZED_GATHER_BYTES = {"tensorwise": 1.0, "delayed": 1.0, "mxfp8": 1.0 + 1.0 / 32}
 ADAM_STATE_BYTES = {"fp32": 8.0, "bf16": 4.0}  # two moments per parameter
 
 
@@ -58,10 +61,16 @@ class StateBytes:
     grad: float = 2.0
     optim: float = 8.0
     reduce: Optional[float] = None
+    gather: Optional[float] = None
 
     @property
     def wire(self) -> float:
         return self.grad if self.reduce is None else self.reduce
+
+    @property
+    def gather_wire(self) -> float:
+        """Bytes per element of ZeRO-3's weight gathers: the compute dtype, or the quantized gather's."""
+        return self.param if self.gather is None else self.gather
 
     @property
     def total(self) -> float:
@@ -246,7 +255,7 @@ def ledger_bytes(levels: MeshStrategy, n: int, m: int, model: ModelSpec, micro_b
 
     def gathers(level: ShardingStrategy, elements: float) -> float:
         if level.shard_params:
-            return 2 * k * c * elements
+            return 2 * k * model.bytes.gather_wire * elements
         return c * elements if level.shard_optim else 0.0
 
     def on_axis(level: ShardingStrategy, elements: float) -> Collectives:
@@ -466,6 +475,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--inter-bw", type=float, default=50.0, help="GB/s per rank across domains")
     g.add_argument("--memory-gb", type=float, required=True, help="persistent memory budget per rank (1e9 bytes)")
     g.add_argument("--micro-batches", type=int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--param-gather", choices=sorted(QUANTIZED_GATHER_BYTES), default=None,
+                   help="ZeRO-3's weight gathers as fully_shard(param_gather=QuantizedParamGather(recipe)) sends them "
+                        "(FP8: 1 byte per element; MXFP8: plus one E8M0 scale per 32); every parameter counted as "
+                        "a GEMM weight, so an upper bound on the saving (the engine gathers embeddings and norms "
+                        "in the compute dtype)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
 
@@ -514,7 +528,7 @@ def inputs_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) 
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name):g}")
     model = ModelSpec(params, StateBytes(args.param_bytes, args.main_bytes, args.grad_bytes, args.optim_bytes,
-                                         args.reduce_bytes))
+                                         args.reduce_bytes, QUANTIZED_GATHER_BYTES.get(args.param_gather)))
     return (model, Topology(args.gpus_per_domain, args.domains, args.intra_bw, args.inter_bw),
             Budget(args.memory_gb, args.micro_batches))
 

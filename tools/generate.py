@@ -119,25 +119,56 @@ def generate(model, prompt_ids: List[int], *, vocab_size: int, window: int, max_
 
 
 class Stream:
-    """Prints decoded text as tokens arrive; holds back an incomplete UTF-8 character (``\\ufffd``)."""
+    """Prints decoded text as tokens arrive; holds back an incomplete UTF-8 character (``\\ufffd``).
 
-    def __init__(self, tokenizer, out=None):
+    The continuation is decoded after the prompt's ids (``context``), as part of one text, so the
+    tokenizer puts what separates them: NullTokenizer's space between ids ("1 2 3" + "3 3" printed
+    "1 2 33 3" when each was decoded alone), a word boundary of a SentencePiece model. Where the
+    prompt's own decoding is not a prefix of the whole (a character cut at the prompt's end), the
+    continuation is decoded alone."""
+
+    def __init__(self, tokenizer, out=None, context=()):
         self.tokenizer, self.out, self.ids, self.shown = tokenizer, out or sys.stdout, [], ""
+        self.context = list(context)
+        prefix = tokenizer.detokenize(self.context) if self.context else ""
+        self.prefix = None if prefix.endswith("\ufffd") else prefix
 
     def __call__(self, token: int) -> None:
         self.ids.append(token)
-        text = self.tokenizer.detokenize(self.ids)
-        if text.endswith("\ufffd"):
+        whole = self.tokenizer.detokenize(self.context + self.ids)
+        if whole.endswith("\ufffd"):
             return
+        text = whole[len(self.prefix):] if self.prefix is not None and whole.startswith(self.prefix) else \
+            self.tokenizer.detokenize(self.ids)
         self.out.write(text[len(self.shown):])
         self.out.flush()
         self.shown = text
 
 
+def tokenize_prompt(args) -> List[int]:
+    """``--prompt``'s ids, read before any process group: text the tokenizer cannot read (NullTokenizer's
+    words, an id past its vocabulary) is one line naming the fix, not a traceback after the model loads."""
+    from megatron.fsdp_training.data import datasets as data
+    from megatron.fsdp_training.errors import ArgumentError
+
+    if not args.prompt:
+        return []
+    tokenizer = data.build_tokenizer(args)
+    try:
+        return tokenizer.tokenize(args.prompt)
+    except ValueError as exc:
+        hint = ""
+        if args.tokenizer_type == "NullTokenizer":
+            hint = (f"; NullTokenizer reads whitespace-separated integer ids in [0, {tokenizer.vocab_size}) "
+                    f"(--vocab-size {tokenizer.vocab_size - 1}, and {tokenizer.eod} the end of document), "
+                    "e.g. --prompt '1 2 3'")
+        raise ArgumentError(f"--prompt {args.prompt!r}: {exc}{hint}") from None
+
+
 # ------------------------------------------------------------------ the command
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """The job's parser plus the generation flags, with the checkpoint's model and tokenizer as defaults."""
-    from megatron.fsdp_training.arguments.parser import build_parser
+    from megatron.fsdp_training.arguments import build_parser
 
     parser = build_parser()
     parser.description = __doc__.split("\n")[0]
@@ -210,16 +241,16 @@ def run(args: argparse.Namespace, out=None) -> List[int]:
     if args.ckpt_format != "torch_dist" and find_checkpoint(args) is None:  # the job would start from scratch
         raise CheckpointError(f"{args.load}: no checkpoint to generate from (no {TRACKER}): pass the --save "
                               "directory of a run that saved, or --ckpt-step N for one of its iter_* directories")
+    prompt_ids = tokenize_prompt(args)
     device, tokenizer, model, optimizer, scheduler = setup(args)
     # Weights only (Megatron-LM's --finetune load): generation resumes no optimizer, RNG, schedule or
     # iteration, so the checks that guard a resumed run (--train-iters past the checkpoint's) do not apply.
     args.finetune, args.weights_only_purpose = True, "generation"
     load_checkpoint(args, model, optimizer, scheduler)
-    prompt_ids = tokenizer.tokenize(args.prompt) if args.prompt else []
     window = args.max_position_embeddings
     if len(prompt_ids) > window:
         print_rank_0(f" prompt of {len(prompt_ids)} tokens: only its last {window} (the model's window) are read")
-    stream = Stream(tokenizer, out) if dist.get_rank() == 0 else (lambda token: None)
+    stream = Stream(tokenizer, out, context=prompt_ids) if dist.get_rank() == 0 else (lambda token: None)
     if dist.get_rank() == 0:
         (out or sys.stdout).write(args.prompt)
     ids = generate(model, prompt_ids, vocab_size=tokenizer.vocab_size, window=window,
@@ -236,7 +267,7 @@ def run(args: argparse.Namespace, out=None) -> List[int]:
 def main(argv: Optional[List[str]] = None) -> None:
     from megatron.fsdp_training.training import run_entry_point
 
-    run_entry_point(run, parse_args(argv))
+    run_entry_point(lambda command_line: run(parse_args(command_line)), argv)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def _measure(args, meta: bool) -> dict:
 
 
 def main(argv) -> None:
-    from megatron.fsdp_training.arguments.parser import parse_args, validate_args
+    from megatron.fsdp_training.arguments import parse_args, validate_args
     from megatron.fsdp_training.data.datasets import build_tokenizer, padded_vocab_size
     from megatron.fsdp_training.initialize import initialize
 

@@ -72,7 +72,7 @@ def _help_text(action: argparse.Action) -> str:
 
 def arguments_reference() -> str:
     """Every ``pretrain_gpt.py`` argument by group, with its default, from the parser itself."""
-    from megatron.fsdp_training.arguments.parser import build_parser
+    from megatron.fsdp_training.arguments import build_parser
 
     parser = build_parser()
     out = []
@@ -137,7 +137,7 @@ LAYOUT = (
     ("examples/", None),
     ("docs/", "design and usage documentation (see [docs/index.md](docs/index.md))"),
     ("tools/", "benchmarks, reports, preprocessing, checkpoint tools ([tools/README.md](tools/README.md))"),
-    (".ci/run", "the CI entry point: runs the two commands above"),
+    (".ci/run", "the CI entry point: runs the set-up commands above, the two of each environment"),
 )
 
 
@@ -195,8 +195,16 @@ def adapter_table() -> str:
     return "```\n" + out.stdout.rstrip() + "\n```"
 
 
+def not_built_table() -> str:
+    """The Megatron-LM flags the job does not build and why (``arguments/not_built.py``)."""
+    from megatron.fsdp_training.arguments.not_built import not_built_table as table
+
+    return table().rstrip("\n")
+
+
 BLOCKS = (
     Block("arguments", "docs/training.md", arguments_reference),
+    Block("not-built", "docs/training.md", not_built_table),
     Block("memory-report-fields", "README.md", memory_report_fields),
     Block("tools", "tools/README.md", tools_listing),
     Block("layout", "README.md", layout_table),

@@ -4,6 +4,11 @@ See docs/engine.md for the design. Public API::
 
     model = fully_shard(module, strategy="optim_grads_params", unit_modules=(Block,))
     optimizer = FullyShardedOptimizer(model, torch.optim.AdamW, lr=1e-3, clip_grad=1.0)
+
+FP8 parameter gathers (``precision/fp8.py`` is the math)::
+
+    model = fully_shard(module, ..., param_gather=QuantizedParamGather(recipe="mxfp8"))
+    quantized_weight(param)  # -> QuantizedWeight (FP8 bytes + scales) while its unit is gathered, else None
 """
 
 from .checkpoint.state_dict import load_model_state_dict, load_optimizer_state_dict, model_state_dict, optimizer_state_dict
@@ -14,6 +19,9 @@ from .sharding.layout import FlatLayout, ParamSpec, build_layout
 from .optim.matrix_optimizer import TensorShards
 from .sharding.mesh import DataParallelMesh, build_mesh
 from .precision.mixed_precision import MixedPrecision
+from .precision.param_gather import QuantizedParamGather
+from .precision.fp8 import QuantizedWeight
+from .sharding.quantized_gather import quantized_weight
 from .wrap.build import fully_shard, megatron_no_weight_decay
 from .wrap.module import FullyShardedModule, PersistentMemory
 from .optim.optimizer import FullyShardedOptimizer
@@ -30,4 +38,5 @@ __all__ = [
     "build_layout", "fully_shard", "megatron_no_weight_decay", "parse_strategy",
     "check_checkpoint_keys", "load_model_state_dict", "load_optimizer_state_dict", "model_state_dict",
     "optimizer_state_dict", "OptimizerPrecision", "TensorShards", "shutdown",
+    "QuantizedParamGather", "QuantizedWeight", "quantized_weight",
 ]

@@ -1,6 +1,6 @@
 """The one place that silences warnings a user cannot act on.
 
-Megatron-Core 0.16.1 announces on import that Transformer Engine and Apex are
+Megatron-Core (0.16.1 to 0.19) announces on import that Transformer Engine and Apex are
 absent and that it falls back to torch implementations, and warns about its own
 default ``cuda_graph_scope``; its MoE and sequence-parallel code calls torch's flat
 collectives by their deprecated names; its rerun state machine announces that it
@@ -23,7 +23,7 @@ import warnings
 _PATTERNS = (
     r".*Transformer Engine and Apex are not installed.*",
     r"Apex is not installed\. Falling back to Torch Norm",
-    r"full scope is deprecated\. Use empty cuda_graph_scope",
+    r"full scope is deprecated\. Use empty cuda_graph_(scope|modules)",  # 0.16.1 | 0.19
     r"You're using the legacy tokenizer system",  # the dataset API still takes legacy tokenizers
     # Megatron-Core's MoE dispatchers and SP mappings call the flat collectives by their old names.
     r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
@@ -51,6 +51,12 @@ _LOG_RECORDS = (
     ("megatron.core.datasets.gpt_dataset", "Unable to save MockGPTDataset indexes"),  # mock data is generated
     ("megatron.core.rerun_state_machine", "Implicit initialization of Rerun State Machine!"),
     ("megatron.core.rerun_state_machine", "RerunStateMachine initialized in mode RerunMode.DISABLED"),
+    # 0.19: GPTModel's constructor points to HybridModel (pretrain_gpt.py builds Megatron-LM's GPTModel), and
+    # reading a torch_dist checkpoint an older release wrote (its common.pt) calls a deprecated reader.
+    ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
+    ("megatron.core.dist_checkpointing.strategies.common", "load_common is deprecated"),
+    # a CUDA build of torch on a machine without a GPU (CPU mode), when Megatron-Core imports cpp_extension
+    ("torch.utils.cpp_extension", "No CUDA runtime is found"),
 )
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .allocator import apply_job_setting
-from .arguments.parser import validate_args
+from .arguments import validate_args
 
 logger = logging.getLogger("megatron.fsdp_training")
 

@@ -20,6 +20,7 @@ def transformer_config(args, cpu: bool):
 
     from .architecture import transformer_config_fields
     from .arguments.megatron_lm import transformer_config_fields as compat_config_fields
+    from .arguments.fp8 import transformer_config_fields as fp8_config_fields
     from .arguments.fsdp_recipe import gradient_accumulation_fusion
 
     interleaved = args.virtual_pipeline_model_parallel_size is not None
@@ -48,6 +49,7 @@ def transformer_config(args, cpu: bool):
         deallocate_pipeline_outputs=True, **compat_config_fields(args, cpu),
         overlap_p2p_comm=interleaved, batch_p2p_comm=not interleaved,
         add_bias_linear=args.add_bias_linear, **_moe_settings(args), **transformer_config_fields(args),
+        **fp8_config_fields(args),  # Transformer Engine's FP8 only; the CPU FP8 layers take their recipe in the spec
     )
 
 
@@ -66,10 +68,12 @@ def _moe_settings(args) -> dict:
 
 
 def _layer_spec(args, config, cpu: bool, vp_stage):
-    if cpu:
+    if cpu:  # FP8 without Transformer Engine: the CPU layers with the recipe's FP8 linears (arguments/fp8.py)
         from megatron.fsdp.mcore.cpu_mode import cpu_layer_spec
 
-        return cpu_layer_spec(config, vp_stage=vp_stage)
+        from .arguments.fp8 import cpu_recipe
+
+        return cpu_layer_spec(config, vp_stage=vp_stage, fp8=cpu_recipe(args))
     # Megatron-LM's block spec: per-layer dense/MoE specs (--moe-layer-freq), qk-layernorm, MLA and the
     # normalization from the config, this stage's layers only.
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -78,15 +82,15 @@ def _layer_spec(args, config, cpu: bool, vp_stage):
                                       normalization=config.normalization, vp_stage=vp_stage)
 
 
-def mtp_block_spec(config, block_spec, cpu: bool, use_transformer_engine: bool = False, vp_stage=None):
+def mtp_block_spec(config, block_spec, cpu: bool, use_transformer_engine: bool = False, vp_stage=None, fp8=None):
     """The multi-token prediction block of this stage (None without --mtp-num-layers, or off the MTP stage):
-    Megatron-LM's ``get_gpt_mtp_block_spec`` around the decoder's last layer spec."""
+    Megatron-LM's ``get_gpt_mtp_block_spec`` around the decoder's last layer spec (``fp8``: the CPU FP8 recipe)."""
     if not getattr(config, "mtp_num_layers", None):
         return None
     if cpu:
         from megatron.fsdp.mcore.cpu_mode import cpu_mtp_block_spec
 
-        return cpu_mtp_block_spec(config, block_spec, vp_stage=vp_stage)
+        return cpu_mtp_block_spec(config, block_spec, vp_stage=vp_stage, fp8=fp8)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     return get_gpt_mtp_block_spec(config, block_spec, use_transformer_engine=use_transformer_engine,
@@ -131,12 +135,13 @@ def build_model_chunks(args, config, vocab_size: int, cpu: bool) -> List[torch.n
     """Megatron-LM's ``get_model`` without the wrap: on the device, or on meta with
     ``--init-model-with-meta-device`` (the adapter then materialises and initialises each unit)."""
     from .architecture import gpt_model_fields
+    from .arguments.fp8 import cpu_recipe
 
     def build():
         te = args.transformer_impl == "transformer_engine"
         return gpt_chunks(config, lambda vp_stage: _layer_spec(args, config, cpu, vp_stage), vocab_size,
                           args.max_position_embeddings, not args.untie_embeddings_and_output_weights,
-                          mtp_spec_for=lambda c, spec, vp: mtp_block_spec(c, spec, cpu, te, vp),
+                          mtp_spec_for=lambda c, spec, vp: mtp_block_spec(c, spec, cpu, te, vp, cpu_recipe(args)),
                           **gpt_model_fields(args))
     if config.init_model_with_meta_device:
         from megatron.fsdp.mcore.meta_init import build_on_meta_device
@@ -162,21 +167,47 @@ def expert_biases(model) -> dict:
     return found
 
 
+def fp8_scales(model) -> dict:
+    """Every delayed-scaling FP8 layer's current scales on this rank (``--fp8-recipe delayed``), by chunk and name."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    found = {}
+    for index, chunk in enumerate(model):
+        gpt = get_attr_wrapped_model(chunk, "pre_process", return_model_obj=True)
+        for name, buffer in gpt.named_buffers():
+            if name.rsplit(".", 1)[-1] in ("fp8_forward_scale", "fp8_backward_scale"):
+                found[f"{index}/{name}"] = buffer.detach().cpu().tolist()
+    return found
+
+
 def optimizer_config(args):
     from megatron.core.optimizer import OptimizerConfig
 
-    return OptimizerConfig(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+    from .compat import MUON_COEFFICIENT_TYPE_IS_FIELD
+
+    config = OptimizerConfig(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                            sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16,
                            params_dtype=torch.float32, use_distributed_optimizer=args.use_distributed_optimizer,
                            decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
                            log_num_zeros_in_grad=args.log_num_zeros_in_grad, **_muon_config(args))
+    if not MUON_COEFFICIENT_TYPE_IS_FIELD:  # before Megatron-Core 0.17 an attribute, read by compat.muon_coefficient_type
+        config.muon_coefficient_type = args.muon_coefficient_type
+    return config
 
 
 def _muon_config(args) -> dict:
-    """Megatron-LM's Muon fields of OptimizerConfig (read by megatron.fsdp.mcore's --optimizer muon)."""
-    return {f"muon_{k}": getattr(args, f"muon_{k}") for k in
-            ("momentum", "use_nesterov", "num_ns_steps", "scale_mode", "extra_scale_factor", "tp_mode")}
+    """Megatron-LM's Muon fields of OptimizerConfig (read by megatron.fsdp.mcore's --optimizer muon); the
+    Nesterov field under this release's name (``compat.MUON_NESTEROV_FIELD``), the coefficient set where the
+    release has its field (``compat.MUON_COEFFICIENT_TYPE_IS_FIELD``)."""
+    from .compat import MUON_COEFFICIENT_TYPE_IS_FIELD, MUON_NESTEROV_FIELD
+
+    fields = {f"muon_{k}": getattr(args, f"muon_{k}") for k in
+              ("momentum", "num_ns_steps", "scale_mode", "extra_scale_factor", "tp_mode")}
+    fields[MUON_NESTEROV_FIELD] = args.muon_use_nesterov
+    if MUON_COEFFICIENT_TYPE_IS_FIELD:
+        fields["muon_coefficient_type"] = args.muon_coefficient_type
+    return fields
 
 
 def optimizer_precision(args):
@@ -186,29 +217,85 @@ def optimizer_precision(args):
     if not getattr(args, "use_precision_aware_optimizer", False):
         return mfsdp.OptimizerPrecision()
     names = mfsdp.precision.optimizer_state.DTYPE_NAMES
+    # bf16 main gradients when asked; otherwise the main weights' dtype (fp32, or bf16 for bf16 main weights)
     return mfsdp.OptimizerPrecision(names[args.exp_avg_dtype], names[args.exp_avg_sq_dtype],
-                                    names[args.main_grads_dtype])
+                                    names["bf16"] if args.main_grads_dtype == "bf16" else None)
+
+
+def fsdp_ddp_config(args):
+    """``FullyShardedDataParallelConfig`` of ``--use-megatron-fsdp`` (Megatron-LM's get_megatron_ddp_config)."""
+    from megatron.fsdp.mcore import FullyShardedDataParallelConfig
+
+    from .arguments.megatron_fsdp import main_params_dtype
+
+    return FullyShardedDataParallelConfig(
+        use_megatron_fsdp=True, data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
+        outer_dp_sharding_strategy=args.outer_dp_sharding_strategy,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        expert_data_parallel_sharding_strategy=args.expert_data_parallel_sharding_strategy,
+        expert_outer_dp_sharding_strategy=args.expert_outer_dp_sharding_strategy,
+        expert_num_distributed_optimizer_instances=args.expert_num_distributed_optimizer_instances,
+        grad_reduce_in_fp32=args.grad_reduce_in_fp32,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
+        fsdp_double_buffer=getattr(args, "fsdp_double_buffer", False),
+        megatron_fsdp_main_params_dtype=main_params_dtype(args),
+        # the engine gathers the FP8 layers' weights in FP8 (megatron/fsdp/mcore/fp8_gather.py)
+        fp8_param_gather=args.fp8 is not None and args.fp8_param_gather)
+
+
+def baseline_ddp_config(args, num_parameters: int):
+    """Megatron-Core ``DistributedDataParallelConfig`` of the baseline (Megatron-LM's get_megatron_ddp_config).
+
+    ``num_parameters``: this rank's parameters over all its model chunks, which ``--ddp-num-buckets``
+    divides (Megatron-LM's resolve_ddp_bucket_size; Megatron-Core's DDP then applies its default size
+    and drops buckets without ``--overlap-grad-reduce`` itself).
+    """
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from .arguments.fp8 import transformer_engine_used
+
+    bucket_size = args.ddp_bucket_size
+    if args.ddp_num_buckets is not None:
+        bucket_size = max(1, num_parameters // args.ddp_num_buckets)
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.grad_reduce_in_fp32, use_distributed_optimizer=args.use_distributed_optimizer,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad, overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather, align_param_gather=args.align_param_gather,
+        bucket_size=bucket_size,
+        # Megatron-Core's FP8 primary weights are Transformer Engine tensors; without TE the CPU FP8 layers
+        # quantize their bf16 weights (the substitution line of arguments/fp8.py says so)
+        fp8_param_gather=args.fp8 is not None and args.fp8_param_gather and transformer_engine_used(args))
+
+
+def param_sync_func(args, model):
+    """Megatron-LM's ``config.param_sync_func``: the chunks' ``start_param_sync`` when the interleaved schedule
+    starts the distributed optimizer's weight gathers itself (``--overlap-param-gather``, aligned), else None."""
+    if not (args.overlap_param_gather and args.align_param_gather):
+        return None
+    funcs = [chunk.start_param_sync for chunk in model]
+    return funcs[0] if len(funcs) == 1 else funcs
 
 
 def wrap_and_optimize(args, config, chunks):
-    """Data-parallel wrappers, optimizer and the function that sets the schedule hooks."""
-    from megatron.core.distributed import DistributedDataParallelConfig
+    """Data-parallel wrappers, optimizer and the function that sets the schedule hooks (then, for the CPU FP8
+    layers' delayed scaling, its once-per-step advance around ``finalize_model_grads``)."""
+    model, optimizer, wire_data_parallel = _wrap_and_optimize(args, config, chunks)
 
+    def wire():
+        wire_data_parallel()
+        from megatron.fsdp.mcore.fp8_layers import install_step_end
+
+        install_step_end(config, model)
+    return model, optimizer, wire
+
+
+def _wrap_and_optimize(args, config, chunks):
     opt_config = optimizer_config(args)
     if args.use_megatron_fsdp:
-        from megatron.fsdp.mcore import (FullyShardedDataParallel, FullyShardedDataParallelConfig,
-                                         configure_schedule_hooks, get_fsdp_optimizer)
+        from megatron.fsdp.mcore import FullyShardedDataParallel, configure_schedule_hooks, get_fsdp_optimizer
 
-        ddp_config = FullyShardedDataParallelConfig(
-            use_megatron_fsdp=True, data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
-            outer_dp_sharding_strategy=args.outer_dp_sharding_strategy,
-            num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
-            expert_data_parallel_sharding_strategy=args.expert_data_parallel_sharding_strategy,
-            expert_outer_dp_sharding_strategy=args.expert_outer_dp_sharding_strategy,
-            expert_num_distributed_optimizer_instances=args.expert_num_distributed_optimizer_instances,
-            grad_reduce_in_fp32=args.grad_reduce_in_fp32,
-            check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
-            fsdp_double_buffer=getattr(args, "fsdp_double_buffer", False))
+        ddp_config = fsdp_ddp_config(args)
         model = [FullyShardedDataParallel(config, ddp_config, chunk) for chunk in chunks]
         optimizer = get_fsdp_optimizer(opt_config, model, precision=optimizer_precision(args))
         trim = job_post_backward_hook()  # the job's allocator setting, second half (allocator.py)
@@ -230,11 +317,7 @@ def wrap_and_optimize(args, config, chunks):
         from megatron.core.transformer.module import Float16Module
 
         chunks = [Float16Module(config, chunk) for chunk in chunks]
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=args.grad_reduce_in_fp32, use_distributed_optimizer=args.use_distributed_optimizer,
-        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
-        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad, overlap_grad_reduce=args.overlap_grad_reduce,
-        overlap_param_gather=args.overlap_param_gather)
+    ddp_config = baseline_ddp_config(args, sum(p.numel() for chunk in chunks for p in chunk.parameters()))
     model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
              for i, chunk in enumerate(chunks)]
     optimizer = get_megatron_optimizer(opt_config, model, config_overrides=get_standard_config_overrides(opt_config),
@@ -242,7 +325,8 @@ def wrap_and_optimize(args, config, chunks):
 
     def wire():
         config.grad_scale_func = optimizer.scale_loss
-        config.no_sync_func = config.grad_sync_func = config.param_sync_func = None
+        config.no_sync_func = config.grad_sync_func = None
+        config.param_sync_func = param_sync_func(args, model)
         config.finalize_model_grads_func = finalize_model_grads
     return model, optimizer, wire
 

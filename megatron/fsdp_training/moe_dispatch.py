@@ -1,11 +1,13 @@
-"""``--moe-token-dispatcher-type flex`` and ``--moe-permute-fusion`` where their kernels are missing.
+"""``--moe-token-dispatcher-type flex``, ``--moe-permute-fusion`` and ``--moe-grouped-gemm`` where their kernels are missing.
 
 DeepSeek-V3's script asks for the flex dispatcher (DeepEP / HybridEP kernels) and Transformer Engine's
 fused permutation. Both only choose kernels: the same tokens reach the same experts with the same
 weights. Where the kernels are absent the job runs the alltoall dispatcher and the unfused
 permutation, says so in the start-up substitution line (``moe_dispatcher_substitutions``, listed in
 ``substitutions.PROVIDERS``), and builds the TransformerConfig from the same decision
-(``dispatcher_settings``), so what is said and what runs cannot differ.
+(``dispatcher_settings``), so what is said and what runs cannot differ. ``--moe-grouped-gemm`` on
+Megatron-Core 0.17+ without Transformer Engine builds Megatron-Core's ``SequentialMLP`` (the local
+spec's choice, the same mathematics): said in the same line.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import List
 
 from .architecture import FLEX_BACKEND_MODULES
 from .arguments.substitution_record import Substitution
+from .compat import HAS_LEGACY_GROUPED_MLP, MCORE_VERSION_STRING
 
 
 def _installed(module: str) -> bool:
@@ -55,7 +58,20 @@ def moe_dispatcher_substitutions(args: argparse.Namespace) -> List[Substitution]
     if getattr(args, "moe_permute_fusion", False) and not _permute_fusion_runs_here():
         found.append(Substitution("--moe-permute-fusion", "unfused permute",
                                   "Transformer Engine's fused permute needs it and a GPU"))
+    if getattr(args, "moe_grouped_gemm", False) and _local_spec_without_grouped_gemm(args):
+        found.append(Substitution("--moe-grouped-gemm", "SequentialMLP (one GEMM per expert)",
+                                  f"Megatron-Core {MCORE_VERSION_STRING}'s local layer spec has no grouped GEMM "
+                                  "without Transformer Engine"))
     return found
+
+
+def _local_spec_without_grouped_gemm(args) -> bool:
+    """Megatron-Core 0.17+ builds ``SequentialMLP`` for ``moe_grouped_gemm`` in its local spec (the CPU spec, or
+    ``--transformer-impl local``); 0.16.1's local spec has ``GroupedMLP`` (compat.HAS_LEGACY_GROUPED_MLP)."""
+    import torch
+
+    return not HAS_LEGACY_GROUPED_MLP and (not torch.cuda.is_available()
+                                           or getattr(args, "transformer_impl", "transformer_engine") == "local")
 
 
 def dispatcher_settings(args: argparse.Namespace) -> dict:

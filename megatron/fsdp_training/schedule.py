@@ -8,7 +8,10 @@ multiplied by the global batch size; ``--train-samples`` / ``--lr-decay-samples`
 warms up from ``--lr-warmup-init`` to its own maximum: ``--lr``, or ``--decoupled-lr`` for the
 input embedding and output layer, which decay to ``--min-lr`` / ``--decoupled-min-lr``.
 ``--rampup-batch-size`` (with ``--train-samples``) grows the global batch over the first samples
-as Megatron-Core 0.16.1's ``RampupBatchsizeNumMicroBatchesCalculator`` does (``global_batch_at``).
+as Megatron-Core 0.16.1's ``RampupBatchsizeNumMicroBatchesCalculator`` does (``global_batch_at``);
+Megatron-Core 0.19 ignores it (deprecated) for ``--step-batch-size-schedule``, its
+``StepBatchsizeNumMicroBatchesCalculator``: the global batch of an iteration is the schedule's entry
+reached by the tokens consumed before it (``resolve_step_batch_sizes``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,11 @@ def add_schedule_args(p: argparse.ArgumentParser) -> None:
                    metavar=("START", "INCREMENT", "SAMPLES"),
                    help="with --train-samples: start at global batch START, add INCREMENT in equal steps over "
                         "SAMPLES samples until --global-batch-size")
+    g.add_argument("--step-batch-size-schedule", default=None, metavar="'TOKENS:BATCH ...'",
+                   help="global batch by tokens consumed: space-separated TOKENS:BATCH pairs, the first at 0 "
+                        "tokens, K/M/B/T suffixes (e.g. '0:768 250B:1536'); each iteration uses the entry reached by "
+                        "the tokens consumed before it (Megatron-LM's replacement of --rampup-batch-size; excludes "
+                        "--global-batch-size, which becomes the last entry's batch)")
     g.add_argument("--decoupled-lr", type=float, default=None,
                    help="learning rate of the input embedding and output layer (their own parameter groups)")
     g.add_argument("--decoupled-min-lr", type=float, default=None,
@@ -41,6 +49,56 @@ def add_schedule_args(p: argparse.ArgumentParser) -> None:
 
 def _fail(message: str) -> None:
     raise ArgumentError(message)
+
+
+_SUFFIXES = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
+
+
+def _count(text: str, entry: str) -> int:
+    """Megatron-Core's ``_parse_numeric_value``: a number with an optional K, M, B or T suffix."""
+    text = text.strip().upper()
+    scale = _SUFFIXES.get(text[-1:], 1)
+    try:
+        return int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        _fail(f"--step-batch-size-schedule: {entry!r} is not THRESHOLD:BATCH_SIZE with numbers (K, M, B, T "
+              "suffixes allowed)")
+
+
+def resolve_step_batch_sizes(args: argparse.Namespace, per_step: int) -> None:
+    """``--step-batch-size-schedule`` as ``args.step_batch_sizes`` ``[(threshold in samples, global batch), ...]``
+    (Megatron-Core 0.19's ``StepBatchsizeNumMicroBatchesCalculator``: thresholds in tokens, divided by
+    ``--seq-length``), and ``--global-batch-size`` as the last entry's batch. Every batch must be whole
+    micro-batches of every data-parallel rank: checked here for all entries, before any process group
+    (Megatron-Core checks each when it is reached). Called by ``validate_args`` before the batch sizes."""
+    args.step_batch_sizes = None
+    if args.step_batch_size_schedule is None:
+        return
+    if args.global_batch_size is not None:
+        _fail("--step-batch-size-schedule and --global-batch-size both set the global batch (Megatron-LM's rule): "
+              "give one of them")
+    if args.rampup_batch_size is not None:
+        _fail("--step-batch-size-schedule replaces --rampup-batch-size: give one of them")
+    entries = args.step_batch_size_schedule.replace(",", " ").split()
+    schedule = []
+    for entry in entries:
+        if ":" not in entry:
+            _fail(f"--step-batch-size-schedule: {entry!r} is not THRESHOLD:BATCH_SIZE (e.g. '0:768 250B:1536')")
+        threshold, batch = entry.split(":", 1)
+        schedule.append((_count(threshold, entry) // args.seq_length, _count(batch, entry)))
+    schedule.sort()
+    if not schedule or schedule[0][0] != 0:
+        _fail("--step-batch-size-schedule: the first entry must start at 0 tokens (e.g. '0:768 250B:1536')")
+    for (before, _), (after, _) in zip(schedule, schedule[1:]):
+        if after <= before:
+            _fail(f"--step-batch-size-schedule: thresholds must increase by at least --seq-length {args.seq_length} "
+                  f"tokens (two entries start at sample {before})")
+    for threshold, batch in schedule:
+        if batch < 1 or batch % per_step:
+            _fail(f"--step-batch-size-schedule: the batch {batch} (from {threshold * args.seq_length} tokens) is not a "
+                  f"positive multiple of --micro-batch-size x data-parallel size = {per_step}")
+    args.step_batch_sizes = schedule
+    args.global_batch_size = schedule[-1][1]
 
 
 def resolve_train_length(args: argparse.Namespace) -> None:
@@ -65,8 +123,11 @@ def resolve_train_length(args: argparse.Namespace) -> None:
         _fail("--lr-warmup-fraction and --lr-warmup-samples both set the warm-up; give one of them")
     if args.train_samples < args.global_batch_size:
         _fail(f"--train-samples {args.train_samples} is less than one global batch ({args.global_batch_size})")
-    args.train_iters = _rampup_iterations(args) if args.rampup_batch_size else \
-        args.train_samples // args.global_batch_size
+    if args.step_batch_sizes:
+        args.train_iters = _step_schedule_iterations(args)
+    else:
+        args.train_iters = _rampup_iterations(args) if args.rampup_batch_size else \
+            args.train_samples // args.global_batch_size
     args.lr_decay_samples = args.lr_decay_samples or args.train_samples
     if args.lr_warmup_samples >= args.lr_decay_samples:
         _fail(f"--lr-warmup-samples {args.lr_warmup_samples} must be below --lr-decay-samples (default "
@@ -95,9 +156,23 @@ def _rampup_iterations(args) -> int:
     return iterations
 
 
+def _step_schedule_iterations(args) -> int:
+    """Megatron-LM's ``update_train_iters`` under a step schedule: iterations until ``--train-samples`` are
+    consumed (the last one may pass it)."""
+    iterations, consumed = 0, 0
+    while consumed < args.train_samples:
+        consumed += global_batch_at(args, consumed)
+        iterations += 1
+    return iterations
+
+
 def global_batch_at(args, consumed_samples: int) -> int:
-    """The global batch of the iteration that starts after ``consumed_samples`` (Megatron-Core 0.16.1's
-    ``RampupBatchsizeNumMicroBatchesCalculator.update``); ``--global-batch-size`` without ramp-up."""
+    """The global batch of the iteration that starts after ``consumed_samples``: the step schedule's entry
+    reached (Megatron-Core 0.19's ``StepBatchsizeNumMicroBatchesCalculator``), or the ramp's (0.16.1's
+    ``RampupBatchsizeNumMicroBatchesCalculator.update``); else ``--global-batch-size``."""
+    steps = getattr(args, "step_batch_sizes", None)
+    if steps:
+        return [batch for threshold, batch in steps if consumed_samples >= threshold][-1]
     if not args.rampup_batch_size or consumed_samples > args.rampup_batch_size[2]:
         return args.global_batch_size
     start, increment, samples = args.rampup_batch_size

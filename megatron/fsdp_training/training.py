@@ -14,6 +14,7 @@ from .data import datasets as data
 from . import model as model_lib
 from .checkpointing.async_save import CheckpointSaver
 from .checkpointing.files import CheckpointError
+from .arguments.fp8 import fp8_start_up_line
 from .initialize import announce_substitutions, initialize, shutdown
 from .logs.lines import IntervalLog, end_of_run_line, format_fields, gather_per_rank, insert_field, memory_line, memory_mib, persistent_line, print_rank_0, reset_peak_memory, summary
 from .logs.moe_losses import moe_aux_losses, mtp_losses
@@ -98,6 +99,9 @@ def setup(args, hold_save: bool = False):
         checkpointing.hold_save_directory(args)  # a second job with this --save stops here, naming the first
         non_persistent.hold(args)  # and one with these non-persistent directories
     announce_substitutions(args)
+    fp8_line = fp8_start_up_line(args)
+    if fp8_line:
+        print_rank_0(fp8_line)
     cpu = device.type == "cpu"
     tokenizer = data.build_tokenizer(args)
     try:
@@ -176,6 +180,7 @@ def _pretrain(args) -> dict:
         controls.close()
     board.close()
     history["expert_bias"] = model_lib.expert_biases(model)
+    history["fp8_scales"] = model_lib.fp8_scales(model)
     return history
 
 
@@ -302,9 +307,9 @@ def _iteration_scalars(args, losses, grad_norm, lr, elapsed_seconds, rates, peak
 
 
 def main(argv=None) -> None:
-    from .arguments.parser import parse_args
+    from .arguments import parse_args
 
-    run_entry_point(pretrain, parse_args(argv))
+    run_entry_point(lambda command_line: pretrain(parse_args(command_line)), argv)
 
 
 def run_entry_point(body, args):

@@ -52,11 +52,3 @@ def collective_on_one_rank(ctx, timeout_s: float = 3.0):
     finally:
         dist.destroy_process_group(group)
 
-
-def submodule_called_alone(ctx):
-    model = mfsdp.fully_shard(TinyLM(), strategy="optim_grads_params", process_group=ctx.group, unit_modules=(Block,))
-    try:
-        model.module.blocks[0].mlp(torch.randn(2, 32))
-    except RuntimeError as exc:
-        return str(exc)
-    return "nothing raised"

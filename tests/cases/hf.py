@@ -16,7 +16,7 @@ def megatron_logits(ctx, argv: List[str], model_file: str, tokens: torch.Tensor)
     from megatron.core import parallel_state as ps
     from megatron.fsdp.mcore.cpu_mode import enable_cpu_mode
     from megatron.fsdp_training import model as model_lib
-    from megatron.fsdp_training.arguments.parser import parse_args, validate_args
+    from megatron.fsdp_training.arguments import parse_args, validate_args
     from megatron.fsdp_training.testing.megatron_case import megatron_case
 
     state = torch.load(model_file, weights_only=False)
@@ -41,7 +41,7 @@ def megatron_logits(ctx, argv: List[str], model_file: str, tokens: torch.Tensor)
 def finetune_first_batch(ctx, argv: List[str]) -> dict:
     """``pretrain`` of ``argv`` (``--load ... --finetune``), and the first global batch it trained on."""
     from megatron.fsdp_training.data import datasets as data
-    from megatron.fsdp_training.arguments.parser import parse_args, validate_args
+    from megatron.fsdp_training.arguments import parse_args, validate_args
     from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
 
     history = pretrain_in_pool(ctx, argv)
@@ -51,3 +51,8 @@ def finetune_first_batch(ctx, argv: List[str]) -> dict:
     rows = [train[i] for i in range(args.global_batch_size)]
     batch = {k: torch.stack([torch.as_tensor(r[k]) for r in rows]) for k in ("tokens", "labels", "loss_mask")}
     return {"losses": history["losses"], "start_iteration": history["start_iteration"], **batch}
+
+
+def megatron_logits_of_each(ctx, cases: List[dict]) -> List[dict]:
+    """``megatron_logits`` of several models in one call (``cases``: its keyword arguments, one dict each)."""
+    return [megatron_logits(ctx, **case) for case in cases]

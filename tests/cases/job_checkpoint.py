@@ -27,7 +27,7 @@ def _same(a, b) -> bool:
 def load_error(ctx, argv: List[str]) -> Dict[str, object]:
     """Build the model of ``argv``, try ``--load``: the error, and whether anything changed."""
     from megatron.fsdp_training.checkpointing import save_load as checkpointing
-    from megatron.fsdp_training.arguments.parser import parse_args
+    from megatron.fsdp_training.arguments import parse_args
     from megatron.fsdp_training.training import setup
 
     args = parse_args(argv)
@@ -73,7 +73,7 @@ def loaded_vs_unsharded(ctx, argv: List[str], model_file: str) -> Dict[str, obje
     """
     from megatron.fsdp_training.checkpointing import save_load as checkpointing
     from megatron.fsdp_training import model as model_lib
-    from megatron.fsdp_training.arguments.parser import parse_args
+    from megatron.fsdp_training.arguments import parse_args
     from megatron.fsdp_training.training import setup
 
     args = parse_args(argv)
@@ -106,7 +106,7 @@ def rng_round_trip(ctx, argv: List[str], directory: str) -> Dict[str, bool]:
 
     from megatron.core import tensor_parallel
     from megatron.fsdp_training.checkpointing import save_load as checkpointing
-    from megatron.fsdp_training.arguments.parser import parse_args
+    from megatron.fsdp_training.arguments import parse_args
     from megatron.fsdp_training.training import setup
 
     def draws():
@@ -139,7 +139,7 @@ def failing_background_write(ctx, argv: List[str], rank: int, iteration: int) ->
     import torch.distributed as dist
 
     from megatron.fsdp_training.checkpointing import save_steps
-    from megatron.fsdp_training.arguments.parser import parse_args
+    from megatron.fsdp_training.arguments import parse_args
     from megatron.fsdp_training.checkpointing.files import CheckpointError
     from megatron.fsdp_training.training import pretrain
 
@@ -165,7 +165,7 @@ def fresh_then_loaded(ctx, argv: List[str], fresh, loaded: str) -> None:
     """Save the freshly built model of ``argv`` (iteration 0) to ``fresh`` (unless None), load ``--load``,
     save it to ``loaded``."""
     from megatron.fsdp_training.checkpointing import save_load as checkpointing
-    from megatron.fsdp_training.arguments.parser import parse_args
+    from megatron.fsdp_training.arguments import parse_args
     from megatron.fsdp_training.training import setup
 
     args = parse_args(argv)

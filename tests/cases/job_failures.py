@@ -31,7 +31,7 @@ def _damage(directory: Path, how: str) -> None:
 def damaged_loads(ctx, argv: List[str], directory: str, damages: List[str]) -> Dict[str, str]:
     """For each kind of damage: apply it to the newest checkpoint (a pristine copy restored first), try --load."""
     from megatron.fsdp_training.checkpointing import save_load as checkpointing
-    from megatron.fsdp_training.arguments.parser import parse_args
+    from megatron.fsdp_training.arguments import parse_args
     from megatron.fsdp_training.training import setup
 
     root = Path(directory)
@@ -61,13 +61,17 @@ def damaged_loads(ctx, argv: List[str], directory: str, damages: List[str]) -> D
     return out
 
 
-def full_disk_saves(ctx, argv: List[str], directory: str) -> Dict[str, object]:
-    """Save into a size-limited ``directory``: the size check, then a write that really hits ENOSPC."""
-    from megatron.fsdp_training.checkpointing import paths as checkpoint_paths, save_load as checkpointing
-    from megatron.fsdp_training.arguments.parser import parse_args
+def full_disk_saves(ctx, argv: List[str], directory: str, local: bool = False) -> Dict[str, object]:
+    """Save into a size-limited ``directory`` (``--save``; ``local``: ``argv`` names it as the local non-persistent
+    directory, and the save is a local non-persistent one): the size check, then a write that really hits ENOSPC.
+    Each one's error, and the files left in ``directory``."""
+    from megatron.fsdp_training.checkpointing import non_persistent, save_load as checkpointing
+    from megatron.fsdp_training.checkpointing import paths as checkpoint_paths
+    from megatron.fsdp_training.arguments import parse_args
     from megatron.fsdp_training.training import setup
 
-    args = parse_args(argv + ["--save", directory])
+    args = parse_args(argv if local else argv + ["--save", directory])
+    save = non_persistent.save if local else checkpointing.save_checkpoint
     out: Dict[str, object] = {}
     with megatron_case():
         _, _, model, optimizer, scheduler = setup(args)
@@ -76,14 +80,15 @@ def full_disk_saves(ctx, argv: List[str], directory: str) -> Dict[str, object]:
             if patched:  # pretend the estimate fitted: the write itself runs out of space
                 checkpoint_paths.space_problem = lambda *a, **k: None
             try:
-                checkpointing.save_checkpoint(args, 1, 8, model, optimizer, scheduler)
+                save(args, 2, 16, model, optimizer, scheduler)
                 out[label] = None
             except checkpointing.CheckpointError as exc:
                 out[label] = str(exc)
             finally:
                 checkpoint_paths.space_problem = original
             dist.barrier()
-            out[label + "_leftovers"] = sorted(p.name for p in Path(directory).iterdir())
+            out[label + "_leftovers"] = sorted(str(p.relative_to(directory)) for p in Path(directory).rglob("*")
+                                               if p.is_file())
     return out
 
 

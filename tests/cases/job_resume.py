@@ -12,7 +12,7 @@ from megatron.fsdp_training.testing.megatron_case import megatron_case
 
 def save_size_estimate(ctx, argv: List[str]) -> Dict[str, int]:
     """Train and save once (``argv`` has ``--save``): the save's size estimate, and the bytes it wrote."""
-    from megatron.fsdp_training.arguments.parser import parse_args
+    from megatron.fsdp_training.arguments import parse_args
     from megatron.fsdp_training.checkpointing import files, paths, save_load
     from megatron.fsdp_training.training import pretrain
 
@@ -41,7 +41,7 @@ def start_error(ctx, argv: List[str], capture_log: bool = False) -> Dict[str, ob
     import contextlib
     import io
 
-    from megatron.fsdp_training.arguments.parser import parse_args
+    from megatron.fsdp_training.arguments import parse_args
     from megatron.fsdp_training.checkpointing.files import CheckpointError
     from megatron.fsdp_training.errors import ArgumentError
     from megatron.fsdp_training.training import pretrain

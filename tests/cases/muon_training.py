@@ -21,6 +21,18 @@ MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5)
 # A second per-matrix optimizer (factored second moment: needs whole rows and columns), run whole
 # on each matrix's owner (megatron/fsdp/optim/matrix_whole.py).
 ADAFACTOR = dict(lr=0.02, weight_decay=0.1)
+# Megatron-LM's Muon as the adapter builds it: one Newton-Schulz coefficient triple per iteration (quintic).
+MEGATRON_MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=True, ns_steps=5, extra_scale_factor=0.2,
+                     coefficient_type="quintic")
+
+
+def _muon_class(matrix: str):
+    """The Muon class and its arguments for ``matrix`` "muon" (torch's) or "megatron" (the adapter's)."""
+    if matrix == "megatron":
+        from megatron.fsdp.mcore.muon import MegatronMuon
+
+        return MegatronMuon, MEGATRON_MUON
+    return torch.optim.Muon, MUON
 
 
 def is_matrix(name: str, param) -> bool:
@@ -43,7 +55,7 @@ class BlockMuon:
     """The unsharded reference for split matrices: ``torch.optim.Muon`` on each block of a parameter's
     storage as its own leaf (sharing the storage, so Muon's in-place update lands in the parameter)."""
 
-    def __init__(self, named: List[Tuple[str, torch.nn.Parameter]], split, **muon):
+    def __init__(self, named: List[Tuple[str, torch.nn.Parameter]], split, cls=torch.optim.Muon, **muon):
         self.originals = [p for _, p in named]
         self.blocks = []  # (original, block shape or None, index, leaf)
         for name, p in named:
@@ -53,7 +65,7 @@ class BlockMuon:
                 continue
             views = p.detach().view(-1, *block)
             self.blocks += [(p, block, k, torch.nn.Parameter(views[k])) for k in range(views.shape[0])]
-        self.muon = torch.optim.Muon([leaf for *_, leaf in self.blocks], **muon)
+        self.muon = cls([leaf for *_, leaf in self.blocks], **muon)
 
     def step(self):
         for p, block, k, leaf in self.blocks:
@@ -80,14 +92,15 @@ def muon_reference(cfg: RunConfig, muon: Optional[dict] = None, split=None, matr
                  {"params": no_decay, "weight_decay": 0.0}], **kwargs)
     if matrix == "adafactor":
         return reference_training(model, cfg, [torch.optim.Adafactor([p for _, p in matrices], **ADAFACTOR), adamw])
-    return reference_training(model, cfg, [BlockMuon(matrices, split, **(muon or MUON)), adamw])
+    cls, default = _muon_class(matrix)
+    return reference_training(model, cfg, [BlockMuon(matrices, split, cls, **(muon or default)), adamw])
 
 
 def muon_wrap(ctx, cfg: RunConfig, muon: Optional[dict] = None, split=None, matrix: str = "muon"):
     fsdp, _ = wrap(ctx, cfg)
     cls, kwargs = OPTIMIZERS["adamw"]
-    matrix_cls, matrix_kwargs = (torch.optim.Adafactor, ADAFACTOR) if matrix == "adafactor" \
-        else (torch.optim.Muon, muon or MUON)
+    matrix_cls, matrix_kwargs = (torch.optim.Adafactor, ADAFACTOR) if matrix == "adafactor" else _muon_class(matrix)
+    matrix_kwargs = muon or matrix_kwargs
     opt = mfsdp.FullyShardedOptimizer(fsdp, cls, clip_grad=cfg.clip_grad, matrix_optimizer=matrix_cls,
                                       matrix_kwargs=matrix_kwargs, matrix_split=split, **kwargs)
     return fsdp, opt
@@ -96,7 +109,7 @@ def muon_wrap(ctx, cfg: RunConfig, muon: Optional[dict] = None, split=None, matr
 def muon_run(ctx, cfg: RunConfig, muon: Optional[dict] = None, grouped: bool = False,
              matrix: str = "muon") -> Dict[str, object]:
     """Worker side: losses, norms, full parameters (rank 0), per-step matrix traffic and step counts
-    (``grouped``: the MLP weights split per "expert", ``grouped_blocks``; ``matrix``: "muon" or
+    (``grouped``: the MLP weights split per "expert", ``grouped_blocks``; ``matrix``: "muon", "megatron" or
     "adafactor")."""
     fsdp, opt = muon_wrap(ctx, cfg, muon, grouped_blocks if grouped else None, matrix)
     losses: List[float] = []

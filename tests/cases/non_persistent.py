@@ -15,7 +15,7 @@ def crashed_after(ctx, argv: List[str], iteration: int) -> Dict[str, object]:
     """``pretrain`` on ``argv``, stopped at the start of iteration ``iteration + 1`` (after iteration ``iteration``
     and its saves): whether it crashed there, and rank 0's log."""
     from megatron.fsdp_training import training
-    from megatron.fsdp_training.arguments.parser import parse_args
+    from megatron.fsdp_training.arguments import parse_args
     from megatron.fsdp_training.testing.megatron_case import megatron_case
 
     original = training.global_batch_at
@@ -44,7 +44,7 @@ def local_write_fails(ctx, argv: List[str], rank: int, iteration: int) -> Dict[s
     import torch.distributed as dist
 
     from megatron.fsdp_training import training
-    from megatron.fsdp_training.arguments.parser import parse_args
+    from megatron.fsdp_training.arguments import parse_args
     from megatron.fsdp_training.checkpointing import non_persistent
     from megatron.fsdp_training.checkpointing.files import CheckpointError
     from megatron.fsdp_training.testing.megatron_case import megatron_case

@@ -19,9 +19,13 @@ def assert_parity(result, ref, rtol, param_atol):
         errs = [rel(a, b) for a, b in zip(result[name], ref[name])]
         assert len(result[name]) == len(ref[name])
         assert max(errs) <= rtol, f"{name}: {result[name]} vs reference {ref[name]} (max rel err {max(errs):.2e})"
-    params = result["params"]
-    assert set(ref["params"]) <= set(params)
-    for name, expected in ref["params"].items():
+    assert_params_close(result["params"], ref["params"], param_atol)
+
+
+def assert_params_close(params, ref_params, param_atol):
+    """Every reference parameter, within ``param_atol`` of the largest of its magnitude and 1."""
+    assert set(ref_params) <= set(params)
+    for name, expected in ref_params.items():
         got = params[name].to(expected.dtype)
         assert got.shape == expected.shape, name
         err = (got - expected).abs().max().item()

@@ -8,8 +8,9 @@ Each ```bash block is preceded by a marker, an HTML comment the rendered page do
 ``examples/*.sh``), scaled down (the job's argparse takes the last value of a flag);
 ``replace``: ``OLD=>NEW`` pairs separated by ``;;`` applied to the block first (paths the scaled
 run writes, a benchmark's size); ``needs``: files the block reads that a reader has (a corpus,
-GPT-2's vocabulary, a HuggingFace model), made by ``FIXTURES``; ``installed``: the ``pip
-install`` steps of a chain are the test environment's own and are left out; ``skip-reason``: the
+GPT-2's vocabulary, a HuggingFace model), made by ``FIXTURES``; ``installed``: the set-up steps
+that open a chain (``pip install``, making and activating a venv: the README's per-environment
+commands) are the test environment's own and are left out; ``skip-reason``: the
 block needs a GPU or a SLURM cluster (few, and said why).
 
 The test runs each file's blocks in order, in one working directory (a later block reads what an
@@ -88,13 +89,19 @@ def commands(block: Block) -> List[str]:
         if not tokens:
             continue
         if "installed" in block.marker:  # `pip install ... && cmd`: the environment is installed already
-            while tokens and tokens[0] == "pip":
+            while tokens and _sets_up(tokens[:tokens.index("&&")] if "&&" in tokens else tokens):
                 tokens = tokens[tokens.index("&&") + 1:] if "&&" in tokens else []
         if tokens and _TRAINS.search(" ".join(tokens)) and block.marker.get("append"):
             tokens += shlex.split(block.marker["append"])
         if tokens:
             out.append(_join(tokens))
     return out
+
+
+def _sets_up(step: List[str]) -> bool:
+    """A set-up step of an ``installed`` block: ``pip ...``, ``python3.12 -m venv DIR``, ``. DIR/bin/activate``."""
+    return bool(step) and (step[0] == "pip" or step[1:3] == ["-m", "venv"]
+                           or (step[0] in (".", "source") and len(step) == 2 and step[1].endswith("/bin/activate")))
 
 
 def _join(tokens: List[str]) -> str:

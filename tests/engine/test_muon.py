@@ -86,6 +86,49 @@ def test_muon_world_size_one_is_bitwise(pool):
     assert all(torch.equal(got["params"][n], p) for n, p in ref["params"].items())
 
 
+def test_megatron_muons_per_iteration_coefficients_world_size_one_is_bitwise(pool):
+    """The adapter's MegatronMuon (quintic: one coefficient triple per Newton-Schulz iteration) through the
+    engine on one rank equals its own unsharded step bitwise, and differs from torch's single triple."""
+    cfg = RunConfig(strategy="optim_grads_params", steps=6, micro_batches=3, clip_grad=0.0)
+    got = _run(pool, cfg, 1, matrix="megatron")[0]
+    ref = reference(cfg, matrix="megatron")
+    assert got["losses"] == ref["losses"]
+    assert all(torch.equal(got["params"][n], p) for n, p in ref["params"].items())
+    assert got["losses"][2:] != reference(cfg)["losses"][2:]
+
+
+def test_newton_schulz_coefficients():
+    """One triple is torch's function bitwise, one triple per iteration the same arithmetic; quintic is the
+    textbook iteration X <- aX + (bA + cA^2)X, A = XX^T with the k-th triple, and approaches an orthogonal
+    factor; the sets expand as emerging_optimizers expands them."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    from megatron.fsdp.optim.newton_schulz import COEFFICIENT_SETS, newton_schulz, per_step_coefficients
+
+    g = torch.randn(24, 16, generator=torch.Generator().manual_seed(0))
+    simple = COEFFICIENT_SETS["simple"][0]
+    torch_result = _zeropower_via_newtonschulz(g.clone(), simple, 5, 1e-7)
+    assert torch.equal(newton_schulz(g.clone(), simple, 5, 1e-7), torch_result)
+    assert torch.equal(newton_schulz(g.clone(), [simple] * 5, 5, 1e-7), torch_result)
+    quintic = per_step_coefficients("quintic", 5)
+    got = newton_schulz(g.clone(), quintic, 5, 1e-7).float()
+    x = g.T.double() / g.norm().double()
+    for a, b, c in quintic:
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    assert torch.allclose(got, x.T.float(), atol=3e-2), (got - x.T.float()).abs().max()
+    singular = torch.linalg.svdvals(got)
+    assert singular.min() > 0.5 and singular.max() < 1.5 and not torch.equal(got, torch_result.float())
+    assert per_step_coefficients("simple", 5) == simple
+    assert per_step_coefficients("aol", 5) == COEFFICIENT_SETS["aol"] + COEFFICIENT_SETS["aol"][:1]  # cycles
+    polar = COEFFICIENT_SETS["polar_express"]
+    assert per_step_coefficients("polar_express", 10) == polar + polar[-1:] * 2  # repeats its last triple
+    with pytest.raises(ValueError, match="4 coefficient triples for 5 iterations"):
+        newton_schulz(g, COEFFICIENT_SETS["aol"], 5, 1e-7)
+    with pytest.raises(ValueError, match="expected one of simple, quintic, polar_express, aol"):
+        per_step_coefficients("custom", 5)
+
+
 MESHES = {
     # HFSDP: both axes shard optimizer state: the two-stage exchange (outer, then inner)
     "hfsdp": (RunConfig(strategy="optim_grads_params", steps=6, micro_batches=3, mesh=(2, 2),

@@ -14,7 +14,7 @@ import weakref
 
 import torch
 
-from tests.cases.harness import pid_after_starting_threads
+from tests.cases.harness import environment_after_setting, pid_after_starting_threads
 from megatron.fsdp.testing.pool import _release_leftovers
 from megatron.fsdp_training.testing.pools import pool_of
 
@@ -64,11 +64,19 @@ def test_a_worker_holding_too_many_threads_is_replaced_before_the_next_case():
         del pool.MAX_WORKER_THREADS
 
 
+def test_a_case_starts_from_the_environment_the_pool_started_with():
+    """A variable one case sets does not reach the next (CI: a default-backend model left NVTE_FLASH_ATTN=1,
+    and a later ``--attention-backend fused`` model asserted on it)."""
+    pool = pool_of(2)
+    assert pool.run(environment_after_setting, name="MFSDP_POOL_PROBE", value="1") == [None, None]
+    assert pool.run(environment_after_setting, name="MFSDP_POOL_PROBE", value="2") == [None, None]
+
+
 def test_a_closed_pool_leaves_the_temp_folder_as_it_found_it(tmp_path):
     """A fresh process that starts a pool, runs a case and closes it leaves nothing in its TMPDIR (issue 27:
     every run of the suite left ``mfsdp-pool-*`` folders behind)."""
     script = ("from megatron.fsdp.testing.pool import WorkerPool\n"
-              "from tests.cases.harness import pid_after_starting_threads\n"
+              "from tests.cases.harness import environment_after_setting, pid_after_starting_threads\n"
               "pool = WorkerPool(1)\n"
               "pool.run(pid_after_starting_threads)\n"
               "pool.close()\n")

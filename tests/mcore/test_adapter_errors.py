@@ -43,3 +43,15 @@ def test_ignored_tuning_field_warns_once():
         check_configs(_config(), _ddp(bucket_size=12345))
     messages = [str(w.message) for w in caught if "bucket_size" in str(w.message)]
     assert len(messages) == 1
+
+
+@pytest.mark.parametrize("field, value", [("flextron", True), ("gtp_weight_remat_size", 2),
+                                          ("expert_gtp_weight_remat_size", 4),
+                                          ("moe_router_load_balancing_type", "quantile_balancing")])
+def test_newer_gradient_reductions_are_refused(field, value):
+    """Megatron-Core 0.18/0.19 features whose gradient reductions this finalize_model_grads lacks (set on the
+    config object directly: 0.16.1's TransformerConfig has no such fields, and its validation would refuse some)."""
+    config = _config()
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=f"TransformerConfig {field}=.*does not run the gradient reductions"):
+        check_configs(config, _ddp())

@@ -77,7 +77,10 @@ def test_a_non_empty_directory_needs_overwrite_and_the_output_verifies(tmp_path,
         capsys.readouterr()
         with pytest.raises(SystemExit) as exc:
             ckpt_inspect.main([str(checkpoint), "--verify"])
-        assert exc.value.code == 0 and "verified" in capsys.readouterr().out
+        said = capsys.readouterr().out  # a converted checkpoint: its files vouched for, not its source
+        assert exc.value.code == 0 and ": verified " not in said, said
+        assert (f"source unverified: converted from a torch file {(tmp_path / 'full.pt').resolve()}, which was not "
+                "checked against checksums") in said, said
     shard = next(checkpoint.glob("*.distcp"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -85,3 +88,20 @@ def test_a_non_empty_directory_needs_overwrite_and_the_output_verifies(tmp_path,
     with pytest.raises(SystemExit) as exc:
         ckpt_inspect.main([str(checkpoint), "--verify"])
     assert exc.value.code == 1 and "fails its checksum" in capsys.readouterr().out
+
+
+def test_inspect_shows_a_from_hf_checkpoint_and_its_unverified_source(tmp_path, hf_model, capsys):
+    """``inspect.py CKPT`` on a from-hf checkpoint (its layout records no level): its lines, no traceback; its
+    manifest says the safetensors were not verified."""
+    out = tmp_path / "out"
+    convert.main(["from-hf", str(hf_model), str(out)])
+    capsys.readouterr()
+    ckpt_inspect.main([str(out)])
+    said = capsys.readouterr().out
+    assert ("  written at: world 1 = TP 1 x PP 1 x CP 1 x DP 1; EP 1, expert TP 1 (converted from HuggingFace "
+            "llama: no training layout)") in said, said
+    with pytest.raises(SystemExit) as exc:
+        ckpt_inspect.main([str(out), "--verify"])
+    said = capsys.readouterr().out
+    assert exc.value.code == 0 and (f"source unverified: converted from HuggingFace safetensors {hf_model.resolve()}, "
+                                    "which carries no checksums") in said, said

@@ -268,6 +268,25 @@ def test_bf16_optimizer_state_halves_the_optimizer_column(capsys):
     assert "not both" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("recipe, ratio", [("tensorwise", 0.5), ("delayed", 0.5), ("mxfp8", 33 / 64)])
+def test_quantized_param_gather_scales_only_zero3_gathers(recipe, ratio, capsys):
+    """--param-gather: ZeRO-3's weight gathers at 1 byte per element (MXFP8: + 1/32 for the E8M0 scales),
+    0.50x / 0.516x of bf16's; reduce-scatters, the optim level's main-weight installs and memory unchanged."""
+    def rows(*extra):
+        assert fp.main(WORKED + ["--memory-gb", "80", "--json", *extra]) == 0
+        return {(r["name"], r["mesh"]): r for r in json.loads(capsys.readouterr().out)["rows"]}
+
+    bf16, fp8 = rows(), rows("--param-gather", recipe)
+    zero3, base = fp8[("ZeRO-3", "16")]["inner_axis"], bf16[("ZeRO-3", "16")]["inner_axis"]
+    assert zero3["ledger"]["all_gather"] == pytest.approx(ratio * base["ledger"]["all_gather"]) and ratio < 1
+    assert zero3["ledger"]["reduce_scatter"] == base["ledger"]["reduce_scatter"]
+    assert fp8[("ZeRO-1", "16")] == bf16[("ZeRO-1", "16")]
+    assert all(fp8[k]["memory"] == bf16[k]["memory"] for k in bf16)
+    with pytest.raises(SystemExit):
+        fp.main(WORKED + ["--memory-gb", "80", "--param-gather", "blockwise"])
+    assert "invalid choice: 'blockwise'" in capsys.readouterr().err
+
+
 def test_recommendation_under_a_tight_budget():
     """10 GB leaves ZeRO-3 (flat and 8x2), HFSDP and ZeRO-3 x ZeRO-2; micro-batches decide."""
     rows, budget = worked_example(memory_gb=10.0, micro_batches=8)

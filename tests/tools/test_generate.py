@@ -5,7 +5,10 @@
   ZeRO-3 (the checkpoint resharded by DCP), equal ``generate()``'s of the exported model token
   for token, and the text streamed is their decoding;
 - the sampling filters: top-k 1 and a tiny top-p are argmax at any temperature, samples stay
-  inside the top-k set, and a seed repeats a sample.
+  inside the top-k set, and a seed repeats a sample;
+- NullTokenizer (issue 40): the continuation's ids are printed separated from the prompt's and from
+  each other; a prompt it cannot read (words, an id past the vocabulary) is one line, exit status 2,
+  before any process group.
 """
 
 import pytest
@@ -16,12 +19,12 @@ from tools import generate
 from tools.checkpoint import hf_convert
 
 
-def _hf_llama(path):
+def _hf_llama(path, vocab_size=257):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     # initializer_range 0.2: logits far apart, so float rounding never decides an argmax
-    config = LlamaConfig(vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=False, rms_norm_eps=1e-5, initializer_range=0.2)
     LlamaForCausalLM(config).save_pretrained(path)
@@ -84,3 +87,35 @@ def test_the_load_line_says_generation_not_fine_tuning():
     assert weights_only_suffix(argparse.Namespace(finetune=True)) == " for fine-tuning"
     assert 'weights_only_purpose = True, "generation"' in inspect.getsource(generate.run)
     assert weights_only_suffix(argparse.Namespace(finetune=True, weights_only_purpose="generation")) == " for generation"
+
+
+# NullTokenizer --vocab-size 63: ids 0..62 and the end of document 63, the 64 rows of this model
+NULL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "63"]
+
+
+def _null_checkpoint(tmp_path):
+    _hf_llama(tmp_path / "made", vocab_size=64)
+    hf_convert.from_hf(str(tmp_path / "made"), str(tmp_path / "ckpt"))
+    return str(tmp_path / "ckpt")
+
+
+def test_null_tokenizer_ids_are_printed_separated(mcore_pool, tmp_path):
+    got = mcore_pool.run(generate_in_pool, timeout=300, argv=[
+        "--load", _null_checkpoint(tmp_path), "--prompt", "1 2 3", "--max-new-tokens", "6", "--greedy",
+        "--no-stop-at-eod"] + NULL)
+    ids = got[0]["ids"]
+    assert len(ids) == 6 and got[0]["text"] == "1 2 3 " + " ".join(map(str, ids)) + "\n", got[0]
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("def f(x):", "NullTokenizer: the text must be integer ids"),
+    ("1 2 999", "NullTokenizer: token id 999 is outside [0, 64)"),
+])
+def test_a_prompt_the_tokenizer_cannot_read_is_one_line(tmp_path, capsys, prompt, expected):
+    import torch.distributed as dist
+
+    with pytest.raises(SystemExit) as status:
+        generate.main(["--load", _null_checkpoint(tmp_path), "--prompt", prompt] + NULL)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert status.value.code == 2 and len(out) == 1 and not dist.is_initialized(), out
+    assert out[0].startswith(f"error: --prompt {prompt!r}: {expected}") and "e.g. --prompt '1 2 3'" in out[0], out

@@ -43,7 +43,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 import torch  # noqa: E402,F401
 import torch._dynamo  # noqa: E402,F401  (torch.optim.Optimizer imports it lazily: seconds in every rank)
 import megatron.core.models.gpt  # noqa: E402,F401
-import megatron.fsdp_training.arguments.parser  # noqa: E402,F401
+import megatron.fsdp_training.arguments  # noqa: E402,F401
 from megatron.fsdp_training.training import main as pretrain_main  # noqa: E402
 
 STOP_GRACE_S = 5.0

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from megatron.fsdp_training.checkpointing import files
-from megatron.fsdp_training.arguments.parser import ArgumentError, parse_args, validate_args
+from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
 from megatron.fsdp_training.testing.job import B8, MODEL, ROOT, fsdp, pretrain
 from tests.cases.job_failures import damaged_loads, full_disk_saves, sigterm_mid_training
 from megatron.fsdp_training.testing.pools import pool_of
@@ -57,7 +57,7 @@ def test_full_disk_one_line_and_nothing_left(tmp_path):
                                  directory=str(mount))[0]
     finally:
         subprocess.run(["umount", str(mount)], check=True)
-    assert result["checked"].startswith("not enough space to save iteration 1 in ") and "bytes" in result["checked"]
+    assert result["checked"].startswith("not enough space to save iteration 2 in ") and "bytes" in result["checked"]
     assert "ran out of space (ENOSPC)" in result["enospc"] and "partial save was removed" in result["enospc"]
     for message in (result["checked"], result["enospc"]):
         assert "\n" not in message

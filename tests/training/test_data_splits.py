@@ -10,7 +10,7 @@ import signal
 import numpy as np
 import pytest
 
-from megatron.fsdp_training.arguments.parser import ArgumentError, parse_args, validate_args
+from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
 from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
 
 

@@ -22,6 +22,8 @@ dispatcher, ``--moe-permute-fusion``, ``--use-nccl-ub``) stay and are substitute
 
 import numpy as np
 
+from megatron.fsdp_training.compat import HAS_LEGACY_GROUPED_MLP
+
 from megatron.fsdp_training.testing.job import pretrain
 
 SCRIPT = """--distributed-timeout-minutes 60 --tensor-model-parallel-size 1 --expert-model-parallel-size 2
@@ -65,6 +67,8 @@ def test_the_user_guides_deepseek_v3_script_trains_saves_and_resumes(tmp_path):
     for flag in ("--use-flash-attn", "--transformer-impl transformer_engine", "--moe-token-dispatcher-type flex",
                  "--moe-permute-fusion", "--use-nccl-ub"):
         assert flag in line, line
+    # Megatron-Core 0.17+ builds SequentialMLP for --moe-grouped-gemm on CPU (0.16.1: GroupedMLP): said there only
+    assert ("--moe-grouped-gemm -> SequentialMLP" in line) == (not HAS_LEGACY_GROUPED_MLP), line
     second = pretrain(4, SCRIPT.format(samples=48, out=tmp_path).split(), capture_log=True)
     assert second["start_iteration"] == 3 and second["iterations"] == 3, second["log"][-3000:]  # 4-6
     assert len(second["losses"]) == 3 and all(np.isfinite(second["losses"])), second["log"][-3000:]

@@ -4,7 +4,7 @@ flag within bf16's tolerance; --fsdp-double-buffer is bitwise the run without it
 
 import pytest
 
-from megatron.fsdp_training.arguments.parser import ArgumentError, parse_args, validate_args
+from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
 from megatron.fsdp_training.arguments.substitutions import substitution_line
 from megatron.fsdp_training.testing.job import PRETRAIN_MODEL
 from megatron.fsdp_training.testing.pools import pool_of
@@ -83,7 +83,7 @@ def test_defaults_and_what_is_said_at_start_up():
     quiet = validate_args(parse_args(["--mock-data", "--no-gradient-accumulation-fusion"]), 2)
     assert substitution_line(quiet) == ""
     both = validate_args(parse_args(["--mock-data", "--use-megatron-fsdp", "--use-distributed-optimizer"]), 2)
-    assert both.use_distributed_optimizer and both.data_parallel_sharding_strategy == "no_shard"
+    assert both.use_distributed_optimizer and both.data_parallel_sharding_strategy == "optim_grads_params"
 
 
 def test_the_newer_dtype_spellings_are_the_flags_they_replace():

@@ -11,7 +11,7 @@ layers mixed). Every case runs inside the long-lived 4-rank pools (no new proces
 import pytest
 
 from megatron.fsdp_training.architecture import moe_layer_freq_type, swiglu_ffn_hidden_size
-from megatron.fsdp_training.arguments.parser import ArgumentError, parse_args, validate_args
+from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
 from megatron.fsdp.testing.common import LEVELS
 from megatron.fsdp_training.testing.job import fsdp
 from tests.cases.llama import local_spec_matches_cpu_spec
@@ -120,7 +120,7 @@ def test_architecture_startup_errors(argv, pattern):
 
 
 def test_moe_layer_freq_rejects_code():
-    with pytest.raises(SystemExit):
+    with pytest.raises(ArgumentError, match="--moe-layer-freq"):
         parse_args(["--moe-layer-freq", "__import__('os').getcwd()"])
 
 

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from megatron.fsdp_training.arguments.parser import ArgumentError, build_parser, parse_args, validate_args
+from megatron.fsdp_training.arguments import ArgumentError, build_parser, parse_args, validate_args
 from megatron.fsdp_training.testing.job import B8, MODEL, PRETRAIN_MODEL, assert_exact_resume, fsdp, pretrain
 
 # examples/mixtral/train_mixtral_8x7b_distributed.sh (Megatron-LM d98e8a64), every flag as the script passes it,
@@ -110,24 +110,38 @@ def test_sample_schedule_and_decoupled_lr_match_megatron_ddp():
 
 
 RAMPUP = ["--rampup-batch-size", "4", "4", "16", "--train-samples", "40"]
+RAMPUP_BATCHES = [4, 4, 4, 4, 8, 8, 8]  # the global batch of each iteration
 
 
-def test_rampup_batch_size_follows_megatron_core_and_matches_ddp():
+@pytest.mark.mcore_only("HAS_RAMPUP_CALCULATOR", why="Megatron-Core 0.18 removed RampupBatchsizeNumMicroBatchesCalculator")
+def test_rampup_batch_size_follows_megatron_core():
     """--rampup-batch-size 4 4 16 to a global batch of 8 over --train-samples 40: Megatron-Core 0.16.1's
-    calculator gives each iteration's batch (4, 4, 4, 4, 8, 8, 8: 7 iterations, its update_train_iters);
-    ZeRO-3 trains them as Megatron-Core's DDP does, within 1e-5, and logs each batch size."""
+    calculator gives each iteration's batch, and the job's schedule the same (7 iterations, its
+    update_train_iters)."""
     from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
     from megatron.fsdp_training.schedule import global_batch_at
 
     args = validate_args(parse_args(_ramp_argv()), 2)
     calculator = RampupBatchsizeNumMicroBatchesCalculator(8, 2, 2, False, 1, 4, 4, 16)
+    consumed = 0
+    for expected in RAMPUP_BATCHES:
+        calculator.update(consumed, consistency_check=True)
+        assert calculator.get_current_global_batch_size() == expected == global_batch_at(args, consumed), consumed
+        consumed += expected
+    assert args.train_iters == len(RAMPUP_BATCHES)
+
+
+def test_rampup_batch_size_matches_ddp():
+    """The ramp-up (Megatron-LM's rule: 4, 4, 4, 4, 8, 8, 8, checked against Megatron-Core 0.16.1's own calculator
+    above): ZeRO-3 trains each iteration's batch as Megatron-Core's DDP does, within 1e-5, and logs each batch size."""
+    from megatron.fsdp_training.schedule import global_batch_at
+
+    args = validate_args(parse_args(_ramp_argv()), 2)
     expected, consumed = [], 0
     for _ in range(args.train_iters):
-        calculator.update(consumed, consistency_check=True)
-        expected.append(calculator.get_current_global_batch_size())
-        assert global_batch_at(args, consumed) == expected[-1], consumed
+        expected.append(global_batch_at(args, consumed))
         consumed += expected[-1]
-    assert args.train_iters == 7 and expected == [4, 4, 4, 4, 8, 8, 8]
+    assert expected == RAMPUP_BATCHES
     base = pretrain(2, _ramp_argv())
     got = pretrain(2, _ramp_argv() + fsdp("optim_grads_params"), capture_log=True)
     assert [int(b) for b in re.findall(r"global batch size: +(\d+)", got["log"])] == expected
@@ -180,7 +194,8 @@ NEW_FLAGS = """--train-samples --lr-decay-samples --lr-warmup-samples --lr-warmu
 --auto-detect-ckpt-format --dist-ckpt-strictness --non-persistent-save-interval --non-persistent-ckpt-type
 --non-persistent-global-ckpt-dir --non-persistent-local-ckpt-dir --non-persistent-local-ckpt-algo
 --no-check-for-nan-in-loss-and-grad --check-for-nan-in-loss-and-grad --enable-experimental --fp8-format
---fp8-amax-history-len --fp8-amax-compute-algo --fp8-param-gather""".split()
+--fp8-recipe --fp8-margin --fp8-amax-history-len --fp8-amax-compute-algo --no-fp8-wgrad --fp8-param-gather
+--first-last-layers-bf16 --num-layers-at-start-in-bf16 --num-layers-at-end-in-bf16""".split()
 
 
 def test_help_lists_every_new_flag_with_its_default():
@@ -207,8 +222,6 @@ def test_help_lists_every_new_flag_with_its_default():
     (["--no-position-embedding"], "use --position-embedding-type none"),
     (["--recompute-modules", "mlp"], "needs --recompute-granularity selective"),
     (["--overlap-param-gather"], "needs --use-distributed-optimizer"),
-    (["--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max",
-      "--fp8-param-gather"], "--fp8-format, --fp8-param-gather, --fp8-amax-history-len, --fp8-amax-compute-algo: FP8"),
     (["--non-persistent-save-interval", "5", "--non-persistent-ckpt-type", "local"], "needs --save DIR"),
     (["--profile", "--profile-step-start", "3", "--profile-step-end", "3"], "below --profile-step-end"),
     (["--profile", "--use-pytorch-profiler"], "set it"),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron.fsdp_training.arguments.parser import ArgumentError, parse_args, validate_args
+from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
 from megatron.fsdp_training.logs.throughput import num_floating_point_operations, throughput
 from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
 from tools.train_hf_tokenizer import train_tokenizer

@@ -7,7 +7,7 @@ loaded into bf16 state. (Exact resume of bf16 state: tests/engine/test_precision
 
 import pytest
 
-from megatron.fsdp_training.arguments.parser import ArgumentError, parse_args, validate_args
+from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
 from megatron.fsdp.testing.common import rel
 from megatron.fsdp_training.testing.job import B8, MODEL, fsdp, pretrain
 

@@ -1,8 +1,10 @@
 """pretrain_gpt.py end to end: --use-megatron-fsdp at every level equals Megatron-Core DDP."""
 
+import re
+
 import pytest
 
-from megatron.fsdp_training.arguments.parser import ArgumentError, parse_args, validate_args
+from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
 from megatron.fsdp.testing.common import LEVELS
 from megatron.fsdp_training.testing.job import LINE
 from megatron.fsdp_training.testing.job import PRETRAIN_MODEL as MODEL
@@ -165,8 +167,29 @@ def test_startup_error_from_the_command_line(capsys):
         main(["--mock-data", "--global-batch-size", "6", "--micro-batch-size", "4"])
     assert exit_info.value.code == 2
     assert "error: --global-batch-size 6 is not a multiple of --micro-batch-size 4" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--use-torch-fsdp2"], r"^error: --use-torch-fsdp2 is not built in this job \(.*--use-megatron-fsdp"),
+    (["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"],
+     r"^error: --optimizer-cpu-offload, --optimizer-offload-fraction are not built in this job \(.*host"),
+    (["--no-such-flag"], r"^error: unrecognized arguments: --no-such-flag \(python pretrain_gpt.py --help"),
+    (["--num-layers", "four"], r"^error: argument --num-layers: invalid int value: 'four' \(.*--help"),
+])
+def test_parse_error_is_one_line(capsys, argv, expected):
+    """A flag the parser does not take is one line and exit status 2, not argparse's 170-line usage; a
+    Megatron-LM flag of a feature this job does not build says why and what to use instead."""
+    from megatron.fsdp_training.training import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert len(lines) == 1 and re.search(expected, lines[0]), captured.out
+    assert "usage:" not in captured.out + captured.err
 def test_help_shows_every_default():
-    from megatron.fsdp_training.arguments.parser import build_parser
+    from megatron.fsdp_training.arguments import build_parser
 
     parser = build_parser()
     text = " ".join(parser.format_help().split())

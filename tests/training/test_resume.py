@@ -11,16 +11,15 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import types
 from pathlib import Path
 
 import pytest
 
-from megatron.fsdp_training.arguments.parser import ArgumentError, parse_args, validate_args
-from megatron.fsdp_training.checkpointing import files
-from megatron.fsdp_training.testing.job import B8, MODEL, ROOT, fsdp, pretrain
+from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
+from megatron.fsdp_training.checkpointing import files, ownership
+from megatron.fsdp_training.testing.job import B8, MODEL, ROOT, fork_launch, fsdp, pretrain, tree_hashes
 from megatron.fsdp_training.testing.pools import pool_of
 from tests.cases.job_checkpoint import load_error
 from tests.cases.job_resume import save_size_estimate, start_error
@@ -167,10 +166,6 @@ def test_a_deleted_manifest_and_the_hint_to_a_checkpoint_that_verifies(six, tmp_
     assert "--train-iters 3 is below the iteration of checkpoint" in below and "(6)" in below, below
 
 
-def _env():
-    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-
 def test_torch_dist_directory_under_fsdp_names_the_converter(tmp_path):
     directory = tmp_path / "td" / "iter_0000002"
     directory.mkdir(parents=True)
@@ -285,16 +280,6 @@ def test_alltoall_dispatcher_with_tp_on_gloo_is_refused_at_start_up():
 JOB = MODEL + B8 + fsdp("optim") + ["--eval-iters", "0"]
 
 
-def _launch_runs(runs, tmp_path, parallel):
-    spec = tmp_path / "runs.json"
-    spec.write_text(json.dumps(runs))
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "training", "fork_launch.py"), "--runs",
-                          str(spec), "--parallel", str(parallel)], capture_output=True, text=True, env=_env(),
-                         timeout=300, cwd=ROOT)
-    assert out.returncode == 0 or out.stdout.strip(), out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1]), [Path(r["log"]).read_text() for r in runs]
-
-
 def test_two_jobs_with_one_save_directory_and_a_killed_holder(tmp_path):
     """29.3: two jobs at once with one --save: one stops at start-up naming the other. A job SIGKILLed while it
     holds the lock (mid-save) leaves its lock file: the next job takes it over with one line and resumes."""
@@ -303,7 +288,7 @@ def test_two_jobs_with_one_save_directory_and_a_killed_holder(tmp_path):
     runs = [{"nproc": 2, "argv": long, "log": str(tmp_path / f"job{k}.log")} for k in range(2)]
     runs.append({"nproc": 2, "argv": JOB + ["--train-iters", "4", "--save", killed, "--save-interval", "2"],
                  "log": str(tmp_path / "killed.log"), "env": {files.FAULT_ENV: "after_tracker:0:2"}})
-    statuses, logs = _launch_runs(runs, tmp_path, parallel=2)
+    statuses, logs = fork_launch(runs, tmp_path, parallel=2)
     assert sorted(statuses[:2]) == [0, 1] and statuses[2] == 1, (statuses, [log[-1500:] for log in logs])
     stopped = logs[statuses.index(1)]
     lines = [line for line in stopped.splitlines() if "is in use by another job" in line]
@@ -317,3 +302,22 @@ def test_two_jobs_with_one_save_directory_and_a_killed_holder(tmp_path):
     took = [line for line in resumed["log"].splitlines() if "took over the lock of --save" in line]
     assert resumed["error"] is None and len(took) == 1 and "from a job that is gone" in took[0], resumed["log"]
     assert resumed["history"]["start_iteration"] == 2 and files.read_tracker(Path(killed)) == 4
+
+
+def test_a_lock_file_that_is_a_symbolic_link_is_refused(tmp_path):
+    """A --save copied with ``cp -rs`` (its lock file, left by a killed job, a link to the original's): the job
+    never writes through it (O_NOFOLLOW): one line on every rank, the file it points to unchanged."""
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    original.mkdir()
+    (original / ownership.LOCK).write_text(json.dumps({"host": "another-host", "pid": 4242, "time": 0}))
+    (original / "notes.txt").write_text("the original run's")
+    subprocess.run(["cp", "-rs", str(original), str(copy)], check=True)
+    assert (copy / ownership.LOCK).is_symlink()
+    before = tree_hashes(original)
+    stopped = _start(JOB + ["--train-iters", "4", "--save", str(copy), "--save-interval", "2"])
+    error = stopped["error"]
+    assert error == (f"--save {copy}: its lock file {copy / ownership.LOCK} is a symbolic link (to "
+                     f"{original / ownership.LOCK}; a tree copied with cp -rs?): the lock is never written through a "
+                     "link; delete the link (the file it points to is left as it is) and start again"), stopped
+    assert tree_hashes(original) == before and (copy / ownership.LOCK).is_symlink()
+    assert not list(copy.glob("iter_*"))

@@ -8,18 +8,26 @@ state) resumes under ZeRO-3 within 1e-5 of the baseline continuing, saving at 7;
 to torch_dist (fully_reshardable) resumes the baseline within 1e-5 again.
 """
 
+import contextlib
 import json
 import re
+import shutil
+import socket
+import subprocess
+import sys
 
 import pytest
 
-from megatron.fsdp_training.checkpointing import files, manifest
-from megatron.fsdp_training.arguments.parser import ArgumentError, parse_args, validate_args
+from megatron.fsdp_training.checkpointing import files, manifest, ownership
+from megatron.fsdp_training.checkpointing.torch_dist import read_common
+from megatron.fsdp_training.compat import COMMON_PT, COMMON_STATE_IN_DCP
+from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
 from megatron.fsdp.testing.common import rel
-from megatron.fsdp_training.testing.job import B8, MODEL, assert_exact_resume, fsdp, pretrain
+from megatron.fsdp_training.testing.job import B8, MODEL, assert_exact_resume, fsdp, pretrain, tree_hashes
 from megatron.fsdp.testing.pool import RankError
 from tools.checkpoint import convert
-from tools.checkpoint import torch_dist_dp_layout
+from tools.checkpoint import inspect as ckpt_inspect
+from tools.checkpoint import torch_dist_convert, torch_dist_dp_layout
 from tools.checkpoint.torch_dist_dp_layout import DpReshardable
 
 ORIGINAL = DpReshardable._dense_params
@@ -55,7 +63,10 @@ def test_torch_dist_baseline_to_fsdp_and_back(tmp_path, monkeypatch, capsys, lay
     assert sorted(p.name for p in td.iterdir()) == ["iter_0000005", "iter_0000010", files.TRACKER]
     assert files.read_tracker(td) == 10
     meta = json.loads((td / "iter_0000005" / "metadata.json").read_text())
-    assert meta["sharded_backend"] == "torch_dist" and (td / "iter_0000005" / "common.pt").is_file()
+    assert meta["sharded_backend"] == "torch_dist"
+    # the common state: common.pt before Megatron-Core 0.19, inside the DCP files from 0.19; read alike
+    assert (td / "iter_0000005" / COMMON_PT).is_file() != COMMON_STATE_IN_DCP
+    assert read_common(td / "iter_0000005")["iteration"] == 5
     saved = _keys(td / "iter_0000005")
     assert "decoder.layers.self_attention.linear_qkv.weight" in saved  # Megatron-Core's stacked layers
     assert (BUCKET in saved, PER_PARAMETER in saved) == (layout == "dp_reshardable", layout == "fully_reshardable")
@@ -125,3 +136,126 @@ def test_ckpt_format_errors_at_start_up(argv, pattern):
 def test_ckpt_format_defaults_to_each_implementation():
     assert validate_args(parse_args(["--mock-data"]), 2).ckpt_format == "torch_dist"
     assert validate_args(parse_args(["--mock-data", "--use-megatron-fsdp"]), 2).ckpt_format == "fsdp_dtensor"
+
+
+# A process that holds a directory's save lock as a running job holds its --save's (the lock module alone, loaded
+# from its file: no torch import), until its stdin closes.
+_HOLDER = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("ownership", sys.argv[1])
+ownership = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ownership)
+problem, _ = ownership.acquire_save_lock(sys.argv[2])
+print(problem or "held", flush=True)
+sys.stdin.read()
+ownership.release_save_lock(sys.argv[2])
+"""
+
+
+@contextlib.contextmanager
+def _lock_held_elsewhere(root):
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, ownership.__file__, str(root)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        yield holder.pid
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+
+
+def _largest_item(directory, within=""):
+    """(file, offset, length) of the largest tensor item DCP's .metadata places in a file (of a key containing
+    ``within``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(str(directory)).read_metadata().storage_data
+    info = max((i for index, i in storage.items() if within in index.fqn), key=lambda i: i.length)
+    return directory / info.relative_path, info.offset, info.length
+
+
+def test_from_torch_dist_checks_its_source_and_holds_its_destination(tmp_path, monkeypatch, capsys):
+    """A tracker naming a missing iteration, a missing .metadata, a garbage common.pt, a truncated .distcp: one line
+    each, before anything is written (the retry then converts). A failure mid-write leaves the destination as it
+    was; a destination whose lock a running job holds is refused. A flipped bit converts (torch_dist has no
+    checksums): the manifest records the source as unverified, and --verify and the job's load say so."""
+    td, out = tmp_path / "td", tmp_path / "out"
+    # fully_reshardable: every tensor is read while the destination is written (the case that left a temporary)
+    pretrain(2, BASELINE + ["--dist-ckpt-optim-fully-reshardable", "--train-iters", "4", "--save", str(td),
+                            "--save-interval", "4"])
+
+    def refused(source, *extra):
+        before = tree_hashes(out) if out.exists() else None
+        with pytest.raises(SystemExit) as exc:
+            convert.main(["from-torch-dist", str(source), str(out), *extra])
+        message = str(exc.value.code)
+        assert message.startswith("error: ") and "\n" not in message, message
+        assert (tree_hashes(out) if out.exists() else None) == before  # the destination as it was
+        return message
+
+    def damaged(how, damage):
+        copy = tmp_path / f"td_{how}"
+        shutil.copytree(td, copy)
+        damage(copy / "iter_0000004")
+        return copy
+
+    tracker = damaged("tracker", lambda it: files.write_tracker(it.parent, 9))
+    assert refused(tracker).endswith(f"{tracker} has no iter_0000009 (its tracker names iteration 9); pass "
+                                     "--iteration N for one it holds (4)")
+    no_metadata = damaged("metadata", lambda it: (it / ".metadata").unlink())
+    assert f"{no_metadata / 'iter_0000004' / '.metadata'} is missing; nothing was converted" in refused(no_metadata)
+    garbage = damaged("common", lambda it: (it / "common.pt").write_bytes(b"not a pickle" * 8))
+    assert f"{garbage / 'iter_0000004' / 'common.pt'} is unreadable (" in refused(garbage)
+
+    def truncate(it):
+        shard, offset, length = _largest_item(it)
+        shard.write_bytes(shard.read_bytes()[:offset + length // 2])
+    truncated = damaged("truncated", truncate)
+    assert re.search(r"__\d+_\d+\.distcp has \d+ bytes, its \.metadata names bytes up to \d+ \(truncated\)",
+                     refused(truncated))
+    convert.main(["from-torch-dist", str(td), str(out)])  # the retry: nothing of the failed ones was left
+    assert files.read_tracker(out) == 4 and sorted(p.name for p in out.iterdir()) == ["iter_0000004", files.TRACKER]
+
+    # a failure in the middle of writing (--overwrite): its temporary and its lock removed, the rest untouched
+    calls = {"n": 0}
+    real_read = torch_dist_convert._read
+
+    def failing_read(directory, keys):
+        calls["n"] += 1
+        if calls["n"] > 3:
+            raise OSError(5, "Input/output error")
+        return real_read(directory, keys)
+    with monkeypatch.context() as m:
+        m.setattr(torch_dist_convert, "_read", failing_read)
+        assert "from-torch-dist failed (OSError: [Errno 5] Input/output error)" in refused(td, "--overwrite")
+
+    # the --save of a running job (its lock held): refused with one line naming it, until it ends
+    with _lock_held_elsewhere(out) as pid:
+        message = refused(td, "--overwrite")
+        assert (f"the destination {out} is in use by another job (host {socket.gethostname()}, pid {pid}, started"
+                in message and message.endswith("or convert into another directory")), message
+    convert.main(["from-torch-dist", str(td), str(out), "--overwrite"])
+    assert not (out / ownership.LOCK).exists()
+
+    # a flipped bit inside a tensor converts (one nothing cross-checks: an Adam moment): the manifest says the
+    # source was not verified, and so do the tools
+    def flip(it):
+        shard, offset, length = _largest_item(it, within="exp_avg_sq")
+        data = bytearray(shard.read_bytes())
+        data[offset + length // 2] ^= 0x10
+        shard.write_bytes(bytes(data))
+    flipped, flipped_out = damaged("flipped", flip), tmp_path / "flipped_out"
+    convert.main(["from-torch-dist", str(flipped), str(flipped_out)])
+    assert manifest.read_source(flipped_out / "iter_0000004") == {
+        "format": "torch_dist", "path": str((flipped / "iter_0000004").resolve()), "verified": False,
+        "why": "carries no checksums"}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        ckpt_inspect.main([str(flipped_out), "--verify"])
+    said = capsys.readouterr().out
+    assert exc.value.code == 0 and ": verified " not in said, said
+    assert (f"are as the conversion wrote them (sizes and CRC-32 match manifest.json); source unverified: converted "
+            f"from torch_dist {(flipped / 'iter_0000004').resolve()}, which carries no checksums, so damage the source "
+            "held before the conversion is in these files too") in said, said
+    loaded = pretrain(2, FSDP + ["--load", str(out), "--train-iters", "4"], capture_log=True)  # loads, trains none
+    assert loaded["start_iteration"] == 4 and "source unverified: converted from torch_dist" in loaded["log"]

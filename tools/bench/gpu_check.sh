@@ -6,8 +6,10 @@
 # Why: the test suite runs on CPU processes with gloo and its cases take no device, so
 # nothing in it exercises CUDA/NCCL. gpu_smoke.py runs, in one process (NCCL, one rank),
 # every level in fp32 and bf16 against the unwrapped model (parity) and the world-size-1
-# overhead benchmark. The exit status is gpu_smoke.py's: 1 when a parity check fails,
-# 124 when the 8-minute limit is hit.
+# overhead benchmark; then gpu_fp8_check.py: the FP8 gather's quantization (per-tensor and
+# MXFP8) on the GPU bitwise against the CPU's, and torch._scaled_mm where the device has it.
+# The exit status is the first failing step's: 1 when a parity check fails, 124 when a
+# time limit is hit.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export TORCHDYNAMO_DISABLE=1
@@ -19,3 +21,4 @@ if not torch.cuda.is_available():
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}", flush=True)
 PY
 timeout 470 python tools/bench/gpu_smoke.py --device cuda "$@"
+timeout 60 python tools/bench/gpu_fp8_check.py --device cuda

@@ -37,7 +37,8 @@ def _config(size_name: str, bf16: bool):
 
 def _args(system: str, bf16: bool):
     """The training job's arguments (its parser's defaults) with this benchmark's settings."""
-    from megatron.fsdp_training.arguments.parser import build_parser
+    from megatron.fsdp_training.arguments import build_parser
+    from megatron.fsdp_training.arguments.megatron_fsdp import apply_megatron_fsdp_defaults
 
     ours = system.startswith("ours:")
     option = option_of(system)  # the job's flag of each option row, as validate_fsdp_recipe maps it
@@ -48,6 +49,7 @@ def _args(system: str, bf16: bool):
         fsdp_double_buffer=option == "double_buffer", use_distributed_optimizer=system == "mcore_distopt", optimizer="adam", lr=LR,
         min_lr=LR, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
         clip_grad=CLIP_GRAD, bf16=bf16)
+    apply_megatron_fsdp_defaults(args)  # what --use-megatron-fsdp implies, as validate_args applies it
     return args
 
 

@@ -37,7 +37,7 @@ if _ROOT not in sys.path:
 from megatron.fsdp.testing import RankError, WorkerTimeout  # noqa: E402
 from tools.bench import plot, report  # noqa: E402
 from tools.bench import mcore_case, nv_fsdp, torch_case  # noqa: E402
-from tools.bench.spec import NV_FSDP, SIZES, SYSTEMS, option_of, runs_at  # noqa: E402
+from tools.bench.spec import FP8_OPTIONS, NV_FSDP, SIZES, SYSTEMS, option_of, runs_at  # noqa: E402
 
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
@@ -117,15 +117,18 @@ def plan(args) -> List[tuple]:
 
 ALLOCATORS = ("glibc", "job", "threshold")
 BF16_REDUCE_NEEDS_BF16 = "--grad-reduce-in-bf16 needs bf16 compute (--dtype bf16)"
+FP8_GATHER_NEEDS_BF16 = "FP8 parameter gathers replace bf16 gathers: they need bf16 compute (--dtype bf16)"
 
 
 def not_runnable(system: str, dtype: str = "bf16") -> Optional[str]:
     """Why ``system`` cannot run here before trying (an optional package absent, or the job's
-    ``--grad-reduce-in-bf16`` without bf16 compute, which the job refuses), or None."""
+    ``--grad-reduce-in-bf16`` or an FP8 gather without bf16 compute, which they refuse), or None."""
     if system in NV_FSDP and not nv_fsdp.available():
         return nv_fsdp.NOT_INSTALLED
     if option_of(system) == "bf16_reduce" and dtype != "bf16":
         return BF16_REDUCE_NEEDS_BF16
+    if option_of(system) in FP8_OPTIONS and dtype != "bf16":
+        return FP8_GATHER_NEEDS_BF16
     return None
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Optional
 
+from tools.fsdp_planner import QUANTIZED_GATHER_BYTES  # bytes per quantized element per recipe: one definition
+
 LEVELS = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 OURS = tuple(f"ours:{level}" for level in LEVELS)
 # The engine options the training job's two flags turn on, as rows of their own at ZeRO-3:
@@ -18,6 +20,17 @@ OURS = tuple(f"ours:{level}" for level in LEVELS)
 # persistent gather buffers). ``ours:<level>+<option>``.
 OPTIONS = ("bf16_reduce", "double_buffer")
 OURS_OPTIONS = tuple(f"ours:optim_grads_params+{option}" for option in OPTIONS)
+# The quantized parameter gather at ZeRO-3 (fully_shard(param_gather=QuantizedParamGather(...)), the job's
+# ``--fp8-param-gather``), bf16 compute: the default selection, every trainable nn.Linear weight (the blocks'
+# qkv, proj, fc1, fc2; the root's embeddings, norms and tied head stay bf16). ``fp8_gather``: per-tensor FP8
+# under "delayed" with history 1, most_recent: Megatron-LM's defaults (--fp8-recipe delayed,
+# --fp8-amax-history-len 1, --fp8-amax-compute-algo most_recent), which the job keeps; on the wire it is
+# tensorwise (the same bytes, the same batched amax all-reduce per unit per step) plus the history's
+# bookkeeping. ``mxfp8_gather``: --fp8-recipe mxfp8 (32-blocks, E8M0 scales, no all-reduce).
+GATHER_RECIPES = {"fp8_gather": "delayed", "mxfp8_gather": "mxfp8"}
+FP8_OPTIONS = tuple(GATHER_RECIPES)
+OURS_FP8 = tuple(f"ours:optim_grads_params+{option}" for option in FP8_OPTIONS)
+ENGINE_ROWS = OURS + OURS_OPTIONS + OURS_FP8  # every row of this project's engine (ledger bytes)
 
 # NVIDIA's standalone megatron-fsdp package (its own ``fully_shard``), at ZeRO-3 and ZeRO-2.
 NV_FSDP = ("nv_fsdp:optim_grads_params", "nv_fsdp:optim_grads")
@@ -27,7 +40,7 @@ NV_FSDP = ("nv_fsdp:optim_grads_params", "nv_fsdp:optim_grads")
 # yardstick for every system: the unwrapped model on every rank at once, the same
 # per-rank batch and optimizer, no collectives (the no-communication limit).
 SYSTEMS = {
-    "torch": ("unwrapped",) + OURS + OURS_OPTIONS + ("fsdp2",) + NV_FSDP + ("floor",),
+    "torch": ("unwrapped",) + ENGINE_ROWS + ("fsdp2",) + NV_FSDP + ("floor",),
     "mcore": OURS + OURS_OPTIONS + ("mcore_ddp", "mcore_distopt", "mfsdp_v1", "floor"),
 }
 PEERS = {"torch": ("fsdp2", "unwrapped"), "mcore": ("mcore_ddp", "mcore_distopt", "mfsdp_v1")}
@@ -38,24 +51,31 @@ LABELS = {"unwrapped": "unwrapped", "floor": "floor (no comm)", "fsdp2": "FSDP2"
           "nv_fsdp:optim_grads_params": "megatron-fsdp ZeRO-3", "nv_fsdp:optim_grads": "megatron-fsdp ZeRO-2",
           **{f"ours:{level}": f"ours {level}" for level in LEVELS},
           **{system: "ours ZeRO-3+" + system.partition("+")[2].replace("_", " ").replace("buffer", "buf")
-              for system in OURS_OPTIONS}}
+              for system in OURS_OPTIONS},
+          "ours:optim_grads_params+fp8_gather": "ours ZeRO-3+FP8 gather",
+          "ours:optim_grads_params+mxfp8_gather": "ours ZeRO-3+MXFP8 gather"}
 
 # The level each peer corresponds to, for the byte and memory formulas.
 LEVEL_OF = {**{f"ours:{level}": level for level in LEVELS}, "mcore_ddp": "no_shard",
             "mcore_distopt": "optim", "mfsdp_v1": "optim_grads_params", "fsdp2": "optim_grads_params",
             **{system: system.partition(":")[2] for system in NV_FSDP},
-            **{system: system.partition(":")[2].partition("+")[0] for system in OURS_OPTIONS}}
+            **{system: system.partition(":")[2].partition("+")[0] for system in OURS_OPTIONS + OURS_FP8}}
 
 # ZeRO-3 systems that keep the unit whose forward ends last (the last block) gathered from its forward
 # into the backward, which starts with it: this project (megatron/fsdp/schedule/runtime.py) and FSDP2
 # set up as torchtitan sets it up (``reshard_after_forward=False`` on the last block). Megatron-FSDP v1
 # and megatron-fsdp release it after its forward and gather it again.
-HOLDS_LAST_UNIT = frozenset(OURS + OURS_OPTIONS + ("fsdp2",))
+HOLDS_LAST_UNIT = frozenset(ENGINE_ROWS + ("fsdp2",))
 
 
 def option_of(system: str) -> str:
     """The engine option of an ``ours:<level>+<option>`` row ("" for none)."""
     return system.partition("+")[2]
+
+
+def gather_recipe_of(system: str) -> Optional[str]:
+    """The ``QuantizedParamGather`` recipe of an FP8 gather row, or None."""
+    return GATHER_RECIPES.get(option_of(system))
 
 
 def reduce_bytes_of(system: str) -> int:
@@ -96,7 +116,8 @@ LR, BETAS, EPS, WEIGHT_DECAY, CLIP_GRAD = 1e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 
 
 def theory_bytes(system: str, params: int, root_params: int, world: int, compute_bytes: int,
-                 reduce_bytes: int = 4, last_unit_params: int = 0) -> Dict[str, int]:
+                 reduce_bytes: int = 4, last_unit_params: int = 0, quantized_params: int = 0,
+                 last_unit_quantized: int = 0, quantized_tensors: int = 0) -> Dict[str, int]:
     """Minimum bytes per collective kind for one step of one micro-batch (ledger convention).
 
     Bytes are those of the full buffer a collective works on. Gradients are reduced once
@@ -106,6 +127,13 @@ def theory_bytes(system: str, params: int, root_params: int, world: int, compute
     forward through the backward (as in FSDP2), and, for the systems in ``HOLDS_LAST_UNIT``,
     the ``last_unit_params`` of the unit the backward starts with (steady state: from the
     second step on). The scalar all-reduce of the gradient norm is left out (8 bytes).
+
+    FP8 gather rows (``OURS_FP8``): of the gathered elements, the ``quantized_params`` weights
+    (``last_unit_quantized`` of them in the held unit) travel at ``QUANTIZED_GATHER_BYTES`` of
+    the recipe (1 byte; MXFP8 1 + 1/32 with its E8M0 block scales), the rest in the compute
+    dtype; the per-tensor recipes add one all-reduce MAX of the ``quantized_tensors`` fp32
+    amaxes per step (each unit's, batched, when the new weights are installed). Layout and
+    wire alignment padding are left out (the "vs theory" column shows them).
     """
     level = LEVEL_OF.get(system)
     if world == 1 or level is None:
@@ -116,7 +144,15 @@ def theory_bytes(system: str, params: int, root_params: int, world: int, compute
     if level in ("optim", "optim_grads"):
         return {"reduce_scatter": grads, "all_gather": compute_bytes * params}
     held = last_unit_params if system in HOLDS_LAST_UNIT else 0
-    return {"reduce_scatter": grads, "all_gather": compute_bytes * (2 * params - root_params - held)}
+    out = {"reduce_scatter": grads, "all_gather": compute_bytes * (2 * params - root_params - held)}
+    recipe = gather_recipe_of(system)
+    if recipe is not None:
+        held_quantized = last_unit_quantized if held else 0
+        saved = (compute_bytes - QUANTIZED_GATHER_BYTES[recipe]) * (2 * quantized_params - held_quantized)
+        out["all_gather"] = round(out["all_gather"] - saved)
+        if recipe != "mxfp8":
+            out["all_reduce"] = 4 * quantized_tensors
+    return out
 
 
 def theory_persistent(system: str, params: int, world: int, compute_bytes: int,

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from examples.tiny_transformer import Block, TinyTransformer
 from tools.bench import measure as M
 from tools.bench import nv_fsdp
-from tools.bench.spec import (BETAS, CLIP_GRAD, EPS, FLOOR, LR, NV_FSDP, OPTIONS, SIZES, WEIGHT_DECAY,
-                             gather_buffer_elements, option_of)
+from tools.bench.spec import (BETAS, CLIP_GRAD, EPS, FLOOR, FP8_OPTIONS, GATHER_RECIPES, LR, NV_FSDP, OPTIONS, SIZES,
+                             WEIGHT_DECAY, gather_buffer_elements, option_of)
 
 SEED = 1234
 
@@ -41,6 +41,22 @@ def root_params(model: torch.nn.Module) -> int:
 def unit_params(model: torch.nn.Module) -> List[int]:
     """Parameters per unit as ours and FSDP2 wrap the model: the root first, then each block."""
     return [root_params(model)] + [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+
+
+def linear_weights(module: torch.nn.Module) -> List[torch.nn.Parameter]:
+    """The trainable ``nn.Linear`` weights of ``module``: what ``QuantizedParamGather``'s default selection
+    gathers in FP8 (the engine also leaves out a weight another kind of module shares, which the blocks have
+    none of: the tied head is the root's embedding, outside the blocks)."""
+    return [m.weight for m in module.modules() if isinstance(m, torch.nn.Linear) and m.weight.requires_grad]
+
+
+def quantized_counts(model: torch.nn.Module) -> dict:
+    """The FP8 gather rows' theory inputs: the blocks' quantized weight elements, the last block's, and the
+    number of quantized tensors (one fp32 amax each in the per-tensor recipes' all-reduce)."""
+    per_block = [linear_weights(block) for block in model.blocks]
+    return dict(quantized_params=sum(p.numel() for ws in per_block for p in ws),
+                last_unit_quantized=sum(p.numel() for p in per_block[-1]),
+                quantized_tensors=sum(len(ws) for ws in per_block))
 
 
 def param_groups(named):
@@ -69,18 +85,26 @@ def wrap_ours(model: torch.nn.Module, level: str, bf16: bool, state_dtype=None, 
     ``state_dtype=torch.bfloat16``: AdamW's moments in bf16 (system ``ours:<level>:bf16-state``).
     ``option`` (``spec.OPTIONS``, system ``ours:<level>+<option>``): ``bf16_reduce`` reduces the
     gradients in bf16 (the job's ``--grad-reduce-in-bf16``), ``double_buffer`` gathers into
-    persistent buffers (the job's ``--fsdp-double-buffer``).
+    persistent buffers (the job's ``--fsdp-double-buffer``); ``spec.FP8_OPTIONS``: ``fp8_gather``
+    and ``mxfp8_gather`` gather the blocks' linear weights in FP8 (the job's ``--fp8-param-gather``,
+    recipe ``spec.GATHER_RECIPES``; delayed scaling with Megatron-LM's history 1, most_recent).
     """
     import megatron.fsdp as mfsdp
 
-    if option not in ("",) + OPTIONS:
-        raise ValueError(f"unknown engine option {option!r}; known: {', '.join(OPTIONS)}")
+    if option not in ("",) + OPTIONS + FP8_OPTIONS:
+        raise ValueError(f"unknown engine option {option!r}; known: {', '.join(OPTIONS + FP8_OPTIONS)}")
     if option == "bf16_reduce" and not bf16:
         raise ValueError("bf16_reduce (--grad-reduce-in-bf16) needs bf16 compute, as the training job requires")
+    if option in FP8_OPTIONS and not bf16:
+        raise ValueError(f"{option} (--fp8-param-gather) needs bf16 compute: FP8 gathers replace bf16 gathers "
+                         "(run with --dtype bf16)")
     mp = mfsdp.MixedPrecision(param_dtype=torch.bfloat16, main_dtype=torch.float32, grad_reduce_dtype=(
         torch.bfloat16 if option == "bf16_reduce" else torch.float32)) if bf16 else None
+    recipe = GATHER_RECIPES.get(option)
+    gather = None if recipe is None else mfsdp.QuantizedParamGather(
+        recipe=recipe, amax_history_len=1, amax_compute_algo="most_recent")
     wrapped = mfsdp.fully_shard(model, strategy=level, unit_modules=(Block,), mixed_precision=mp,
-                                double_buffer=option == "double_buffer")
+                                double_buffer=option == "double_buffer", param_gather=gather)
     optimizer = mfsdp.FullyShardedOptimizer(wrapped, torch.optim.AdamW, lr=LR, betas=BETAS, eps=EPS,
                                             weight_decay=WEIGHT_DECAY, clip_grad=CLIP_GRAD, state_dtype=state_dtype)
     return wrapped, optimizer
@@ -222,7 +246,7 @@ def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, t
     tokens = torch.randint(0, shape.vocab, (shape.rows, shape.seq + 1), generator=gen)
     base_tensors, base_rss = M.baselines()
     model = build_model(size_name)
-    params, units = sum(p.numel() for p in model.parameters()), unit_params(model)
+    params, units, quantized = sum(p.numel() for p in model.parameters()), unit_params(model), quantized_counts(model)
     root = units[0]
     with nv_fsdp.cpu_peer() if system in NV_FSDP else contextlib.nullcontext():
         built = build_system(system, model, tokens, bf16, trim=trim)
@@ -231,5 +255,5 @@ def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, t
     M.trim_heap()
     result.update(params=params, root_params=root, last_unit_params=units[-1],
                   tokens_per_step=shape.rows * shape.seq * dist.get_world_size(),
-                  gather_buffer_params=gather_buffer_elements(units))
+                  gather_buffer_params=gather_buffer_elements(units), **quantized)
     return result

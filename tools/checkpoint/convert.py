@@ -57,9 +57,11 @@ def to_torch(checkpoint: str, out: str, model_only: bool = False, iteration: Opt
     import torch
 
     from megatron.fsdp_training.checkpointing import files
+    from tools.checkpoint import source
     from tools.checkpoint.inspect import resolve
 
     directory = resolve(checkpoint, iteration)
+    source.check_fsdp_dtensor(directory)
     state = read_checkpoint(directory)
     state["common"] = files.read_common(directory)
     torch.save(model_state(state) if model_only else state, out)
@@ -94,7 +96,7 @@ def from_torch(path: str, save_dir: str, overwrite: bool = False) -> Path:
     import torch.distributed.checkpoint as dcp
 
     from megatron.fsdp_training.checkpointing import files
-    from tools.checkpoint import output
+    from tools.checkpoint import output, source
 
     state = torch.load(path, weights_only=False)
     # (a checkpoint from-hf wrote holds flat ``model.<name>`` keys instead of a nested ``model``)
@@ -108,7 +110,7 @@ def from_torch(path: str, save_dir: str, overwrite: bool = False) -> Path:
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
     files.write_common(tmp, common)
-    return output.publish(tmp, root, common["iteration"])
+    return output.publish(tmp, root, common["iteration"], source=source.torch_file_record(Path(path)))
 
 
 def main(argv=None) -> None:
@@ -132,6 +134,25 @@ def main(argv=None) -> None:
         _add_overwrite(c)
     _add_hf_commands(sub)
     args = p.parse_args(argv)
+    from torch.distributed.checkpoint.api import CheckpointException  # DCP's: a BaseException
+
+    from tools.checkpoint import output, source
+
+    try:
+        _run(args)
+    except SystemExit:
+        output.abandon()
+        raise
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - one line, the destination left as it was
+        undone = output.abandon()
+        raise SystemExit(f"error: {args.command} failed ({source.first_line(exc)})"
+                         + (f"; {undone} is as it was before the conversion" if undone else "")) from None
+    except BaseException:  # an interrupt: the destination as it was too
+        output.abandon()
+        raise
+
+
+def _run(args) -> None:
     start = time.perf_counter()
     if args.command in ("to-hf", "from-hf"):
         _run_hf_command(args, start)
@@ -208,7 +229,7 @@ def _run_hf_command(args, start: float) -> None:
             note = hf_tokenizer.tokenizer_note(arch, args.hf_dir)
             if note:
                 print(note)
-    except (ConversionError, FileNotFoundError) as exc:
+    except (ConversionError, OSError) as exc:  # (a missing file, a full disk: the destination is as it was)
         raise SystemExit(f"error: {exc}") from None
     print(report.line())
 

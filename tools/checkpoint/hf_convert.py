@@ -23,15 +23,13 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from tools.checkpoint import hf_io, hf_tokenizer, output
+from tools.checkpoint import hf_checks, hf_io, hf_tokenizer, output
 from tools.checkpoint.hf_layouts import Arch, ConversionError, Rule
 from tools.checkpoint.hf_models import (arch_from_args, arch_from_hf, check_exportable, default_model_type, hf_config,
                                         note, rules_for)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-# HuggingFace tensors that are not weights (old GPT-2 files keep their attention masks).
-_NOT_WEIGHTS = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|\.rotary_emb\.inv_freq)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,34 +135,10 @@ def from_hf(hf_dir: str, save_dir: str, overwrite: bool = False) -> Tuple[Conver
     hf_io.return_large_buffers_to_the_os()
     rss_before = hf_io.current_rss_bytes()
     source = Path(hf_dir)
-    if not (source / "config.json").is_file():
-        raise FileNotFoundError(f"{source}: no config.json (a HuggingFace model directory, as save_pretrained "
-                                "writes it, holds config.json and model.safetensors or shards with an index)")
-    config = json.loads((source / "config.json").read_text())
+    config = hf_checks.read_config(source)
     reader = hf_io.SafetensorsReader(source)
-    model_type, arch = arch_from_hf(config, reader.entries)
-    fused = any(k.endswith(".mlp.experts.gate_up_proj") for k in reader.entries)
-    rules = rules_for(model_type, arch, fused_experts=fused, importing=True)
-    needed = {k for r in rules for k in r.hf}
-    present = {k for k in reader.entries if not _NOT_WEIGHTS.search(k)}
-    if arch.tied:
-        present.discard("lm_head.weight")  # some files keep the tied copy
-    unknown, missing = sorted(present - needed), sorted(needed - present)
-    if unknown or missing:
-        raise ConversionError(f"{source} is not the {model_type} model its config.json describes: "
-                              + (f"tensors without a Megatron place: {unknown[:6]}; " if unknown else "")
-                              + (f"missing tensors: {missing[:6]}" if missing else ""))
-    source_dtypes = {reader.dtype(k) for k in needed}
-    owner: Dict[str, Rule] = {}
-    shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
-    for rule in rules:
-        meta = {k: torch.empty(reader.shape(k), dtype=torch.float32, device="meta") for k in rule.hf}
-        if not rule.from_hf(*meta.values()):  # a check only (q/k/v biases HF has and this Megatron model has not)
-            rule.from_hf(*(reader.read(k) for k in rule.hf))
-            continue
-        for name, t in _apply(rule, meta, to_hf=False):
-            owner["model." + name] = rule
-            shapes["model." + name] = (tuple(t.shape), torch.float32)
+    plan = hf_checks.plan_import(source, config, reader)  # every check, before anything is written
+    arch, owner, shapes = plan.arch, plan.owner, plan.shapes
     cache: Dict[str, torch.Tensor] = {}
 
     def produce(key: str) -> torch.Tensor:
@@ -175,22 +149,22 @@ def from_hf(hf_dir: str, save_dir: str, overwrite: bool = False) -> Tuple[Conver
             cache.update({"model." + name: t.contiguous() for name, t in made})
         return cache.pop(key)
 
-    root, tmp = output.destination(save_dir, 0, overwrite)
-    with output.progress(len(shapes), "from-hf") as bar:
-        hf_io.write_dcp_lazily(tmp, shapes, produce)
-    dtype = str(source_dtypes.pop()).replace("torch.", "") if len(source_dtypes) == 1 else "float32"
-    files.write_common(tmp, {
-        "format": FORMAT, "version": VERSION, "iteration": 0, "consumed_train_samples": 0, "world_size": 1,
-        "scheduler": {}, "model_args": arch.model_args(), "args": arch.as_args(),
-        "parallel_layout": {"world_size": 1, "data_parallel_size": 1, "tensor_model_parallel_size": 1,
-                            "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
-                            "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1},
-        "hf": {"model_type": model_type, "dtype": dtype, "config": config, "source": str(source.resolve())},
-    })
-    written = output.publish(tmp, root, 0)
+    with output.writing(save_dir, 0, overwrite) as (root, tmp):  # a failure leaves save_dir as it was
+        with output.progress(len(shapes), "from-hf") as bar:
+            hf_io.write_dcp_lazily(tmp, shapes, produce)
+        files.write_common(tmp, {
+            "format": FORMAT, "version": VERSION, "iteration": 0, "consumed_train_samples": 0, "world_size": 1,
+            "scheduler": {}, "model_args": arch.model_args(), "args": arch.as_args(),
+            "parallel_layout": {"world_size": 1, "data_parallel_size": 1, "tensor_model_parallel_size": 1,
+                                "pipeline_model_parallel_size": 1, "context_parallel_size": 1,
+                                "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1},
+            "hf": {"model_type": plan.model_type, "dtype": plan.dtype, "config": config,
+                   "source": str(source.resolve())},
+        })
+        written = output.publish(tmp, root, 0)
     model_bytes = sum(_nbytes(*v) for v in shapes.values())
-    return ConversionReport(written, model_bytes, rss_before, hf_io.peak_rss_bytes(),
-                            note(arch, exporting=False, config=config)), arch
+    notes = "\n".join(line for line in (plan.note, note(arch, exporting=False, config=config)) if line)
+    return ConversionReport(written, model_bytes, rss_before, hf_io.peak_rss_bytes(), notes), arch
 
 
 def _nbytes(shape, dtype) -> int:

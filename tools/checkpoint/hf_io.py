@@ -163,9 +163,7 @@ class SafetensorsReader:
         self.entries: Dict[str, Tuple[Path, int, int, torch.dtype, Tuple[int, ...]]] = {}
         for name in files:
             path = self.directory / name
-            with open(path, "rb") as f:
-                (length,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(length))
+            length, header = _header(path)
             for key, e in header.items():
                 if key == "__metadata__":
                     continue
@@ -179,14 +177,45 @@ class SafetensorsReader:
         return self.entries[key][3]
 
     def read(self, key: str) -> torch.Tensor:
+        return self.read_rows(key, 0, self.shape(key)[0] if self.shape(key) else 1)
+
+    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of ``key`` (all of a 0-d tensor), read on their own."""
         path, offset, size, dtype, shape = self.entries[key]
-        out = torch.empty(shape, dtype=dtype)
+        rows = shape[0] if shape else 1
+        row_bytes = size // rows if rows else 0
+        stop = min(stop, rows)
+        out = torch.empty((stop - start, *shape[1:]) if shape else (), dtype=dtype)
         view = out.view(-1).view(torch.uint8) if out.numel() else out.view(torch.uint8)
         with open(path, "rb") as f:
-            f.seek(offset)
-            if f.readinto(memoryview(view.numpy())) != size:
+            f.seek(offset + start * row_bytes)
+            if f.readinto(memoryview(view.numpy())) != (stop - start) * row_bytes:
                 raise OSError(f"{path}: {key} is truncated")
         return out
+
+
+def _header(path: Path) -> Tuple[int, Dict[str, dict]]:
+    """A safetensors file's header length and header, checked against the file's size (one line if not)."""
+    from tools.checkpoint.hf_layouts import ConversionError
+
+    size = path.stat().st_size
+    fix = "download or save the model again"
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        if length is None or 8 + length > size:
+            raise ConversionError(f"{path} is not a complete safetensors file ({size} bytes, too short for its "
+                                  f"header): {fix}")
+        try:
+            header = json.loads(f.read(length))
+            ends = [e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            raise ConversionError(f"{path} is not a safetensors file (its header does not parse): {fix}") from None
+    needed = 8 + length + max(ends, default=0)
+    if size < needed:
+        raise ConversionError(f"{path} is truncated: its header describes {needed} bytes, the file has {size}: "
+                              f"{fix}")
+    return length, header
 
 
 # ------------------------------------------------------------ safetensors, writing

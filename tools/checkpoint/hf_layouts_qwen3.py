@@ -71,8 +71,6 @@ def arch_from_hf(c: Mapping[str, Any]) -> Tuple[str, Arch]:
     if c.get("attention_bias"):
         raise ConversionError(f"{model_type} with attention_bias: Megatron's --add-qkv-bias has no o_proj bias "
                               "(not converted)")
-    if c.get("use_sliding_window"):
-        raise ConversionError(f"{model_type} with use_sliding_window: the job has no sliding-window attention")
     heads, layers = c["num_attention_heads"], c["num_hidden_layers"]
     moe: Dict[str, Any] = {}
     if model_type == "qwen3_moe":

@@ -2,8 +2,8 @@
 
 One table, ``FAMILIES``: the model types of ``hf_layouts`` (GPT-2, Llama, Qwen2, Qwen2-MoE,
 Mixtral), ``hf_layouts_qwen3`` (Qwen3, Qwen3-MoE) and ``hf_layouts_deepseek`` (DeepSeek-V3).
-``hf_convert`` asks this module, never a family's module, so a new architecture is one new
-module and one row here.
+``hf_convert`` and ``hf_checks`` (what from-hf checks before writing) ask this module, never a
+family's module, so a new architecture is one new module and one row here.
 """
 
 from __future__ import annotations

@@ -26,16 +26,29 @@ from typing import Optional  # noqa: E402
 
 
 def resolve(path: str, iteration: Optional[int] = None) -> Path:
-    """An ``iter_*`` directory from a save directory (tracker or ``iteration``) or the directory itself."""
+    """An ``iter_*`` directory from a save directory (tracker or ``iteration``) or the directory itself; a tracker
+    that is damaged or names a missing directory is one line naming the iterations there are."""
     from megatron.fsdp_training.checkpointing import files
 
     root = Path(path)
     if (root / ".metadata").is_file() or (root / "manifest.json").is_file():
         return root
-    iteration = iteration if iteration is not None else files.read_tracker(root)
+    present = sorted((int(p.name[5:]) for p in root.glob("iter_*") if p.is_dir() and p.name[5:].isdigit()),
+                     reverse=True)
+    hint = (f"; pass --iteration N for one it holds ({', '.join(map(str, present[:5]))})" if present
+            else f"; {root} holds no iter_* directory")
+    named = "--iteration" if iteration is not None else "its tracker"
+    try:
+        iteration = iteration if iteration is not None else files.read_tracker(root)
+    except files.CheckpointError:
+        raise SystemExit(f"error: {root / files.TRACKER} is damaged (not an iteration number){hint}") from None
     if iteration is None:
-        raise SystemExit(f"{root}: neither a checkpoint directory nor a --save directory with {files.TRACKER}")
-    return files.checkpoint_dir(root, iteration)
+        raise SystemExit(f"error: {root}: neither a checkpoint directory nor a --save directory with {files.TRACKER}")
+    try:
+        return files.checkpoint_dir(root, iteration)
+    except files.CheckpointError:
+        raise SystemExit(f"error: {root} has no {files.iteration_dir_name(iteration)} ({named} names iteration "
+                         f"{iteration}){hint}") from None
 
 
 def describe(directory: Path) -> dict:
@@ -57,15 +70,23 @@ def describe(directory: Path) -> dict:
 
 
 def layout_lines(common: dict) -> list:
-    """The parallel layout a checkpoint was written with, and the layouts it loads at."""
-    saved = common.get("parallel_layout")
+    """The parallel layout a checkpoint was written with (what it records of it), and the layouts it loads at."""
+    saved = common.get("parallel_layout") or {}
     args = common.get("model_args", {})
     if saved:
-        written = (f"world {saved['world_size']} = TP {saved['tensor_model_parallel_size']} x PP "
-                   f"{saved['pipeline_model_parallel_size']} x CP {saved['context_parallel_size']} x DP "
-                   f"{saved['data_parallel_size']}; EP {saved['expert_model_parallel_size']}, expert TP "
-                   f"{saved['expert_tensor_parallel_size']}; level {saved['data_parallel_sharding_strategy']}, "
-                   f"{saved['num_distributed_optimizer_instances']} instance(s)")
+        sizes = " x ".join(f"{name} {saved[key]}" for name, key in (
+            ("TP", "tensor_model_parallel_size"), ("PP", "pipeline_model_parallel_size"),
+            ("CP", "context_parallel_size"), ("DP", "data_parallel_size")) if key in saved)
+        extra = [f"{name} {saved[key]}" for name, key in (("EP", "expert_model_parallel_size"),
+                                                          ("expert TP", "expert_tensor_parallel_size"))
+                 if key in saved]
+        if "data_parallel_sharding_strategy" in saved:
+            extra.append(f"level {saved['data_parallel_sharding_strategy']}")
+        if "num_distributed_optimizer_instances" in saved:
+            extra.append(f"{saved['num_distributed_optimizer_instances']} instance(s)")
+        written = f"world {saved.get('world_size')} = {sizes}" + (f"; {', '.join(extra)}" if extra else "")
+        if "hf" in common:
+            written += f" (converted from HuggingFace {common['hf'].get('model_type')}: no training layout)"
     else:
         written = f"world {common.get('world_size')}, TP {args.get('tensor_model_parallel_size')}"
     from megatron.fsdp_training.checkpointing.save_load import tp_global
@@ -106,6 +127,11 @@ def verify(directory: Path) -> int:
             print(f"previous good checkpoint: iteration {good} (--ckpt-step {good})")
         return 1
     total = sum(e["size"] for e in (listed or {}).values())
+    source = manifest.read_source(directory)
+    if source is not None and not source.get("verified"):
+        print(f"{directory}: its {len(listed)} files ({total} bytes) are as the conversion wrote them (sizes and "
+              f"CRC-32 match {manifest.MANIFEST}); {manifest.source_line(source)}")
+        return 0
     print(f"{directory}: verified {len(listed)} files, {total} bytes in {time.perf_counter() - start:.2f} s")
     return 0
 
@@ -120,9 +146,14 @@ def main(argv=None) -> None:
     p.add_argument("--verify", action="store_true",
                    help="check every file's size and CRC-32 against the checkpoint's manifest.json; exit 1 if damaged")
     args = p.parse_args(argv)
+    from megatron.fsdp_training.checkpointing.files import CheckpointError
+
     if args.verify:
         raise SystemExit(verify(resolve(args.checkpoint, args.iteration)))
-    info = describe(resolve(args.checkpoint, args.iteration))
+    try:
+        info = describe(resolve(args.checkpoint, args.iteration))
+    except CheckpointError as exc:
+        raise SystemExit(f"error: {exc}") from None
     if args.keys:
         info["keys"] = {k: v for k, v in info["keys"].items() if re.search(args.keys, k)}
     if args.json:

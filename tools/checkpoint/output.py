@@ -3,22 +3,31 @@
 Why (issue 29, item 2): ``from-torch-dist`` and ``from-hf`` into a directory a job was saving to
 replaced its same-numbered ``iter_*`` and moved the tracker back (10 -> 4, 10 -> 0), rc 0. So:
 
-- a converter writes only into a new or empty directory, or into any directory with
-  ``--overwrite`` (then its own iteration is replaced, the other iterations are left);
+- a converter holds the destination's save lock while it writes (``.save_lock.json``, the lock a
+  training job holds on its ``--save``: ``checkpointing/ownership.py``), so it never writes under a
+  running job, nor a job starts saving into a directory being converted into;
+- it writes only into a new or empty directory, or into any directory with ``--overwrite`` (then
+  its own iteration is replaced, the other iterations are left);
 - it never moves a tracker backwards: a directory whose tracker names a newer iteration is
   refused even with ``--overwrite`` (the job would resume from the converted weights' iteration
   and write over its newer checkpoints);
 - the published checkpoint has a ``manifest.json`` (each file's size and CRC-32, the training
   job's own format: ``checkpointing/manifest.py``), so ``inspect.py --verify`` and the job's
-  load check it like a checkpoint the job saved.
+  load check it like a checkpoint the job saved; it also records what it was converted from and
+  that the source was not verified (no format a converter reads carries checksums it checks);
+- a conversion that fails leaves the destination as it was (``abandon``: its temporary, its lock
+  file and a directory it created are removed).
 
 Every refusal is one line raised as ``SystemExit`` (exit code 1) before anything is written.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import shutil
 from pathlib import Path
-from typing import Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 
 def check_destination(out: str, iteration: int, overwrite: bool = False) -> Path:
@@ -29,7 +38,9 @@ def check_destination(out: str, iteration: int, overwrite: bool = False) -> Path
     if root.exists() and not root.is_dir():
         raise SystemExit(f"error: {root} is a file, not a directory: choose a new directory for the converted "
                          "checkpoint")
-    entries = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+    from megatron.fsdp_training.checkpointing.ownership import LOCK
+
+    entries = sorted(p.name for p in root.iterdir() if p.name != LOCK) if root.is_dir() else []
     try:
         tracked = files.read_tracker(root) if entries else None
     except files.CheckpointError:
@@ -56,24 +67,93 @@ def check_empty(out: str, overwrite: bool = False) -> Path:
     return root
 
 
-def new_temporary(root: Path, iteration: int) -> Path:
-    """The save protocol's temporary directory for ``iteration`` under ``root`` (created with ``root``)."""
-    from megatron.fsdp_training.checkpointing import files
+@dataclasses.dataclass
+class _Conversion:
+    """The conversion under way in this process: what ``abandon`` undoes."""
 
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = files.temporary_dir(root, iteration, files.new_nonce())
-    tmp.mkdir()
-    return tmp
+    root: Path
+    created: Optional[Path]  # the outermost directory this conversion made (``root`` or a missing parent)
+    tmp: Optional[Path] = None
 
 
-def publish(tmp: Path, root: Path, iteration: int) -> Path:
-    """Checksum every file of ``tmp`` into its manifest, then rename it into place and move the tracker."""
-    from megatron.fsdp_training.checkpointing import files, manifest
+_pending: Optional[_Conversion] = None
 
+
+def destination(out: str, iteration: int, overwrite: bool) -> Tuple[Path, Path]:
+    """``check_destination``, the destination's lock, ``check_destination`` again under it (nothing else writes
+    there now), then the temporary directory to write: the root and the temporary. A running job's ``--save``
+    (its lock held) is refused with one line."""
+    from megatron.fsdp_training.checkpointing import files, ownership
+
+    global _pending
+    root = check_destination(out, iteration, overwrite)  # refusals that need no lock touch nothing
+    absolute = root.absolute()
+    _pending = _Conversion(root, created=next((p for p in reversed([absolute, *absolute.parents]) if not p.exists()),
+                                              None))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        problem, note = ownership.acquire_save_lock(root, label=f"the destination {root}",
+                                                    fix="convert into another directory")
+        if problem:
+            raise SystemExit(f"error: {problem}")
+        if note:
+            print(note)
+        check_destination(out, iteration, overwrite)
+        _pending.tmp = files.temporary_dir(root, iteration, files.new_nonce())
+        _pending.tmp.mkdir()
+    except BaseException:
+        abandon()
+        raise
+    return root, _pending.tmp
+
+
+def abandon() -> Optional[Path]:
+    """Undo the conversion under way (a failure): the destination is left as it was before it started; returns
+    it (None: no conversion was under way)."""
+    from megatron.fsdp_training.checkpointing import ownership
+
+    global _pending
+    pending, _pending = _pending, None
+    if pending is None:
+        return None
+    if pending.tmp is not None:
+        shutil.rmtree(pending.tmp, ignore_errors=True)
+    ownership.release_save_lock(pending.root)
+    if pending.created is not None:
+        shutil.rmtree(pending.created, ignore_errors=True)
+    return pending.root
+
+
+def publish(tmp: Path, root: Path, iteration: int, source: Optional[Dict[str, object]] = None) -> Path:
+    """Checksum every file of ``tmp`` into its manifest (with ``source``: what it was converted from; by default
+    a source that was not verified), then rename it into place, move the tracker and release the lock."""
+    from megatron.fsdp_training.checkpointing import files, manifest, ownership
+
+    global _pending
+    if source is None:
+        source = _hf_source(tmp)
     names = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name != manifest.MANIFEST)
-    manifest.write_manifest(tmp, {}, extra=names)
+    manifest.write_manifest(tmp, {}, extra=names, source=source)
     files.fsync_dir(tmp)
-    return files.publish(tmp, root, iteration)
+    final = files.publish(tmp, root, iteration)
+    ownership.release_save_lock(root)
+    _pending = None
+    return final
+
+
+def _hf_source(tmp: Path) -> Dict[str, object]:
+    """The source record of a conversion that names none: ``from-hf``'s safetensors (its ``common.json`` says
+    where from), which carry no checksums."""
+    import json
+
+    from megatron.fsdp_training.checkpointing import files, manifest
+    from tools.checkpoint.source import NO_CHECKSUMS
+
+    try:
+        path = json.loads((tmp / files.COMMON).read_text())["hf"]["source"]
+    except (OSError, ValueError, KeyError, TypeError):
+        path = "(not recorded)"
+    return manifest.unverified_source("HuggingFace safetensors", path, NO_CHECKSUMS)
 
 
 def progress(total: int, what: str):
@@ -83,7 +163,13 @@ def progress(total: int, what: str):
     return tqdm(total=total, desc=what, unit="tensor", mininterval=1.0, disable=None)
 
 
-def destination(out: str, iteration: int, overwrite: bool) -> Tuple[Path, Path]:
-    """``check_destination`` then ``new_temporary``: the root and the temporary directory to write."""
-    root = check_destination(out, iteration, overwrite)
-    return root, new_temporary(root, iteration)
+@contextlib.contextmanager
+def writing(out: str, iteration: int, overwrite: bool) -> Iterator[Tuple[Path, Path]]:
+    """``destination``'s root and temporary for a body that may fail outside ``convert.py``'s ``main`` (which
+    abandons on any failure itself): a failure then ``abandon``s too, so ``out`` is left as it was."""
+    root, tmp = destination(out, iteration, overwrite)
+    try:
+        yield root, tmp
+    except BaseException:
+        abandon()
+        raise

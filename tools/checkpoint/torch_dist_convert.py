@@ -199,6 +199,7 @@ def _rng_objects(directory: Path, metadata, args, world: int) -> Dict[str, bytes
     empty where the checkpoint lacks some."""
     import pickle
 
+    from megatron.fsdp_training.compat import portable
     from tools.checkpoint.torch_dist_dp_layout import read_objects
 
     keys = {tuple(int(x) for x in m.groups()[:2]): k for k in metadata.state_dict_metadata if (m := RNG.match(k))}
@@ -210,9 +211,9 @@ def _rng_objects(directory: Path, metadata, args, world: int) -> Dict[str, bytes
     for rank in range(world):
         state = states[keys[(rank // (world // pp), rank % tp)]]
         state = state[0] if isinstance(state, list) else state
-        out[f"rng.rank{rank}"] = pickle.dumps({
+        out[f"rng.rank{rank}"] = pickle.dumps(portable({  # fsdp_dtensor's rng blob (save_load.rng_state)
             "python": state["random_rng_state"], "numpy": state["np_rng_state"], "torch": state["torch_rng_state"],
-            "cuda": state.get("cuda_rng_state"), "tracker": state.get("rng_tracker_states")})
+            "cuda": state.get("cuda_rng_state"), "tracker": state.get("rng_tracker_states")}))
     return out
 
 
@@ -220,13 +221,14 @@ def from_torch_dist(source: str, out: str, iteration: Optional[int] = None, over
     """A torch_dist checkpoint (the baseline's, or Megatron-LM's) as an fsdp_dtensor one under ``out``."""
     from megatron.fsdp_training.checkpointing import files
     from megatron.fsdp_training.checkpointing import save_load as checkpointing
-    from megatron.fsdp_training.checkpointing.torch_dist import is_torch_dist, read_common
+    from megatron.fsdp_training.checkpointing.torch_dist import is_torch_dist
+    from tools.checkpoint import source as checked
     from tools.checkpoint.inspect import resolve
 
     directory = resolve(source, iteration)
     if not is_torch_dist(directory):
-        raise SystemExit(f"{directory}: not a torch_dist checkpoint (no metadata.json naming torch_dist)")
-    common = read_common(directory)
+        raise SystemExit(f"error: {directory}: not a torch_dist checkpoint (no metadata.json naming torch_dist)")
+    common = checked.check_torch_dist(directory)  # damaged files: one line, before anything is written
     args = common["args"]
     _refuse_grouped_experts(args)
     metadata = _metadata(directory)
@@ -308,7 +310,7 @@ def from_torch_dist(source: str, out: str, iteration: Optional[int] = None, over
         "model_args": checkpointing._model_args(args),
         "parallel_layout": {k: checkpointing._json_value(v) for k, v in layout.items()},
         "args": {k: checkpointing._json_value(v) for k, v in sorted(vars(args).items())}})
-    return output.publish(tmp, root, it)
+    return output.publish(tmp, root, it, source=checked.torch_dist_record(directory))
 
 
 # ------------------------------------------------------------ fsdp -> torch_dist
@@ -330,9 +332,11 @@ def to_torch_dist(source: str, out: str, iteration: Optional[int] = None, overwr
     from megatron.fsdp_training.checkpointing import files
     from megatron.fsdp_training.checkpointing.save_load import tp_global
     from megatron.fsdp_training.checkpointing.torch_dist import CHECKPOINT_VERSION, SHARDED_METADATA
+    from tools.checkpoint import source as checked
     from tools.checkpoint.inspect import resolve
 
     directory = resolve(source, iteration)
+    checked.check_fsdp_dtensor(directory)
     common = files.read_common(directory)
     if not tp_global(common):
         raise SystemExit("this checkpoint has layout version 1 (keys per tensor-parallel rank): load it at its TP "

@@ -70,6 +70,8 @@ def broadcast_params(model) -> None:
                 changed = True
         if changed:
             load_flat(s, flat)
+            if s.fp8 is not None:  # the same weights quantized again (compute weights are their dequantization)
+                s.install_main_weights(tag="broadcast_params").wait()
 
 
 def full_state_dict(model) -> Dict[str, torch.Tensor]:

@@ -129,6 +129,17 @@ def model_state_dict(model) -> Dict[str, Any]:
                                            s.main_dtype, stable=p.trainable)  # main weights: the step changes them
         for name, buf in persistent_buffers(model.module).items():
             out[name] = staged_copy(buf)
+        for name, value in fp8_state(model).items():  # delayed scaling's amax histories: the same on every rank
+            out[name] = staged_copy(value)
+    return out
+
+
+def fp8_state(model) -> Dict[str, torch.Tensor]:
+    """The FP8 gathers' per-parameter state (delayed scaling: ``<name>._fp8_amax_history``, ``<name>._fp8_scale``)."""
+    out: Dict[str, torch.Tensor] = {}
+    for unit in model.units:
+        if unit.storage.fp8 is not None:
+            out.update(unit.storage.fp8.state())
     return out
 
 
@@ -136,6 +147,7 @@ def expected_model_keys(model) -> Dict[str, Optional[Tuple[int, ...]]]:
     keys = {name: checkpoint_shape(model, name, slot.spec.shape) for unit in model.units
             for name, slot in zip(unit.param_names, unit.storage.layout.slots)}
     keys.update({name: tuple(buf.shape) for name, buf in persistent_buffers(model.module).items()})
+    keys.update({name: tuple(value.shape) for name, value in fp8_state(model).items()})
     return keys
 
 
@@ -216,6 +228,9 @@ def load_model_state_dict(model, state_dict: Mapping[str, Any], strict: bool = T
         return gather_pieces(model, state_dict)
     pieces = agreed([model], check)
     buffers = persistent_buffers(model.module)
+    for unit in model.units:  # before the install re-quantizes the loaded weights with it
+        if unit.storage.fp8 is not None:
+            unit.storage.fp8.load_state(state_dict)
     install_pieces(model, pieces)
     with torch.no_grad():
         for name, buf in buffers.items():

@@ -38,6 +38,8 @@ from .gloo_ring import ring_reduce_scatter, ring_wire_bytes
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
 GLOO_REDUCE_SCATTER_ENV = "MEGATRON_FSDP_GLOO_REDUCE_SCATTER"
 GLOO_REDUCE_SCATTER_PATHS = ("ring", "allreduce")
 
@@ -308,12 +310,13 @@ class CommAxis:
         src = dist.get_global_rank(self.group, 0)
         return Handle(dist.broadcast(tensor, src=src, group=self.group, async_op=True), what=("broadcast", self.name, tag))
 
-    def all_reduce(self, tensor: torch.Tensor, tag: str = "") -> Handle:
-        """Sum ``tensor`` over ranks, in place."""
+    def all_reduce(self, tensor: torch.Tensor, tag: str = "", op: str = "sum") -> Handle:
+        """Sum ``tensor`` over ranks, in place (``op="max"``: the elementwise maximum, e.g. FP8 amaxes)."""
         if self.size == 1:
             return Handle()
         self._record("all_reduce", tensor, tag, 2)
-        return Handle(dist.all_reduce(tensor, group=self.group, async_op=True), what=("all_reduce", self.name, tag))
+        work = dist.all_reduce(tensor, op=_REDUCE_OPS[op], group=self.group, async_op=True)
+        return Handle(work, what=("all_reduce", self.name, tag))
 
     def all_gather_object(self, obj, tag: str = "") -> list:
         """Every rank's ``obj`` (picklable), in rank order; blocking. For rare, small control data

@@ -14,7 +14,8 @@ adapter renames:
 - ``...mlp.experts.local_experts.{i}.`` -> ``{MoELayer.local_expert_indices[i]}``
   (``ep_rank * num_local_experts + i``): a checkpoint loads under another EP size; also in the
   multi-token prediction layers (``mtp.layers.{j}.transformer_layer.``: all on one stage, so ``j``
-  is already global);
+  is already global; Megatron-Core 0.17 names the module ``mtp_model_layer``, its checkpoint key stays
+  ``transformer_layer``, as in Megatron-Core's own ``sharded_state_dict``);
 - the last stage's copy of a tied output layer (``output_layer.weight`` on a stage
   without the embedding) -> ``embedding.word_embeddings.weight``: both copies hold
   the same values (their gradients are all-reduced over the embedding group), so
@@ -59,8 +60,13 @@ import torch
 
 from megatron.fsdp.checkpoint.pieces import GlobalPlacement
 
+from . import compat
+
 _LAYER = re.compile(r"(^|\.)decoder\.layers\.(\d+)\.")
-_MTP_LAYER = re.compile(r"(^|\.)mtp\.layers\.(\d+)\.transformer_layer\.")
+# A multi-token prediction layer's transformer layer: the module's attribute (this release's name) in
+# parameter names, ``transformer_layer`` in checkpoint keys on every release (compat.CHECKPOINT_MTP_LAYER).
+_MTP_LAYER = re.compile(
+    rf"(^|\.)mtp\.layers\.(\d+)\.({'|'.join(sorted({compat.MTP_LAYER_ATTRIBUTE, compat.CHECKPOINT_MTP_LAYER}))})\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 _GROUPED = re.compile(r"\.mlp\.experts\.weight\d+$")
 
@@ -110,7 +116,7 @@ def _layer_maps(module: torch.nn.Module):
         if indices is not None:
             experts[i] = list(indices)
     for j, layer in enumerate(getattr(getattr(module, "mtp", None), "layers", None) or []):
-        indices = getattr(getattr(getattr(layer, "transformer_layer", None), "mlp", None), "local_expert_indices", None)
+        indices = getattr(getattr(compat.mtp_inner_layer(layer), "mlp", None), "local_expert_indices", None)
         if indices is not None:
             experts[("mtp", j)] = list(indices)
     return offsets, experts
@@ -136,6 +142,9 @@ def global_key(name: str, module: torch.nn.Module, ranks: ParallelRanks, maps=No
     e = _EXPERT.search(key)
     if e is not None and local_layer in experts:
         key = f"{key[:e.start(1)]}{experts[local_layer][int(e.group(1))]}{key[e.end(1):]}"
+    mtp = _MTP_LAYER.search(key)
+    if mtp is not None:
+        key = f"{key[:mtp.start(3)]}{compat.CHECKPOINT_MTP_LAYER}{key[mtp.end(3):]}"
     pre, post = getattr(module, "pre_process", True), getattr(module, "post_process", True)
     if key == "output_layer.weight" and getattr(module, "share_embeddings_and_output_weights", False) \
             and post and not pre:

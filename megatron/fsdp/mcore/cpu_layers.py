@@ -199,7 +199,7 @@ def _moe_layer_pattern(config):
     return pattern
 
 
-def cpu_layer_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None,
+def cpu_layer_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None, fp8=None,
                    **local_spec_kwargs):
     """GPT spec for CPU: Megatron's local layer specs with SDPA attention and CPU norms.
 
@@ -208,7 +208,9 @@ def cpu_layer_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int
     layer as ``config.moe_layer_freq`` says (``get_gpt_decoder_block_spec``'s reading), and a CPU
     final norm: with a bare layer spec TransformerBlock picks a final norm that rejects sequence
     parallel. Normalization (LayerNorm/RMSNorm), qk-layernorm and the MoE settings come from the
-    config; ``local_spec_kwargs`` override what goes to ``get_gpt_layer_local_spec``.
+    config; ``local_spec_kwargs`` override what goes to ``get_gpt_layer_local_spec``. ``fp8``: an
+    ``fp8_gemm.Fp8Recipe``; the layers it puts in FP8 (not those ``--first-last-layers-bf16`` keeps out)
+    get ``fp8_layers``' FP8 linears.
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import (
@@ -229,13 +231,21 @@ def cpu_layer_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     layers = [moe if is_moe else dense for is_moe in pattern[offset:offset + count]]
+    if fp8 is not None:
+        from .fp8_layers import fp8_layer_spec
+
+        layers = [fp8_layer_spec(spec, fp8) if fp8.in_fp8(offset + i, config.num_layers) else spec
+                  for i, spec in enumerate(layers)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=CpuNorm)
 
 
-def cpu_mtp_block_spec(config, block_spec, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None):
+def cpu_mtp_block_spec(config, block_spec, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None,
+                       fp8=None):
     """The multi-token prediction block of this stage on CPU (None off the MTP stage): Megatron-Core's
     local MTP spec around ``block_spec``'s last layer (Megatron-LM's choice), with CPU norms for its
-    embedding, hidden-state and final norms (the local ones reject sequence parallel)."""
+    embedding, hidden-state and final norms (the local ones reject sequence parallel). With ``fp8`` every
+    linear of the MTP layers is FP8, whatever ``--first-last-layers-bf16`` says (Megatron-Core runs MTP
+    under its global FP8 context)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     spec = get_gpt_mtp_block_spec(config, block_spec, use_transformer_engine=False, vp_stage=vp_stage,
@@ -246,4 +256,8 @@ def cpu_mtp_block_spec(config, block_spec, vp_stage: Optional[int] = None, pp_ra
     for layer in spec.layer_specs:
         for name in ("enorm", "hnorm", "layer_norm"):
             setattr(layer.submodules, name, CpuNorm)
+    if fp8 is not None:
+        from .fp8_layers import fp8_layer_spec
+
+        spec.layer_specs = [fp8_layer_spec(layer, fp8) for layer in spec.layer_specs]
     return spec

@@ -1,4 +1,4 @@
-"""CPU mode: run Megatron-Core 0.16.1 on CPU processes with gloo, without editing its files.
+"""CPU mode: run Megatron-Core (0.16.1 to 0.19) on CPU processes with gloo, without editing its files.
 
 Megatron-Core assumes CUDA in many small places; this module is the one place that
 bridges them, so the engine (``megatron/fsdp``) never needs any of it. Every entry
@@ -20,7 +20,8 @@ after ``parallel_state.initialize_model_parallel``, warns once per process and i
    Multi-latent attention's YaRN RoPE builds its tables on ``torch.cuda.current_device()``:
    it is built with ``use_cpu_initialization``; its ``isinstance(..., TELinear)`` checks run
    when the Transformer Engine extension imports without Transformer Engine (``TELinear`` is None).
-4. ``grouped_gemm_util``: a per-expert matmul loop for the CUDA-only ``grouped_gemm``.
+4. ``grouped_gemm_util`` (Megatron-Core 0.16.1's legacy ``GroupedMLP``): a per-expert matmul loop for the
+   CUDA-only ``grouped_gemm``.
 5. ``schedules.deallocate_output_tensor`` keeps the old storage referenced from the
    output tensor. With ``overlap_p2p_comm`` (Megatron-LM's default under
    interleaving) the send is still in flight when the schedule swaps the storage
@@ -61,6 +62,8 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.utils import GlobalMemoryBuffer
+
+from . import compat
 
 __all__ = [
     "CpuModeWarning", "CpuNorm", "SDPACoreAttention", "cpu_layer_spec", "cpu_mode_enabled", "cpu_mtp_block_spec",
@@ -210,13 +213,14 @@ def _loop_gmm(a, b, batch_sizes, trans_b=False):
 
 
 def _patch_moe() -> None:
-    from megatron.core.transformer.moe import grouped_gemm_util, moe_utils, token_dispatcher
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     if not hasattr(moe_utils, "te_general_gemm"):
         _PATCHES.set(moe_utils, "te_general_gemm", None)
     _PATCHES.set(token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", _NULL_STREAM)
     _PATCHES.set(token_dispatcher, "maybe_move_tensor_to_cpu", _host_split_sizes)
-    if grouped_gemm_util.grouped_gemm is None:
+    grouped_gemm_util = compat.grouped_gemm_util()  # None from 0.17.0 (no legacy GroupedMLP)
+    if grouped_gemm_util is not None and grouped_gemm_util.grouped_gemm is None:
         stand_in = types.SimpleNamespace(ops=types.SimpleNamespace(gmm=_loop_gmm))
         _PATCHES.set(grouped_gemm_util, "grouped_gemm", stand_in)
         _PATCHES.set(grouped_gemm_util, "ops", stand_in.ops)

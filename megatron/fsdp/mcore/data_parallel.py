@@ -30,8 +30,10 @@ import megatron.fsdp as mfsdp
 from megatron.fsdp.checkpoint.state_dict import expected_model_keys
 from megatron.fsdp.init.meta_init import is_on_meta
 
+from . import compat
 from .checkpoint_keys import CheckpointKeys, ParallelRanks, chunk_keys, split_rules, tp_placements
 from .distributed_index import FSDPDistributedIndex
+from .fp8_gather import fp8_gather_arguments
 from .meta_init import recipe_of
 from .overlap import overlap_arguments
 
@@ -59,12 +61,15 @@ class FullyShardedDataParallelConfig(DistributedDataParallelConfig):
     """Megatron-Core's DDP config plus the expert section's own levels (``None``: as the dense ones).
 
     A plain ``DistributedDataParallelConfig`` works too: the expert fields then
-    take the dense values.
+    take the dense values. ``megatron_fsdp_main_params_dtype`` is Megatron-Core's field (from 0.19,
+    declared here for earlier releases, same default): the dtype of the main weights the optimizer
+    updates; ``None``: the compute weights are the main weights (Megatron-Core's meaning).
     """
 
     expert_data_parallel_sharding_strategy: Optional[str] = None
     expert_outer_dp_sharding_strategy: Optional[str] = None
     expert_num_distributed_optimizer_instances: Optional[int] = None
+    megatron_fsdp_main_params_dtype: Optional[torch.dtype] = torch.float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,11 +124,30 @@ def check_configs(config: TransformerConfig, ddp_config: DistributedDataParallel
                          "gradient_accumulation_fusion=False (--no-gradient-accumulation-fusion)")
     if getattr(ddp_config, "delay_wgrad_compute", False):
         raise ValueError("delay_wgrad_compute is not supported with megatron.fsdp; leave it False")
+    missing = compat.finalize_features_not_supported(config)
+    if missing:
+        raise ValueError(f"TransformerConfig {', '.join(missing)}: megatron.fsdp's finalize_model_grads does not "
+                         "run the gradient reductions these need (Megatron-Core's own DistributedDataParallel does); "
+                         "leave them at their defaults")
     defaults = DistributedDataParallelConfig()
     for field in _TUNING_FIELDS:
         if hasattr(ddp_config, field) and getattr(ddp_config, field) != getattr(defaults, field):
             warn_once(f"megatron.fsdp ignores DistributedDataParallelConfig.{field}={getattr(ddp_config, field)!r}: "
                       "it tunes Megatron's own bucketed buffers; the engine schedules per unit")
+
+
+def mixed_precision(config: TransformerConfig, ddp_config: DistributedDataParallelConfig) -> mfsdp.MixedPrecision:
+    """The engine's precision: compute in bf16 under ``config.bf16``; main weights in
+    ``megatron_fsdp_main_params_dtype`` (fp32 by default; ``None``: the compute dtype); gradients reduced in
+    fp32 with ``grad_reduce_in_fp32``, else in the compute dtype."""
+    compute = torch.bfloat16 if config.bf16 else torch.float32
+    main = getattr(ddp_config, "megatron_fsdp_main_params_dtype", torch.float32) or compute
+    if main not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"megatron_fsdp_main_params_dtype={main}: megatron.fsdp keeps main weights in fp32 or bf16")
+    if main == torch.bfloat16 and compute != torch.bfloat16:
+        raise ValueError("megatron_fsdp_main_params_dtype=torch.bfloat16 needs bf16 compute (TransformerConfig.bf16)")
+    return mfsdp.MixedPrecision(param_dtype=torch.bfloat16 if config.bf16 else None, main_dtype=main,
+                                grad_reduce_dtype=torch.float32 if ddp_config.grad_reduce_in_fp32 else compute)
 
 
 def _tied_embedding_units(module: torch.nn.Module):
@@ -182,11 +206,7 @@ class FullyShardedDataParallel(_BaseDataParallel):
             self.index = FSDPDistributedIndex.from_parallel_state(instances, experts.instances)
         else:
             self.index = FSDPDistributedIndex.from_pg_collection(pg_collection, instances, experts.instances)
-        mp = mfsdp.MixedPrecision(
-            param_dtype=torch.bfloat16 if config.bf16 else None,
-            grad_reduce_dtype=torch.float32 if ddp_config.grad_reduce_in_fp32 else (
-                torch.bfloat16 if config.bf16 else torch.float32),
-        )
+        mp = mixed_precision(config, ddp_config)
         # Megatron-Core marks the input embedding and output layer (LanguageModule); --decoupled-lr
         # gives them their own learning rate. Read before wrapping, under the engine's names.
         self.embedding_or_output_names = frozenset(
@@ -206,6 +226,8 @@ class FullyShardedDataParallel(_BaseDataParallel):
             experts=self._expert_sharding(module, experts, average),
             # Persistent gather buffers (Megatron-Core's field; gather_buffers.py in the engine).
             double_buffer=bool(getattr(ddp_config, "fsdp_double_buffer", False)),
+            # --fp8-param-gather: the FP8 layers' weights gathered as FP8 bytes + scales (fp8_gather.py)
+            **fp8_gather_arguments(config, ddp_config, module),
             **overlap_arguments(ddp_config, module, unit_classes),
             **meta_init_arguments(module),
         ))

@@ -16,7 +16,8 @@ library; instead :func:`build_on_meta_device` runs the model's constructors unde
 * factories whose result becomes a parameter or buffer (``torch.ones``...);
 * the construction-time all-reduce of a pipeline-split tied embedding
   (``LanguageModule.setup_embeddings_and_output_layer``): replayed as the same
-  all-reduce over the embedding group, on the materialised weight.
+  all-reduce over the embedding group, on the materialised weight (Megatron-Core 0.17+ skips it on
+  meta: it is recorded after the build, ``_record_tied_embedding_sync``).
 
 ``megatron.fsdp.fully_shard`` then materialises each submodule in
 ``module.modules()`` order and calls :meth:`MetaInitRecipe.init_weights` on it, which
@@ -39,6 +40,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
+
+from . import compat
 
 _AFFINE_INITS = ("_initialize_affine_weight_cpu", "_initialize_affine_weight_gpu")
 _RANDOM = {"normal_", "uniform_", "bernoulli_", "random_", "exponential_", "geometric_", "cauchy_",
@@ -315,10 +318,30 @@ def build_on_meta_device(build: Callable[[], Any]) -> Any:
     with _patched_affine_inits(tape), _deferred_all_reduce(tape), torch.device("meta"), _Recorder(tape):
         built = build()
     chunks = built if isinstance(built, (list, tuple)) else [built]
+    if not compat.TIED_EMBEDDING_SYNC_RUNS_ON_META:
+        _record_tied_embedding_sync(tape, chunks)
     _attach_discarded_draws(tape, chunks)
     for chunk in chunks:
         _RECIPES[chunk] = MetaInitRecipe(chunk, tape)
     return built
+
+
+def _record_tied_embedding_sync(tape: _Tape, chunks) -> None:
+    """Megatron-Core 0.17+ skips the tied-embedding all-reduce at construction under
+    ``init_model_with_meta_device`` (0.16.1 ran it, and ``_deferred_all_reduce`` recorded it): recorded
+    here with the condition of ``LanguageModule.setup_embeddings_and_output_layer``, so the last stage's
+    copy (zero-filled at construction) becomes the first stage's embedding on every release."""
+    for chunk in chunks:
+        config = getattr(chunk, "config", None)
+        in_group = getattr(chunk, "_is_in_embd_group", None)
+        if config is None or in_group is None or not dist.is_initialized():
+            continue
+        tied = getattr(chunk, "share_embeddings_and_output_weights", False) or getattr(config, "mtp_num_layers", 0)
+        if not tied or config.pipeline_model_parallel_size == 1 or not in_group():
+            continue
+        group, all_reduce = chunk.embd_group, dist.all_reduce
+        tape.add(chunk.shared_embedding_or_output_weight(),
+                 _Record("all_reduce", lambda t, group=group: all_reduce(t, group=group)))
 
 
 def _attach_discarded_draws(tape: _Tape, chunks) -> None:

@@ -9,7 +9,7 @@ distributed optimizer anyway. This module maps Megatron-LM's flags onto
 * which parameters: Megatron's rule, trainable 2-D parameters that are not the
   embedding or output layer (``is_embedding_or_output_parameter``); AdamW (Megatron's
   Adam config) steps the rest;
-* ``--muon-momentum``, ``--muon-use-nesterov``, ``--muon-num-ns-steps``: torch's
+* ``--muon-momentum``, ``--muon-nesterov`` (``--muon-use-nesterov``), ``--muon-num-ns-steps``: torch's
   ``momentum``, ``nesterov``, ``ns_steps`` (the same EMA momentum and Nesterov blend);
 * ``--muon-scale-mode`` x ``--muon-extra-scale-factor``: the update scale, as
   ``adjusted_lr`` of ``MegatronMuon`` below (``spectral`` with factor 0.2 is torch's
@@ -18,11 +18,12 @@ distributed optimizer anyway. This module maps Megatron-LM's flags onto
   block of ``weight1``/``weight2`` is its own matrix (``grouped_gemm_split``);
 * ``--muon-tp-mode``: ``blockwise`` (each TP shard is its own matrix) or ``duplicated``
   (the owner gathers the TP shards along ``partition_dim``, orthogonalises the whole
-  matrix, keeps its shard; the scale sees the whole shape).
+  matrix, keeps its shard; the scale sees the whole shape);
+* ``--muon-coefficient-type``: the Newton-Schulz coefficients, one triple per iteration
+  (``megatron/fsdp/optim/newton_schulz.py``; Megatron-LM's default ``"quintic"``, ``"simple"`` is
+  torch's fixed triple) in torch's bf16 arithmetic.
 
-Newton-Schulz is torch's: Keller Jordan's fixed coefficients (emerging_optimizers'
-``"simple"``) in bf16; Megatron's default ``"quintic"`` per-step coefficient set and
-``--muon-split-qkv`` are not reproduced (docs/training.md).
+``--muon-split-qkv`` is not reproduced (docs/muon.md).
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.optim._muon import _zeropower_via_newtonschulz
-
 from megatron.fsdp.collectives.comm import CommAxis
 from megatron.fsdp.optim.matrix_optimizer import TensorShards
+from megatron.fsdp.optim.newton_schulz import newton_schulz, per_step_coefficients
+
+from . import compat
 
 SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
 TP_MODES = ("blockwise", "duplicated")
@@ -51,16 +53,17 @@ def muon_scale(mode: str, rows: int, cols: int) -> float:
 
 
 class MegatronMuon(torch.optim.Muon):
-    """``torch.optim.Muon`` whose step size is ``lr * extra_scale_factor * muon_scale(scale_mode, shape)``."""
+    """``torch.optim.Muon`` whose step size is ``lr * extra_scale_factor * muon_scale(scale_mode, shape)`` and
+    whose Newton-Schulz iterations take ``coefficient_type``'s triples (one per iteration)."""
 
-    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.9,
                  nesterov: bool = False, ns_steps: int = 5, scale_mode: str = "spectral",
-                 extra_scale_factor: float = 1.0):
+                 extra_scale_factor: float = 1.0, coefficient_type: str = "quintic"):
         muon_scale(scale_mode, 1, 1)  # validates the mode
         if ns_steps < 1:
             raise ValueError(f"--muon-num-ns-steps must be at least 1, got {ns_steps}")
         super().__init__(params, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                         ns_steps=ns_steps)
+                         ns_steps=ns_steps, ns_coefficients=per_step_coefficients(coefficient_type, ns_steps))
         self.defaults.update(scale_mode=scale_mode, extra_scale_factor=float(extra_scale_factor))
         for group in self.param_groups:
             group.setdefault("scale_mode", scale_mode)
@@ -83,7 +86,7 @@ class MegatronMuon(torch.optim.Muon):
                 buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
                 buf.lerp_(p.grad, 1 - group["momentum"])
                 update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-                update = _zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-self.adjusted_lr(group, p.shape))
         return None
@@ -102,10 +105,12 @@ def grouped_gemm_split(modules):
     consecutive block of the storage, stepped as its own matrix. With SwiGLU an expert's fc1 block
     keeps gate and up together (``[hidden, 2 ffn]``), as Megatron-Core's Muon treats every fc1
     (it splits only QKV, under ``--muon-split-qkv``). ``TEGroupedMLP``/``SequentialMLP`` already
-    have one parameter per expert. ``None`` when no module is a ``GroupedMLP``.
+    have one parameter per expert. ``None`` when no module is a ``GroupedMLP`` (always from Megatron-Core
+    0.17.0, which has none).
     """
-    from megatron.core.transformer.moe.experts import GroupedMLP
-
+    GroupedMLP = compat.legacy_grouped_mlp_class()
+    if GroupedMLP is None:
+        return None
     experts = {}
     for module in modules:
         for prefix, m in module.named_modules():
@@ -126,8 +131,9 @@ def grouped_gemm_split(modules):
 
 def muon_kwargs(config) -> dict:
     return dict(lr=config.lr, weight_decay=config.weight_decay, momentum=config.muon_momentum,
-                nesterov=config.muon_use_nesterov, ns_steps=config.muon_num_ns_steps,
-                scale_mode=config.muon_scale_mode, extra_scale_factor=config.muon_extra_scale_factor)
+                nesterov=compat.muon_nesterov(config), ns_steps=config.muon_num_ns_steps,
+                scale_mode=config.muon_scale_mode, extra_scale_factor=config.muon_extra_scale_factor,
+                coefficient_type=compat.muon_coefficient_type(config))
 
 
 def tensor_parallel_shards(mode: str, ledger, tp_group, expert_tp_group):

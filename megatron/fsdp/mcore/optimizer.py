@@ -142,11 +142,12 @@ def get_fsdp_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.Modu
     Transformer Engine, so the training job passes it here instead).
     """
     precision = precision if precision is not None else precision_of(config)
-    if not precision.is_default(torch.float32) and config.optimizer != "adam":
-        raise ValueError(f"the precision-aware optimizer (bf16 moments or main grads) needs optimizer 'adam', "
-                         f"not {config.optimizer!r}")
     reject_fp16(config)
     engines = [chunk.fsdp for chunk in model_chunks]
+    if not precision.is_default(engines[0].mixed_precision.main_dtype) and config.optimizer != "adam":
+        raise ValueError(f"the precision-aware optimizer (moments or main grads in another dtype than the main "
+                         f"weights, e.g. bf16 main weights with fp32 moments) needs optimizer 'adam', not "
+                         f"{config.optimizer!r}")
     index = model_chunks[0].index
     kwargs = dict(lr=config.lr, weight_decay=config.weight_decay)
     if config.optimizer == "muon":  # Megatron-LM: Muon for the matrices, Adam's config for the rest

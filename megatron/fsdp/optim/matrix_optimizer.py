@@ -21,7 +21,9 @@ Contract for the Muon class here: ``torch.optim.Muon`` or a subclass; its
 constructor validates the hyperparameters (one param group, which the LR
 scheduler may edit between steps); a subclass may define
 ``adjusted_lr(group, shape) -> float`` to replace torch's ``adjust_lr_fn``
-(how Megatron's scale modes are expressed, see docs/engine.md). It keeps one
+(how Megatron's scale modes are expressed, see docs/engine.md), and its group's
+``ns_coefficients`` may hold one triple per Newton-Schulz iteration instead of
+one for all (``newton_schulz.py``; Megatron's coefficient types). It keeps one
 state tensor per matrix, ``momentum_buffer``, sharded like the matrix.
 
 Tensor-parallel ``duplicated`` mode: ``matrix_shards(name, param)`` may return
@@ -38,9 +40,10 @@ import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+from torch.optim._muon import _adjust_lr
 
 from ..collectives.comm import CommAxis, Handle
+from .newton_schulz import newton_schulz
 from .matrix_plan import MatrixSlot, Stage, exchange_stages, matrix_blocks, matrix_slots, overlap, owner_set
 
 
@@ -353,7 +356,7 @@ class MatrixOptimizer:
         for j in owned:
             m = mu.matrices[j]
             matrix = gathered.get(j, held[j].view(m.shape))
-            result = _zeropower_via_newtonschulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
+            result = newton_schulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
             spec = mu.shards.get(j)
             if spec is not None:
                 result = result.chunk(spec.axis.size, dim=spec.dim)[spec.axis.rank]

@@ -19,8 +19,10 @@ into each other (``converts_on_load``); the moment dtypes are class attributes
 (``precision_aware_adam``) because the checkpoint code re-creates an optimizer from its class
 to describe the state of one that has not stepped yet.
 
-fp32 state with fp32 gradients (``OptimizerPrecision()``) is the default and changes nothing:
-the caller's optimizer class runs exactly as before.
+fp32 state with fp32 gradients (``OptimizerPrecision()``) is the default and, over fp32 main
+weights, changes nothing: the caller's optimizer class runs exactly as before. Over bf16 main
+weights (``MixedPrecision(main_dtype=torch.bfloat16)``) this optimizer always runs: the moments in
+their own dtype (fp32 by default) and the update in fp32 (the caller's would compute in bf16).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class OptimizerPrecision:
 
     exp_avg_dtype: torch.dtype = torch.float32
     exp_avg_sq_dtype: torch.dtype = torch.float32
-    main_grads_dtype: Optional[torch.dtype] = None  # None: the model's main dtype (fp32)
+    main_grads_dtype: Optional[torch.dtype] = None  # None: the main weights' dtype
 
     def __post_init__(self):
         _check_dtype("exp_avg_dtype", self.exp_avg_dtype)
@@ -73,7 +75,10 @@ class OptimizerPrecision:
                    main_grads_dtype)
 
     def is_default(self, main_dtype: torch.dtype) -> bool:
-        return (self.exp_avg_dtype == torch.float32 and self.exp_avg_sq_dtype == torch.float32
+        """Whether the caller's optimizer runs unchanged: over fp32 (or wider) main weights with state and
+        gradients in their dtype. Over bf16 main weights the precision-aware Adam always runs, so that the
+        update is computed in fp32 whatever the moments' dtype (the caller's would compute in bf16)."""
+        return (main_dtype.itemsize >= 4 and self.exp_avg_dtype == main_dtype and self.exp_avg_sq_dtype == main_dtype
                 and self.main_grads_dtype in (None, main_dtype))
 
     def optimizer_class(self, optimizer_cls, main_dtype: torch.dtype):

@@ -19,6 +19,15 @@ one unit's gather per micro-batch. The first pass, with no order seen yet, relea
 unit; a forward with autograd off holds nothing; a unit held for a backward that never
 comes is released by the next forward before anything else.
 
+A pass is one call of the root module, whoever makes it: the wrapper's forward, or the model's own
+code (``model.module(...)``, a ``generate()`` that calls the model once per token). Any other
+module whose forward uses a unit's parameters, called while that unit is not gathered (a root
+submodule such as the embedding, or a unit's submodule, called on its own), gathers it for that
+call and releases it when the call returns (``direct_call_begins``/``direct_call_ends``); outside
+a pass such a call prefetches nothing and is not recorded in any order, so it leaves the next
+pass's prefetch plans as they were, and its backward, if any, gathers the unit on demand. Every
+rank must make the same calls in the same order, as for any forward.
+
 The order a pass prefetches in is the order of the previous pass; the first
 forward uses the registration order (the order of ``module.named_modules()``,
 which is the call order of a sequential stack), the first backward the
@@ -103,6 +112,9 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+_IN_USE = (UnitState.FORWARD, UnitState.BACKWARD)
+
+
 def _stages_left(handle: Optional[Handle]) -> bool:
     """``handle`` is a multi-stage collective with stages not yet issued."""
     return isinstance(handle, StagedHandle) and handle.stages_left > 0
@@ -137,12 +149,32 @@ class Schedule:
         # Multi-stage collectives with stages not yet issued, in issue order: (kind, unit, handle).
         self._staged: List[Tuple[str, str, StagedHandle]] = []
         self._callback_queued = False
+        self._root_calls = 0      # calls of the root module in progress (nested: more than one)
+        self._pass_open = False   # between root_pre_forward and root_post_forward
+        # Calls of modules that gathered units for themselves (``direct_call_begins``), innermost last:
+        # (module, the units that call gathered).
+        self._direct: List[Tuple[torch.nn.Module, List[FSDPUnit]]] = []
         # Called with a unit's name once that unit's backward is done (its gradient reduction
         # issued, its weights released): a place for a caller's per-unit policy, such as the job
         # handing freed activation memory back to the OS (megatron/fsdp_training/allocator.py).
         self.post_backward_hooks: Dict[int, Callable[[str], None]] = collections.OrderedDict()  # weak-referable
 
     # ---------------------------------------------------------------- forward
+    def enter_root_module(self) -> bool:
+        """The root module's forward begins (the root module's pre-hook); the outermost call opens the
+        pass. True when this call opened it."""
+        self._root_calls += 1
+        if self._root_calls > 1:
+            return False
+        self.root_pre_forward()
+        return True
+
+    def leave_root_module(self, output):
+        """The root module's forward returned, or raised (its post-hook runs either way); the outermost
+        call closes the pass."""
+        self._root_calls = max(0, self._root_calls - 1)
+        return self.root_post_forward(output) if self._root_calls == 0 else output
+
     def root_pre_forward(self) -> None:
         # A unit still gathered from the last forward (kept for a backward that did not come): released,
         # so this forward gathers, hooks and records it like every other unit.
@@ -154,6 +186,7 @@ class Schedule:
         self._order = []
         self._fwd_ends = []
         self._bwd_plan = None
+        self._pass_open = True
         root = self.root
         if root is not None and root.state is UnitState.IDLE and not root.storage.resident:
             self._track_staged("all_gather", root, root.start_unshard())
@@ -170,6 +203,7 @@ class Schedule:
             profiling.mark("forward", "begin", root.name)
 
     def root_post_forward(self, output):
+        self._pass_open = False
         if self.root is not None:
             profiling.mark("forward", "end", self.root.name)
         if torch.is_grad_enabled():
@@ -185,8 +219,11 @@ class Schedule:
             self._enter_backward(unit)
             return
         self._count_gather(unit, "forward")
-        self._order.append(unit)
-        self._gather_then_prefetch(unit, self._fwd_plan.after(unit, self.overlap.forward_prefetch))
+        ahead: List[FSDPUnit] = []  # a unit called outside a pass: nothing of a pass to record or prefetch
+        if self._pass_open:
+            self._order.append(unit)
+            ahead = self._fwd_plan.after(unit, self.overlap.forward_prefetch)
+        self._gather_then_prefetch(unit, ahead)
         unit.begin_use(UnitState.FORWARD)
         profiling.mark("forward", "begin", unit.name)
 
@@ -195,13 +232,49 @@ class Schedule:
             return output  # recompute during backward: keep the weights for backward
         self._advance_staged()
         profiling.mark("forward", "end", unit.name)
-        self._fwd_ends.append(unit)
+        if self._pass_open:
+            self._fwd_ends.append(unit)
         if torch.is_grad_enabled():
-            if unit is not self._held_for_backward:
+            if unit is not self._held_for_backward or not self._pass_open:
                 unit.release()
-            self._register_pre_backward(unit, output)
+            self._register_pre_backward(unit, output, in_pass=self._pass_open)
         else:
             unit.release()
+        return output
+
+    # ----------------------------------------------------- modules called on their own
+    def direct_call_begins(self, module: torch.nn.Module, units: List[FSDPUnit]) -> None:
+        """``module``'s pre-hook: its forward uses parameters of ``units`` and it is not their unit
+        module. Those not gathered now (``module`` called on its own, not inside their unit's forward)
+        are gathered for this call, in the order given (the same on every rank)."""
+        if not self._direct and self._pass_open and all(u.state in _IN_USE for u in units):
+            return  # inside its units' forwards (or backwards): the training path, nothing to do
+        gathered: List[FSDPUnit] = []
+        self._direct.append((module, gathered))
+        for unit in units:
+            if unit.state in _IN_USE:
+                continue
+            if unit is not self.root:
+                self.pre_forward(unit)
+            elif _in_backward():
+                self._enter_backward(unit)
+            else:
+                unit.begin_use(UnitState.FORWARD)
+            gathered.append(unit)
+
+    def direct_call_ends(self, module: torch.nn.Module, output):
+        """``module``'s post-hook (it runs when the forward raised, too): what its call gathered is
+        released, a unit's backward hooked on the output as after its own forward."""
+        if not self._direct or self._direct[-1][0] is not module:
+            return output
+        _, gathered = self._direct.pop()
+        for unit in reversed(gathered):
+            if unit is not self.root:
+                self.post_forward(unit, output)
+            elif unit.state is UnitState.FORWARD:  # (not in a recompute, where it stays for the backward)
+                unit.release()
+                if torch.is_grad_enabled():
+                    self._register_pre_backward(unit, output, in_pass=False)
         return output
 
     def _count_gather(self, unit: FSDPUnit, phase: str) -> None:
@@ -261,10 +334,11 @@ class Schedule:
             handle.advance()
 
     # --------------------------------------------------------------- backward
-    def _register_pre_backward(self, unit: FSDPUnit, output) -> None:
+    def _register_pre_backward(self, unit: FSDPUnit, output, in_pass: bool = True) -> None:
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
-            torch.autograd.graph.register_multi_grad_hook(tensors, lambda _grads: self._pre_backward(unit), mode="any")
+            torch.autograd.graph.register_multi_grad_hook(
+                tensors, lambda _grads: self._pre_backward(unit, in_pass), mode="any")
 
     def _backward_plan(self) -> "_Plan":
         """The previous backward's order; at first, the reverse of the order in which forwards ended
@@ -274,11 +348,16 @@ class Schedule:
             self._bwd_order = []
         return self._bwd_plan
 
-    def _pre_backward(self, unit: Optional[FSDPUnit]) -> None:
+    def _pre_backward(self, unit: Optional[FSDPUnit], in_pass: bool = True) -> None:
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if unit is None or unit.state is UnitState.BACKWARD:
+            return
+        if not in_pass:  # the backward of a call outside a pass: gathered on demand, no plan recorded
+            if unit is not self.root:
+                self._count_gather(unit, "backward")
+            self._enter_backward(unit)
             return
         depth = self.overlap.backward_prefetch
         if unit is self.root:  # the backward starts in the root: prefetch the first units of its plan
@@ -303,8 +382,8 @@ class Schedule:
         if unit.state is not UnitState.BACKWARD:
             raise RuntimeError(
                 f"parameter {unit.param_names[param_index]!r} of FSDP unit {unit.name} received a gradient "
-                "outside that unit's backward; call the unit module itself (its forward hooks gather and "
-                "reduce it) instead of calling its submodules or parameters directly")
+                "outside that unit's backward: it was used outside any module call (read directly); use it "
+                "through the module that holds it (that call's hooks gather and reduce the unit)")
         unit.storage.take_grad(param_index)
         if unit.mark_ready(param_index):
             self._post_backward(unit)
@@ -410,7 +489,7 @@ class Schedule:
         for unit in order:
             unit.reduced_this_step = False
             with profiling.span("install", unit.name):
-                handle = unit.storage.install_main_weights(tag=unit.name)
+                handle = unit.storage.install_main_weights(tag=unit.name, step=True)
             unit.set_pending(handle)
             self._track_staged("install", unit, handle)
 

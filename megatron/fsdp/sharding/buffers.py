@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from ..collectives.comm import CommAxis, Handle, staged
+from ..precision.param_gather import QuantizedParamGather
 from .layout import FlatLayout
+from .quantized_gather import QuantizedGather
 from .regions import UnitRegions, trainable_part, unit_regions
 from .strategy import MeshStrategy
 
@@ -90,7 +92,8 @@ class UnitStorage:
     def __init__(self, layout: FlatLayout, params: List[torch.nn.Parameter], levels: MeshStrategy,
                  inner: CommAxis, outer: CommAxis, compute_dtype: torch.dtype, main_dtype: torch.dtype,
                  reduce_dtype: torch.dtype, device: torch.device, average_grads: bool = True,
-                 section: str = "dense", grad_scale: float = 1.0):
+                 section: str = "dense", grad_scale: float = 1.0,
+                 param_gather: Optional[QuantizedParamGather] = None, quantized: Sequence[int] = ()):
         assert len(params) == len(layout.slots)
         self.layout, self.params, self.levels = layout, params, levels
         self.inner, self.outer = inner, outer
@@ -98,7 +101,10 @@ class UnitStorage:
         self.average_grads = average_grads
         self.section = section          # "dense" or "expert": which mesh and norm groups it belongs to
         self.grad_scale = grad_scale    # applied once per step after the reductions (experts.py)
-        self.shares_main = compute_dtype == main_dtype
+        # FP8 gathers (``param_gather``, the layout slots ``quantized``) write dequantized weights into the
+        # compute buffer: the main weights must be a copy of their own, also for an fp32 model.
+        quantizes = param_gather is not None and len(quantized) > 0
+        self.shares_main = compute_dtype == main_dtype and not quantizes
         self.regions: UnitRegions = unit_regions(layout, levels, inner.rank, outer.rank, outer.size)
         regions = self.regions
         originals = [p.detach() for p in params]
@@ -117,6 +123,8 @@ class UnitStorage:
         # the compute range: gathers cast main weights; only frozen elements keep a shard.
         self.casts_main = (self.releases and not self.shares_main
                            and regions.main == trainable_part(regions.compute, layout.trainable_end))
+        # ZeRO-3 keeps compute-dtype weights only for frozen parameters when gathers cast (or quantize) main weights.
+        self._frozen_only_kept = self.casts_main or quantizes
         self.kept = self._kept_range() if self.releases else (0, layout.padded_size)
         self.shard: Optional[torch.Tensor] = None
         if self.releases:
@@ -150,6 +158,8 @@ class UnitStorage:
             self._detach_params()
         else:
             self._attach_params()
+        # The FP8 gather; its first quantization is an install, issued by ``fully_shard`` (a collective).
+        self.fp8: Optional[QuantizedGather] = QuantizedGather(self, param_gather, quantized) if quantizes else None
 
     def use_gather_buffer(self, buffer, name: str) -> None:
         """Gather into ``buffer`` (a ``GatherBuffer``) from now on instead of allocating per gather.
@@ -249,11 +259,11 @@ class UnitStorage:
     def _kept_range(self) -> tuple:
         """ZeRO-3: the buffer range whose compute weights persist between uses.
 
-        The whole compute range, or under ``casts_main`` only the part holding frozen
-        parameters (from the first frozen parameter on; empty when there is none).
+        The whole compute range, or under ``casts_main`` (and FP8 gathers) only the part holding
+        frozen parameters (from the first frozen parameter on; empty when there is none).
         """
         lo, hi = self.regions.compute
-        if not self.casts_main:
+        if not self._frozen_only_kept:
             return lo, hi
         frozen = [slot for slot in self.layout.slots if not slot.spec.trainable]
         if not frozen:
@@ -312,6 +322,8 @@ class UnitStorage:
         self.residency = Residency.GATHERING  # FULL once the last stage has landed (_attach_params)
         lo, hi = self.regions.inner
         gather_buf = self._full_out
+        if self.fp8 is not None:
+            return self.fp8.unshard(tag, gather_buf, then=self._attach_params)
         own = self.shard
         if self.casts_main:
             own = self._cast_into(gather_buf)
@@ -344,17 +356,23 @@ class UnitStorage:
         if self.residency is not Residency.FULL or not self.releases:
             return
         self._detach_params()
+        if self.fp8 is not None:
+            self.fp8.release()
         if self.gather_buffer is not None:
             self.gather_buffer.release(self._gather_name)
         else:
             _free(self.full)
         self.residency = Residency.SHARDED
 
-    def install_main_weights(self, tag: str) -> Handle:
+    def install_main_weights(self, tag: str, step: bool = False) -> Handle:
         """Copy updated main weights into compute weights and rebuild what is persistent.
 
-        Nothing to do under ``casts_main``: the next gather casts the main weights.
+        Nothing to do under ``casts_main``: the next gather casts the main weights. FP8 gathers
+        quantize the new weights instead (``quantized_gather.py``); ``step``: they come from an
+        optimizer step, so delayed scaling moves its amax history on (a load re-installs without).
         """
+        if self.fp8 is not None:
+            return self.fp8.install(tag, step)
         if self.casts_main:
             return Handle()
         a, b = self.regions.main

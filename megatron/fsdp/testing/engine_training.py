@@ -88,24 +88,29 @@ def _optimizer_groups(model: torch.nn.Module, weight_decay: float, labelled_lr: 
     return [g for g in out if g["params"]]
 
 
-def reference_run(cfg: RunConfig) -> Dict[str, object]:
-    """Plain single-process training on the whole global batch."""
+def reference_run(cfg: RunConfig, step_weights=None) -> Dict[str, object]:
+    """Plain single-process training on the whole global batch (``step_weights``: see ``reference_training``)."""
     model = build_model(cfg)
     cls, kwargs = OPTIMIZERS[cfg.optimizer]
     groups = _optimizer_groups(model, kwargs.get("weight_decay", 0.0), cfg.labelled_lr)
-    return reference_training(model, cfg, [cls(groups, **kwargs)])
+    return reference_training(model, cfg, [cls(groups, **kwargs)], step_weights)
 
 
-def reference_training(model: torch.nn.Module, cfg: RunConfig, optimizers) -> Dict[str, object]:
-    """The reference loop: ``optimizers`` step in order after one global clip."""
+def reference_training(model: torch.nn.Module, cfg: RunConfig, optimizers, step_weights=None) -> Dict[str, object]:
+    """The reference loop: ``optimizers`` step in order after one global clip.
+
+    ``step_weights(model)``, a context manager, is entered around each step's forward and backward
+    passes (the FP8 reference computes with quantized weights there and steps the fp32 ones).
+    """
     trainable = [p for p in model.parameters() if p.requires_grad]
     losses, norms = [], []
     for step in make_batches(cfg.steps, cfg.micro_batches, GLOBAL_MICRO_BATCH):
         total = 0.0
-        for tokens, targets in step:
-            loss = model(tokens, targets) / cfg.micro_batches
-            loss.backward()
-            total += loss.item()
+        with (step_weights(model) if step_weights is not None else contextlib.nullcontext()):
+            for tokens, targets in step:
+                loss = model(tokens, targets) / cfg.micro_batches
+                loss.backward()
+                total += loss.item()
         for p in trainable:  # the engine's rule: a parameter without a gradient has a zero gradient
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

@@ -102,6 +102,7 @@ def _worker_main(rank: int, world: int, init_file: str, conn) -> None:
             conn.send(("idle", None, _threads()))
             continue
         modules = len(sys.modules)
+        environment = dict(os.environ)
         try:
             module, _, name = target.partition(":")
             fn = getattr(importlib.import_module(module), name)
@@ -111,9 +112,23 @@ def _worker_main(rank: int, world: int, init_file: str, conn) -> None:
         # A gloo group's threads (three per group, polling) end only when it is freed: free
         # what the case left before answering, or hundreds pile up and starve every later case.
         _release_leftovers()
+        _restore_environment(environment)
         if len(sys.modules) > modules:
             _freeze_imports()
         conn.send(reply + (_threads(),))
+
+
+def _restore_environment(environment: dict) -> None:
+    """Give the next case the environment this one started with.
+
+    A job run in one process per launch sets variables for itself: Megatron-Core's language model
+    sets ``NVTE_{FLASH,FUSED,UNFUSED}_ATTN`` for its ``attention_backend`` and asserts that a later
+    model's backend agrees with them. In a pool worker the next case is another launch, so what
+    one case set must not reach it.
+    """
+    if os.environ != environment:
+        os.environ.clear()
+        os.environ.update(environment)
 
 
 def _threads() -> int:
@@ -149,15 +164,17 @@ def _release_leftovers() -> None:
             else:
                 obj.detach_()
     if views:
+        # dict's and list's own methods: a subclass may compute its items (transformers' lazy auto mappings
+        # import a model class per key, and raise for one that is not installed)
         for holder in gc.get_objects():
             if issubclass(type(holder), dict):
-                for key, value in list(holder.items()):
+                for key, value in list(dict.items(holder)):
                     if id(value) in views:
-                        holder[key] = value.detach()
+                        dict.__setitem__(holder, key, value.detach())
             elif issubclass(type(holder), list):
-                for index, value in enumerate(holder):
+                for index, value in enumerate(list(list.__iter__(holder))):
                     if id(value) in views:
-                        holder[index] = value.detach()
+                        list.__setitem__(holder, index, value.detach())
         views.clear()
     gc.collect()
 

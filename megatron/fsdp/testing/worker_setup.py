@@ -6,9 +6,11 @@ worker's own: no TorchDynamo, no FutureWarning, none of the notices a CPU worker
 would repeat once per process (they would interleave with the report tools' rows).
 """
 
+import faulthandler
 import os
 import warnings
 
+faulthandler.enable()  # a worker killed by a signal (SIGSEGV, SIGBUS) prints every thread's stack first
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 warnings.filterwarnings("ignore", category=FutureWarning)
 

@@ -11,6 +11,7 @@ time is ``module.py`` (the wrapper) and ``runtime.py`` (the schedule).
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 from typing import Callable, Dict, Iterable, List, Optional, Tuple, Type
 
@@ -25,6 +26,7 @@ from ..sharding.layout import ParamSpec, build_layout
 from ..sharding.mesh import DataParallelMesh
 from ..init.meta_init import MetaMaterialiser, check_meta_module, is_on_meta, target_device
 from ..precision.mixed_precision import MixedPrecision
+from ..precision.param_gather import QuantizedParamGather
 from .module import FullyShardedModule
 from ..init.replicas import broadcast_from_rank0
 from ..schedule.runtime import Overlap, Schedule
@@ -105,6 +107,7 @@ def fully_shard(
     device: Optional[torch.device] = None,
     init_weights: Optional[Callable[[torch.nn.Module], None]] = None,
     double_buffer: bool = False,
+    param_gather: Optional[QuantizedParamGather] = None,
 ) -> FullyShardedModule:
     """Shard ``module``'s parameters, gradients and optimizer state over the data-parallel ranks.
 
@@ -124,6 +127,9 @@ def fully_shard(
     ``double_buffer=True`` gathers ZeRO-3 units into persistent buffers allocated once
     (two per section and nesting depth, or the prefetch depth + 1) instead of allocating
     at every gather (``gather_buffers.py``; Megatron-LM's ``--fsdp-double-buffer``).
+    ``param_gather=QuantizedParamGather(recipe, ...)`` gathers the GEMM weights it selects as FP8
+    bytes plus scales and computes with their dequantization (``quantized_gather.py``; Megatron-LM's
+    ``--fp8-param-gather``); ``megatron.fsdp.quantized_weight(param)`` gives the FP8 form itself.
     Every check that can fail runs before the first collective; the first
     collective here (a digest of parameter names, shapes and dtypes) makes all
     ranks fail together when the models differ. Then, as DDP does, every
@@ -158,6 +164,7 @@ def fully_shard(
     for name, p in named:
         if not p.is_floating_point():
             raise TypeError(f"parameter {name!r} has non-floating dtype {p.dtype}; only floating parameters can be sharded")
+    quantized = _quantized_names(module, named, param_gather)
     if mesh is None:
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
@@ -180,7 +187,8 @@ def fully_shard(
     sections_by_name, params_of = {DENSE: dense, EXPERT: expert}, dict(groups)
 
     def build(key) -> UnitStorage:
-        return _unit_storage(params_of[key], sections_by_name[key[1]], mp, no_weight_decay, device)
+        return _unit_storage(params_of[key], sections_by_name[key[1]], mp, no_weight_decay, device,
+                             param_gather, quantized)
 
     # A meta model is materialised (and every initialiser run) before the first collective.
     storages = MetaMaterialiser(module, device, init_weights).run(groups, build) if on_meta else None
@@ -211,16 +219,21 @@ def fully_shard(
                                                    storage.layout.padded_size, storage.compute_dtype))
     if double_buffer:
         _use_gather_buffers(units, placed, max(overlap.forward_prefetch, overlap.backward_prefetch), device)
+    for unit in units:  # the first FP8 quantization (scales from global amaxes, the gathers ZeRO-1/2 keep)
+        if unit.storage.fp8 is not None:
+            unit.set_pending(unit.storage.install_main_weights(tag=unit.name))
     root = units[0] if units and units[0].name == "<root>" else None
     runtime = Schedule(units, root, overlap)
     track(runtime)  # shutdown() waits for what it leaves in flight
     for unit in units:
         if unit is not root:
             unit.module.register_forward_pre_hook(lambda _m, _a, u=unit: runtime.pre_forward(u))
-            unit.module.register_forward_hook(lambda _m, _a, out, u=unit: runtime.post_forward(u, out))
+            # always_call: a forward that raises still releases what its pre-hook gathered
+            unit.module.register_forward_hook(lambda _m, _a, out, u=unit: runtime.post_forward(u, out),
+                                              always_call=True)
         for i, p in unit.storage.trainable_params:
             p.register_post_accumulate_grad_hook(functools.partial(_on_grad, weakref.ref(runtime), unit.index, i))
-    _guard_submodules(units, modules)
+    _hook_direct_calls(module, units, runtime)
     sections = {DENSE: dense} if expert is None else {DENSE: dense, EXPERT: expert}
     return FullyShardedModule(module, runtime, units, sections, mp)
 
@@ -250,30 +263,25 @@ def _device_of_eager(named, device, init_weights) -> torch.device:
     return found
 
 
-def _guard_submodules(units: List[FSDPUnit], modules: Dict[str, torch.nn.Module]) -> None:
-    """ZeRO-3: a submodule called outside its unit's forward gets a clear error, not a shape error.
+def _hook_direct_calls(module: torch.nn.Module, units: List[FSDPUnit], runtime: Schedule) -> None:
+    """Every submodule whose forward uses parameters of a unit it is not the unit module of (nor inside
+    it) gathers that unit when it is called while the unit is not gathered: the embedding or the head
+    of the root unit, a unit's own submodules, called on their own (``runtime.direct_call_begins``).
 
-    Its parameters are empty tensors between uses; only the unit module's own hooks
-    gather them. The check is one attribute read per submodule call.
+    Parameters are counted under every name (a tied head holds the embedding's weight). Inside its
+    units' forwards a hooked call costs one state check per unit.
     """
-    for unit in units:
-        if not unit.storage.releases:
-            continue
-        holders = dict.fromkeys(name.rpartition(".")[0] for name in unit.param_names)
-        for mname in holders:
-            sub = modules.get(mname)
-            if sub is not None and sub is not unit.module:
-                sub.register_forward_pre_hook(functools.partial(_check_gathered, weakref.ref(unit.storage),
-                                                                unit.name, mname))
-
-
-def _check_gathered(storage_ref, unit_name: str, module_name: str, module, _args) -> None:
-    storage = storage_ref()
-    if storage is not None and not storage.resident:
-        raise RuntimeError(
-            f"{type(module).__name__} {module_name!r} was called outside the forward of its FSDP unit {unit_name}: "
-            "under optim_grads_params its weights are sharded (empty) outside that unit's forward; call the "
-            "unit module or the wrapped model, or make this submodule a unit of its own (unit_modules)")
+    unit_of = {id(p): unit for unit in units for p in unit.storage.params}
+    for name, sub in module.named_modules():
+        if not name:
+            continue  # the root module's own hooks open the pass (module.py)
+        inside = {id(m) for m in sub.modules()}
+        needed = {unit.index: unit for unit in (unit_of.get(id(p)) for _, p in sub.named_parameters(remove_duplicate=False))
+                  if unit is not None and id(unit.module) not in inside}
+        if needed:
+            ordered = [needed[k] for k in sorted(needed)]
+            sub.register_forward_pre_hook(lambda m, _a, u=ordered: runtime.direct_call_begins(m, u), prepend=True)
+            sub.register_forward_hook(lambda m, _a, out: runtime.direct_call_ends(m, out), always_call=True)
 
 
 def _on_grad(runtime_ref, unit_index: int, param_index: int, _param) -> None:
@@ -320,13 +328,53 @@ def _split_experts(by_unit, experts: Optional[ExpertSharding]):
     return split
 
 
-def _unit_storage(plist, section: Section, mp: MixedPrecision, no_weight_decay, device) -> UnitStorage:
+def _quantized_names(module: torch.nn.Module, named, param_gather: Optional[QuantizedParamGather]) -> frozenset:
+    """The parameters ``param_gather`` gathers in FP8; every reason one cannot be is one error, before any collective."""
+    if param_gather is None:
+        return frozenset()
+    if not isinstance(param_gather, QuantizedParamGather):
+        raise TypeError(f"param_gather must be a megatron.fsdp.QuantizedParamGather, got {type(param_gather).__name__}")
+    rule = param_gather.quantize or _linear_weights(module)
+    chosen = [(n, p) for n, p in named if rule(n, p)]
+    recipe = f"QuantizedParamGather(recipe={param_gather.recipe!r})"
+    if not chosen:
+        raise ValueError(f"{recipe} selects no parameter of {type(module).__name__} (the default selects the weight "
+                         "of every trainable torch.nn.Linear); pass quantize=(name, param) -> bool, or drop "
+                         "param_gather")
+    problems = [f"{n} is frozen (frozen parameters are gathered in the compute dtype)" for n, p in chosen
+                if not p.requires_grad]
+    problems += [f"{n} is a scalar" for n, p in chosen if p.dim() == 0]
+    if param_gather.block:
+        problems += [f"{n} has shape {tuple(p.shape)}: its reduction dimension (the last, {p.shape[-1]}) is not a "
+                     f"multiple of {param_gather.block}" for n, p in chosen if p.dim() and p.shape[-1] % param_gather.block]
+    if problems:
+        raise ValueError(f"{recipe} cannot quantize: " + "; ".join(problems) +
+                         "; leave these out with quantize=(name, param) -> bool")
+    return frozenset(n for n, _ in chosen)
+
+
+def _linear_weights(module: torch.nn.Module) -> Callable[[str, torch.nn.Parameter], bool]:
+    """The default FP8 selection: the ``weight`` of every trainable ``nn.Linear`` that no other kind of module
+    holds (a head tied to an embedding stays in the compute dtype, as Transformer Engine leaves embeddings)."""
+    holders: Dict[int, List[bool]] = {}
+    for m in module.modules():
+        for pname, p in m._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), []).append(isinstance(m, torch.nn.Linear) and pname == "weight")
+    return lambda _name, p: p.requires_grad and all(holders.get(id(p), [False]))
+
+
+def _unit_storage(plist, section: Section, mp: MixedPrecision, no_weight_decay, device,
+                  param_gather: Optional[QuantizedParamGather] = None, quantized: frozenset = frozenset()) -> UnitStorage:
     specs = [ParamSpec(n, tuple(p.shape), p.requires_grad, no_weight_decay(n, p)) for n, p in plist]
     compute_dtype = mp.compute_dtype(plist[0][1].dtype)
-    layout = build_layout(specs, section.inner.size, align=max(1, ALIGN_BYTES // compute_dtype.itemsize),
-                          sub_shards=section.outer.size)
+    align = max(1, ALIGN_BYTES // compute_dtype.itemsize)
+    if param_gather is not None and param_gather.block and any(n in quantized for n, _ in plist):
+        align = math.lcm(align, param_gather.block)  # MXFP8: no shard boundary splits a 32-block
+    layout = build_layout(specs, section.inner.size, align=align, sub_shards=section.outer.size)
     by_name = dict(plist)
     ordered = [by_name[s.spec.name] for s in layout.slots]
     return UnitStorage(layout, ordered, section.levels, section.inner, section.outer, compute_dtype,
                        mp.main_dtype, mp.reduce_dtype(compute_dtype), device, section.average_grads,
-                       section=section.name, grad_scale=section.grad_scale)
+                       section=section.name, grad_scale=section.grad_scale, param_gather=param_gather,
+                       quantized=[i for i, s in enumerate(layout.slots) if s.spec.name in quantized])

@@ -53,6 +53,14 @@ class PersistentMemoryWithoutOptimizer(PersistentMemory):
         return f"PersistentMemory({fields}) ({self.note})"
 
 
+def _cast_inputs(mp: MixedPrecision, args, kwargs):
+    """The root module's floating-point inputs in ``param_dtype`` (``cast_forward_inputs``); None: as they are."""
+    if mp.param_dtype is None or not mp.cast_forward_inputs:
+        return None
+    cast = lambda t: t.to(mp.param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+    return tree_map(cast, args), tree_map(cast, kwargs)
+
+
 def _nbytes(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.untyped_storage().nbytes()
 
@@ -76,15 +84,17 @@ class FullyShardedModule(torch.nn.Module):
         self._slot_of = {name: (unit, slot) for unit in units
                          for name, slot in zip(unit.param_names, unit.storage.layout.slots)}
         self._name_of = {id(p): name for unit in units for name, p in zip(unit.param_names, unit.storage.params)}
+        # The pass opens and closes in the root module's own hooks, so every call of it is one:
+        # ``model(...)``, ``model.module(...)``, and the module's own methods that call it
+        # (``generate()``). Lambdas, not bound methods: a deepcopy of the module must not copy the wrapper.
+        module.register_forward_pre_hook(
+            lambda _m, args, kwargs: _cast_inputs(mixed_precision, args, kwargs) if runtime.enter_root_module() else None,
+            prepend=True, with_kwargs=True)
+        module.register_forward_hook(lambda _m, _a, out: runtime.leave_root_module(out), always_call=True)
 
     # ------------------------------------------------------------------ use
     def forward(self, *args, **kwargs):
-        mp = self.mixed_precision
-        if mp.param_dtype is not None and mp.cast_forward_inputs:
-            cast = lambda t: t.to(mp.param_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
-            args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
-        self._runtime.root_pre_forward()
-        return self._runtime.root_post_forward(self.module(*args, **kwargs))
+        return self.module(*args, **kwargs)  # the pass: the root module's hooks (above)
 
     @contextlib.contextmanager
     def no_sync(self):

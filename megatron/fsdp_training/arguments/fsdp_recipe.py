@@ -39,7 +39,7 @@ def add_fsdp_recipe_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--megatron-fsdp-main-grads-dtype", choices=("fp32", "bf16", "fp16", "auto"), default="auto",
                    help="dtype of the main-gradient accumulators (Megatron-LM's newer spelling of --main-grads-dtype "
                         "under Megatron-FSDP; bf16 = --use-precision-aware-optimizer --main-grads-dtype bf16); auto: "
-                        "the model's gradient dtype (fp32 here)")
+                        "the main weights' dtype (fp32 unless --megatron-fsdp-main-params-dtype makes them bf16)")
     g.add_argument("--use-nccl-ub", dest="nccl_ub", action="store_true",
                    help="register the data-parallel buffers as NCCL user buffers; on gloo it has no effect (said "
                         "at start-up), on CUDA it is refused until implemented")

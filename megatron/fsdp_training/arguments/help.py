@@ -1,7 +1,7 @@
 """``--help`` that shows every argument's meaning and default, for pretrain_gpt.py's parser.
 
-A newcomer reads ``--help`` to learn that ``--use-megatron-fsdp`` alone is ``no_shard``
-(plain data parallel) and what each parallelism, recompute, optimizer and data flag
+A newcomer reads ``--help`` to learn that ``--use-megatron-fsdp`` alone is ZeRO-3
+(``optim_grads_params``, as in Megatron-LM) and what each parallelism, recompute, optimizer and data flag
 does; docs/training.md's argument tables are generated from the same parser
 (tools/regenerate_docs.py), so the two say the same.
 """
@@ -58,13 +58,18 @@ _MEANINGS = {
     "--tokenizer-model": "HuggingFaceTokenizer: a local directory", "--vocab-file": "GPT2BPETokenizer: vocab.json",
     "--merge-file": "GPT2BPETokenizer: merges.txt", "--vocab-size": "NullTokenizer: ids below it; others: pad to it",
     "--make-vocab-size-divisible-by": "pad the vocabulary to a multiple of this x TP",
-    "--num-workers": "data-loader worker processes (accepted for Megatron-LM compatibility)",
+    "--num-workers": "data-loader worker processes; the job reads samples in the training process (N > 0 is said "
+                     "at start-up)",
     "--log-interval": "iterations per log line (times and losses averaged over them)",
     "--eval-interval": "iterations between validations (default: --train-iters, i.e. once at the end)",
     "--eval-iters": "validation batches per validation (0: no validation, no validation split built)",
     "--tensorboard-dir": "write scalars here (needs tensorboard)",
     "--muon-momentum": "Muon's momentum (with --optimizer muon)",
-    "--muon-use-nesterov": "Nesterov momentum in Muon",
+    "--muon-nesterov": "Nesterov momentum in Muon (--muon-use-nesterov: Megatron-LM 0.16's spelling)",
+    "--muon-coefficient-type": "Newton-Schulz coefficients, one triple per iteration (simple: torch.optim.Muon's "
+                               "single triple)",
+    "--muon-scalar-optimizer": "optimizer of the embedding, output layer, norms and biases under --optimizer muon "
+                               "(lion is refused: not implemented)",
     "--muon-num-ns-steps": "Newton-Schulz iterations that orthogonalise each update",
     "--muon-scale-mode": "how the orthogonalised update is scaled to the matrix's shape",
     "--muon-extra-scale-factor": "a further factor on Muon's update",

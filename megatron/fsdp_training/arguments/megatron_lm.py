@@ -10,7 +10,7 @@ flag here is one of:
 * refused: it would change the mathematics or needs a feature not implemented; start-up
   stops with one line naming it (``validate_compat``).
 
-The non-persistent checkpoint flags have their own module (``non_persistent.py``).
+The non-persistent checkpoint flags have their own module (``non_persistent.py`` of this package).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from ..errors import ArgumentError
 from .substitution_record import Substitution
 
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
+CUDA_GRAPH_IMPLS = ("none", "local", "transformer_engine", "full_iteration")
 # Megatron-Core 0.16.1's TransformerConfig accepts these in recompute_modules.
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
@@ -63,13 +64,9 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
                         "(default: core_attn)")
     g.add_argument("--enable-experimental", action="store_true",
                    help="enable Megatron-Core's experimental features (megatron.core.config.set_experimental_flag)")
-    g = p.add_argument_group("FP8 (Megatron-LM's flags; refused: FP8 changes the numerics and needs Transformer Engine)")
-    g.add_argument("--fp8-format", dest="fp8", choices=("e4m3", "hybrid"), default=None,
-                   help="FP8 training through Transformer Engine (not supported here: refused)")
-    g.add_argument("--fp8-amax-history-len", type=int, default=1, help="amax history window of FP8 scaling")
-    g.add_argument("--fp8-amax-compute-algo", choices=("most_recent", "max"), default="most_recent",
-                   help="amax of the FP8 scaling window")
-    g.add_argument("--fp8-param-gather", action="store_true", help="FP8 compute weights, gathered in FP8")
+    g.add_argument("--cuda-graph-impl", choices=CUDA_GRAPH_IMPLS, default="none",
+                   help="CUDA graph capture of the layers or the whole iteration; on CPU there is nothing to capture "
+                        "(said at start-up), on CUDA anything but none is refused (not implemented)")
     g = p.add_argument_group("communication overlap (Megatron-LM's flags)")
     g.add_argument("--overlap-grad-reduce", action="store_true",
                    help="Megatron-Core DDP: reduce gradient buckets during the backward pass. --use-megatron-fsdp "
@@ -77,6 +74,21 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="distributed optimizer: gather updated weights during the next forward. --use-megatron-fsdp "
                         "always prefetches the next unit's gather")
+    g.add_argument("--overlap-param-gather-with-optimizer-step", action="store_true",
+                   help="start the first bucket's weight gather inside the optimizer step (Megatron-LM needs "
+                        "--ckpt-format torch for it, which this job does not have: refused with the reason)")
+    g.add_argument("--no-align-param-gather", dest="align_param_gather", action="store_false",
+                   help="with --overlap-param-gather and virtual pipeline stages: each stage starts its weight "
+                        "gathers when it needs them instead of all stages together (aligned, as without the flag). "
+                        "--use-megatron-fsdp always gathers per stage (each unit's pre-forward hook)")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="Megatron-Core DDP: parameters per gradient bucket with --overlap-grad-reduce; "
+                        "--use-megatron-fsdp reduces per unit (default: Megatron-Core's, 40M or 1M x the "
+                        "data-parallel size if larger)")
+    g.add_argument("--ddp-num-buckets", type=int, default=None,
+                   help="Megatron-Core DDP: gradient buckets with --overlap-grad-reduce, i.e. a bucket size of this "
+                        "rank's parameters / N (Megatron-LM's resolve_ddp_bucket_size); --use-megatron-fsdp reduces "
+                        "per unit")
     g = p.add_argument_group("memory and time (Megatron-LM's flags)")
     g.add_argument("--manual-gc", action="store_true",
                    help="disable Python's threshold garbage collector; collect at start, around evaluation and every "
@@ -86,6 +98,11 @@ def add_compat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--empty-unused-memory-level", type=int, choices=(0, 1, 2), default=0,
                    help="torch.cuda.empty_cache() after forward-backward (1) and also after the optimizer step (2); "
                         "nothing to release on CPU")
+    g.add_argument("--record-memory-history", action="store_true",
+                   help="record the CUDA caching allocator's history and dump snapshots (--memory-snapshot-path); "
+                        "nothing to record on CPU (said at start-up), refused on CUDA (not implemented)")
+    g.add_argument("--memory-snapshot-path", default=None,
+                   help="where --record-memory-history writes its snapshots (default: snapshot.pickle)")
     g.add_argument("--exit-duration-in-mins", type=int, default=None,
                    help="stop (saving first with --save) after the iteration at which this many minutes have "
                         "passed since start-up on any rank")
@@ -134,14 +151,10 @@ def _fail(message: str) -> None:
 
 def validate_compat(args: argparse.Namespace) -> None:
     """Megatron-LM's rules for these flags, and one line for each that is not implemented."""
-    fp8 = [flag for flag, given in (("--fp8-format", args.fp8 is not None), ("--fp8-param-gather", args.fp8_param_gather),
-                                    ("--fp8-amax-history-len", args.fp8_amax_history_len != 1),
-                                    ("--fp8-amax-compute-algo", args.fp8_amax_compute_algo != "most_recent")) if given]
-    if fp8:
-        _fail(f"{', '.join(fp8)}: FP8 training is not supported (it changes the numerics and needs Transformer "
-              "Engine's FP8 layers): drop the --fp8-* flags to train in --bf16")
     if args.overlap_param_gather and not (args.use_distributed_optimizer or args.use_megatron_fsdp):
         _fail("--overlap-param-gather needs --use-distributed-optimizer (or --use-megatron-fsdp), as in Megatron-LM")
+    _validate_data_parallel_tuning(args)
+    _validate_cuda_only(args)
     if not args.add_position_embedding and args.position_embedding_type != "rope":
         _fail("--no-position-embedding is deprecated (Megatron-LM refuses it too unless --position-embedding-type "
               "rope, where it has no effect): use --position-embedding-type none")
@@ -171,6 +184,41 @@ def validate_compat(args: argparse.Namespace) -> None:
         from megatron.core.config import set_experimental_flag
 
         set_experimental_flag(True)
+
+
+def _validate_data_parallel_tuning(args: argparse.Namespace) -> None:
+    """The DDP buckets, gather alignment and gather-in-step flags: Megatron-LM's rules, in its order."""
+    if args.ddp_bucket_size is not None and args.ddp_num_buckets is not None:
+        _fail("--ddp-bucket-size and --ddp-num-buckets both size the gradient buckets (Megatron-Core's rule): give one")
+    for flag, value in (("--ddp-bucket-size", args.ddp_bucket_size), ("--ddp-num-buckets", args.ddp_num_buckets)):
+        if value is not None and value < 1:
+            _fail(f"{flag} {value} must be at least 1")
+    if args.virtual_pipeline_model_parallel_size is None:
+        args.align_param_gather = False  # Megatron-LM: only the interleaved schedule aligns gathers
+    if args.overlap_param_gather_with_optimizer_step:
+        for needed, rule in ((args.use_distributed_optimizer, "needs the distributed optimizer "
+                                                               "(--use-distributed-optimizer)"),
+                             (args.overlap_param_gather, "needs --overlap-param-gather"),
+                             (args.virtual_pipeline_model_parallel_size is not None,
+                              "needs virtual pipeline stages (--num-layers-per-virtual-pipeline-stage)"),
+                             (False, f"is not supported with distributed checkpointing (--ckpt-format "
+                                     f"{args.ckpt_format or 'torch_dist'}) but only with --ckpt-format torch, which "
+                                     "this job does not implement: drop it")):
+            if not needed:
+                _fail(f"--overlap-param-gather-with-optimizer-step {rule} (Megatron-LM's rule)")
+
+
+def _validate_cuda_only(args: argparse.Namespace) -> None:
+    """CUDA features not implemented here: on CPU said in the substitution line, on CUDA refused."""
+    if args.memory_snapshot_path is not None and not args.record_memory_history:
+        _fail("--memory-snapshot-path is where --record-memory-history writes: add --record-memory-history or drop it")
+    if not _cuda():
+        return
+    if args.cuda_graph_impl != "none":
+        _fail(f"--cuda-graph-impl {args.cuda_graph_impl}: CUDA graphs are not implemented by this job; drop it "
+              "(--cuda-graph-impl none)")
+    if args.record_memory_history:
+        _fail("--record-memory-history (torch.cuda.memory snapshots) is not implemented by this job; drop it")
 
 
 def _cuda() -> bool:
@@ -252,4 +300,17 @@ def compat_substitutions(args: argparse.Namespace) -> List[Substitution]:
                                 "a load never continues with missing or unexpected keys"))
     if args.use_mcore_models:
         out.append(Substitution("--use-mcore-models", "nothing", "models are always Megatron-Core's"))
+    if args.cuda_graph_impl != "none" and cpu:
+        out.append(Substitution(f"--cuda-graph-impl {args.cuda_graph_impl}", "no CUDA graphs", "no CUDA"))
+    if args.record_memory_history and cpu:
+        out.append(Substitution("--record-memory-history", "nothing recorded",
+                                "no CUDA caching allocator on CPU; the log's peak memory per rank is the resident set"))
+    if args.num_workers:
+        out.append(Substitution(f"--num-workers {args.num_workers}", "samples read in the training process",
+                                "the job's data iterator has no worker processes"))
+    if args.use_megatron_fsdp:
+        for flag, value in (("--ddp-bucket-size", args.ddp_bucket_size), ("--ddp-num-buckets", args.ddp_num_buckets)):
+            if value is not None:
+                out.append(Substitution(f"{flag} {value}", "one reduction per FSDP unit",
+                                        "megatron.fsdp reduces each unit's gradients together"))
     return out + [Substitution(*line) for line in non_persistent_substitutions(args)]

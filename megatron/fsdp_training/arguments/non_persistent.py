@@ -19,6 +19,7 @@ Megatron-LM (``megatron/training/arguments.py``, ``checkpointing.py``, ``trainin
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import List, Tuple
 
 from ..errors import ArgumentError
@@ -82,10 +83,17 @@ def validate_non_persistent(args: argparse.Namespace) -> None:
         _fail(f"--non-persistent-ckpt-type {kind} without --non-persistent-save-interval only loads: it needs "
               "--load DIR (or pass --non-persistent-save-interval N to save)")
     _check_not_a_persistent_directory(args)
-    if kind == "global" and interval is not None and args.non_persistent_global_ckpt_dir:
-        from ..checkpointing.paths import save_dir_problem
+    from ..checkpointing import paths
 
-        problem = save_dir_problem(args.non_persistent_global_ckpt_dir)
+    if kind == "global" and args.non_persistent_global_ckpt_dir and not paths.global_dir_is_default(args):
+        # before anything is written there (the probe below included): it may be another run's --save
+        problem = paths.non_persistent_owner_problem(Path(args.non_persistent_global_ckpt_dir),
+                                                     "--non-persistent-global-ckpt-dir",
+                                                     paths.non_persistent_owners(args), interval is not None)
+        if problem:
+            _fail(problem)
+    if kind == "global" and interval is not None and args.non_persistent_global_ckpt_dir:
+        problem = paths.save_dir_problem(args.non_persistent_global_ckpt_dir)
         if problem:
             _fail(problem.replace("--save", "--non-persistent-global-ckpt-dir", 1))
 

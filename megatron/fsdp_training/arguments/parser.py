@@ -12,19 +12,30 @@ import os
 from typing import List, Optional
 
 import megatron.fsdp as mfsdp
+from megatron.fsdp.optim.newton_schulz import COEFFICIENT_SETS
 
 from ..architecture import add_architecture_args, validate_architecture
 from .megatron_lm import add_compat_args, validate_compat
 from ..profiling import add_profiling_args, validate_profiling
-from ..schedule import add_schedule_args, check_learning_rates, resolve_train_length
+from ..schedule import add_schedule_args, check_learning_rates, resolve_step_batch_sizes, resolve_train_length
 from ..errors import ArgumentError
+from .fp8 import add_fp8_args, validate_fp8
 from .fsdp_recipe import add_fsdp_recipe_args, validate_fsdp_recipe
+from .megatron_fsdp import add_megatron_fsdp_args, apply_megatron_fsdp_defaults, validate_megatron_fsdp
 from .help import DefaultsHelpFormatter, show_every_default
+from .not_built import parse_error_line
 from ..logs.writers import add_writer_args, validate_writers
 
 
+class JobArgumentParser(argparse.ArgumentParser):
+    """A parse error is one ``ArgumentError`` (one line, rank 0), not argparse's usage on every rank."""
+
+    def error(self, message: str):
+        raise ArgumentError(parse_error_line(message))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Pretrain a GPT with Megatron-Core (--use-megatron-fsdp for megatron.fsdp)",
+    p = JobArgumentParser(description="Pretrain a GPT with Megatron-Core (--use-megatron-fsdp for megatron.fsdp)",
                                 allow_abbrev=False, formatter_class=DefaultsHelpFormatter)
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4)
@@ -85,12 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--sgd-momentum", type=float, default=0.9)
     g = p.add_argument_group("muon (Megatron-LM's flags and defaults; docs/training.md)")
-    g.add_argument("--muon-momentum", type=float, default=0.95)
-    g.add_argument("--muon-use-nesterov", action="store_true")
+    g.add_argument("--muon-momentum", type=float, default=0.9)
+    g.add_argument("--muon-nesterov", "--muon-use-nesterov", dest="muon_use_nesterov", action="store_true")
     g.add_argument("--muon-num-ns-steps", type=int, default=5)
     g.add_argument("--muon-scale-mode", choices=["spectral", "shape_scaling", "unit_rms_norm"], default="spectral")
     g.add_argument("--muon-extra-scale-factor", type=float, default=1.0)
     g.add_argument("--muon-tp-mode", choices=["blockwise", "duplicated"], default="blockwise")
+    g.add_argument("--muon-coefficient-type", choices=list(COEFFICIENT_SETS), default="quintic")
+    g.add_argument("--muon-scalar-optimizer", choices=["adam", "lion"], default="adam")
     g = p.add_argument_group("precision-aware optimizer (Megatron-LM's names; docs/training.md)")
     g.add_argument("--use-precision-aware-optimizer", action="store_true",
                    help="allow Adam's moments and the main grads below fp32 (with --use-megatron-fsdp)")
@@ -107,20 +120,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--use-megatron-fsdp", action="store_true",
-                   help="data parallelism by megatron.fsdp (default: off, Megatron-Core's DDP). Alone it keeps "
-                        "--data-parallel-sharding-strategy at no_shard, i.e. plain data parallel like DDP: add "
-                        "--data-parallel-sharding-strategy optim_grads_params for ZeRO-3")
-    g.add_argument("--data-parallel-sharding-strategy", default="no_shard",
+                   help="data parallelism by megatron.fsdp (default: off, Megatron-Core's DDP). As in Megatron-LM "
+                        "main, it implies --data-parallel-sharding-strategy optim_grads_params (ZeRO-3), the "
+                        "distributed optimizer and --ckpt-format fsdp_dtensor; flags written explicitly win "
+                        "(--data-parallel-sharding-strategy no_shard: plain data parallel like DDP)")
+    g.add_argument("--data-parallel-sharding-strategy", default=None,
                    help="level of the inner (dp_shard) axis with --use-megatron-fsdp: no_shard (DDP) | optim "
-                        "(ZeRO-1) | optim_grads (ZeRO-2) | optim_grads_params (ZeRO-3)")
-    g.add_argument("--outer-dp-sharding-strategy", default="no_shard",
+                        "(ZeRO-1) | optim_grads (ZeRO-2) | optim_grads_params (ZeRO-3) (default: "
+                        "optim_grads_params with --use-megatron-fsdp, as Megatron-LM)")
+    g.add_argument("--outer-dp-sharding-strategy", default=None,
                    help="level of the outer (dp_outer) axis: no_shard = HSDP, optim = HFSDP (needs "
-                        "--num-distributed-optimizer-instances > 1)")
+                        "--num-distributed-optimizer-instances > 1) (default: no_shard)")
     g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
                    help="size of the outer axis: the data-parallel ranks split into this many domains")
     g.add_argument("--no-grad-reduce-in-fp32", dest="grad_reduce_in_fp32", action="store_false",
                    help="reduce gradients in the compute dtype instead of fp32")
     add_fsdp_recipe_args(p)
+    add_megatron_fsdp_args(p)
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--data-path", nargs="*", default=None)
@@ -184,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, save a checkpoint at the next iteration boundary (every rank), then exit")
     add_schedule_args(p)
     add_compat_args(p)
+    add_fp8_args(p)
     add_profiling_args(p)
     return show_every_default(p)
 
@@ -194,6 +211,7 @@ def _fail(message: str) -> None:
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Derive defaults and check consistency against ``world_size``; raise ArgumentError on the first problem."""
+    apply_megatron_fsdp_defaults(args)
     _validate_muon(args)
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     for name, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
@@ -205,9 +223,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         _fail(f"tensor ({tp}) x pipeline ({pp}) x context ({cp}) parallel = {tp * pp * cp} does not divide the "
               f"{world_size} ranks; choose sizes whose product divides the world size")
     args.data_parallel_size = world_size // (tp * pp * cp)
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     per_step = args.micro_batch_size * args.data_parallel_size
+    resolve_step_batch_sizes(args, per_step)
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
     if args.global_batch_size % per_step:
         _fail(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
               f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {per_step}")
@@ -268,6 +287,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.eval_interval = args.train_iters
     _validate_moe(args, world_size)
     _validate_initialisation(args)
+    validate_megatron_fsdp(args)
     validate_fsdp_recipe(args)
     _validate_precision_aware_optimizer(args)
     _validate_checkpointing(args)
@@ -281,6 +301,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         # Only the layers' implementation differs (the same mathematics): Megatron-Core's own layers run instead,
         # said in the start-up substitution line (megatron_lm.compat_substitutions reads what was asked for).
         args.transformer_impl_requested, args.transformer_impl = args.transformer_impl, "local"
+    validate_fp8(args)  # after the layer implementation is known: Transformer Engine's FP8 or the CPU FP8 layers
     return args
 
 
@@ -292,6 +313,9 @@ def _validate_muon(args: argparse.Namespace) -> None:
     if not args.use_megatron_fsdp:
         _fail("--optimizer muon needs --use-megatron-fsdp: Megatron-Core 0.16.1's own Muon needs the "
               "emerging_optimizers package (not installable here) and refuses --use-distributed-optimizer")
+    if args.muon_scalar_optimizer != "adam":
+        _fail(f"--muon-scalar-optimizer {args.muon_scalar_optimizer} is not implemented: Adam (the --adam-* flags) "
+              "steps the embedding, output layer, norms and biases; use --muon-scalar-optimizer adam")
     if args.muon_num_ns_steps < 1:
         _fail(f"--muon-num-ns-steps {args.muon_num_ns_steps} must be at least 1")
     if not 0.0 <= args.muon_momentum < 1.0:
@@ -362,13 +386,29 @@ def _validate_moe(args: argparse.Namespace, world_size: int) -> None:
 
 
 def _validate_data(args: argparse.Namespace) -> None:
-    """Every split the run reads has documents (an empty one would make Megatron-Core loop forever)."""
+    """Blend weights Megatron-Core accepts, every split the run reads has documents (an empty one would make
+    Megatron-Core loop forever), and a dataset index cache it can write (``data/checks.py``)."""
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    from ..data.checks import blend_problem, cache_dir_problem, cache_directories
     from ..data.splits import DataSplitError, check_splits
 
+    blends = {f"--{name.replace('_', '-')}": getattr(args, name, None)
+              for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path")}
+    for flag, values in blends.items():
+        problem = blend_problem(flag, values)
+        if problem:
+            _fail(problem)
     try:
         check_splits(args)
     except DataSplitError as exc:
         _fail(str(exc))
+    prefixes = [] if args.mock_data else [p for v in blends.values() if v for p in get_blend_from_list(v)[0]]
+    if args.data_cache_path or prefixes:
+        for directory in cache_directories(args.data_cache_path, prefixes):
+            problem = cache_dir_problem(directory, given=bool(args.data_cache_path))
+            if problem:
+                _fail(problem)
 
 
 def _validate_precision_aware_optimizer(args: argparse.Namespace) -> None:

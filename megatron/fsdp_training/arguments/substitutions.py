@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 from typing import Callable, List, Tuple
 
+from .fp8 import fp8_substitutions
 from .megatron_lm import compat_substitutions
 from .fsdp_recipe import fsdp_recipe_substitutions
+from .megatron_fsdp import megatron_fsdp_substitutions
 from ..moe_dispatch import moe_dispatcher_substitutions
 from ..profiling import profiling_substitutions
 from .substitution_record import Substitution
@@ -29,7 +31,7 @@ Provider = Callable[[argparse.Namespace], List[Substitution]]
 
 
 PROVIDERS: Tuple[Provider, ...] = (compat_substitutions, profiling_substitutions, fsdp_recipe_substitutions,
-                                 moe_dispatcher_substitutions)
+                                 megatron_fsdp_substitutions, moe_dispatcher_substitutions, fp8_substitutions)
 
 
 def substitutions(args: argparse.Namespace, providers: Tuple[Provider, ...] = None) -> List[Substitution]:

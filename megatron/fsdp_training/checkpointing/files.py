@@ -40,9 +40,11 @@ from .ownership import OWNER, is_stale
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.json"
 FAULT_ENV = "MEGATRON_FSDP_CKPT_FAULT"
-# ``in_background_write``: in --async-save's writer thread, this rank's files written, training running.
-FAULT_POINTS = ("after_write", "before_rename", "after_rename_before_tracker", "after_tracker", "in_background_write")
-EVERY_RANK_POINTS = ("after_write", "in_background_write")  # the others are rank 0's publish steps
+# ``in_background_write``: in --async-save's writer thread, this rank's files written, training running;
+# ``in_local_write``: a local non-persistent save, this rank's files written into its temporary, not renamed.
+FAULT_POINTS = ("after_write", "before_rename", "after_rename_before_tracker", "after_tracker", "in_background_write",
+                "in_local_write")
+EVERY_RANK_POINTS = ("after_write", "in_background_write", "in_local_write")  # the others: rank 0's publish steps
 
 
 class CheckpointError(ValueError):

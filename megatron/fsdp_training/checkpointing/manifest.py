@@ -119,13 +119,21 @@ def file_checksum(path: Path) -> Tuple[int, int]:
             size += len(block)
 
 
-def write_manifest(directory: Path, files: Dict[str, Tuple[int, int]], extra: List[str] = ()) -> None:
-    """Rank 0: write ``manifest.json`` from every rank's ``files`` plus ``extra`` files checksummed here."""
+def write_manifest(directory: Path, files: Dict[str, Tuple[int, int]], extra: List[str] = (),
+                   source: Optional[Dict[str, object]] = None) -> None:
+    """Rank 0: write ``manifest.json`` from every rank's ``files`` plus ``extra`` files checksummed here.
+
+    ``source`` (a converter's output): what the checkpoint was converted from and whether that was verified
+    (``unverified_source``); the checksums vouch for the files since they were written, not for what they were
+    made from."""
     entries = {name: {"size": size, "crc32": crc} for name, (size, crc) in files.items()}
     for name in extra:
         size, crc = file_checksum(Path(directory) / name)
         entries[name] = {"size": size, "crc32": crc}
-    text = json.dumps({"version": 1, "files": dict(sorted(entries.items()))}, indent=1)
+    record = {"version": 1, "files": dict(sorted(entries.items()))}
+    if source is not None:
+        record["source"] = source
+    text = json.dumps(record, indent=1)
     with open(Path(directory) / MANIFEST, "w") as f:
         f.write(text)
         f.flush()
@@ -140,6 +148,26 @@ def read_manifest(directory: Path) -> Optional[Dict[str, Dict[str, int]]]:
         return json.loads(path.read_text())["files"]
     except (ValueError, KeyError, UnicodeDecodeError):
         return {MANIFEST: {"size": -1, "crc32": -1}}  # the manifest itself is damaged
+
+
+def unverified_source(what: str, path: str, why: str) -> Dict[str, object]:
+    """The manifest's record of a conversion whose source could not be checked (``why``: it has no checksums)."""
+    return {"format": what, "path": str(path), "verified": False, "why": why}
+
+
+def read_source(directory: Path) -> Optional[Dict[str, object]]:
+    """The manifest's ``source`` record (a converted checkpoint's), or None (a save's, or no manifest)."""
+    try:
+        source = json.loads((Path(directory) / MANIFEST).read_text()).get("source")
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
+        return None
+    return source if isinstance(source, dict) else None
+
+
+def source_line(source: Dict[str, object]) -> str:
+    """What a manifest can and cannot vouch for in a converted checkpoint, as one clause."""
+    return (f"source unverified: converted from {source.get('format')} {source.get('path')}, which "
+            f"{source.get('why')}, so damage the source held before the conversion is in these files too")
 
 
 def file_problem(directory: Path, name: str, entry: Dict[str, int], checksum: bool = True) -> Optional[str]:

@@ -15,13 +15,18 @@ kept. Megatron-LM's meanings (``megatron/training/checkpointing.py``, ``training
   save is kept only if every rank completed it (the ranks agree, then drop their older one);
 - the load (``load_checkpoint``): the newer of ``--load``'s checkpoint and the non-persistent one (the
   non-persistent one at equal iterations, as Megatron-LM), said in one line with the reason. A local
-  checkpoint is used only if every rank holds the same newest complete iteration, its files verify and it
-  was written with this job's layout (world size, TP/PP/CP/EP, levels); otherwise one line says why not and
-  which checkpoint is loaded instead. ``--ckpt-step`` names a persistent checkpoint: that one is loaded.
+  checkpoint is loaded at the newest iteration every rank holds complete whose files verify (a save killed on
+  one rank after another completed it leaves the previous one complete everywhere), written with this job's
+  layout (world size, TP/PP/CP/EP, levels); otherwise one line says why not and which checkpoint is loaded
+  instead. ``--ckpt-step`` names a persistent checkpoint: that one is loaded. A ``--load`` whose
+  ``non_persistent/`` holds a global checkpoint is compared so even without the flags (said in the line).
 
 Non-persistent saves never write into ``--save``'s ``iter_*`` directories, so they never overwrite a
 persistent checkpoint; a non-persistent one that is newer than the run's start is replaced by its first
-non-persistent save, said at start-up (``check_newer``). The flags and their start-up rules are in
+non-persistent save, said at start-up (``check_newer``). A non-persistent directory outside ``--save`` is
+owned like it: a lock while the job runs, and an owner file naming the job's ``--save``, so that a directory
+holding another job's checkpoints (another run's ``--save``, another job's local checkpoints) is refused
+(``paths.non_persistent_owner_problem``). The flags and their start-up rules are in
 ``arguments/non_persistent.py``.
 """
 
@@ -92,23 +97,30 @@ def _write_targets(args) -> List[Tuple[str, Path]]:
 
 def hold(args) -> None:
     """At start-up (all ranks, a collective): lock the non-persistent directories this job writes, as ``--save``'s
-    (``ownership.acquire_save_lock``); a directory that cannot be written or that another live job holds stops
-    every rank with the same line."""
+    (``ownership.acquire_save_lock``), and name this job their owner. A directory holding another job's
+    checkpoints (``paths.non_persistent_owner_problem``), one that cannot be written or that another live job
+    holds stops every rank with the same line, before anything is written there."""
     problem = None
     notes = []
     for flag, directory in _write_targets(args):
+        problem = paths.non_persistent_owner_problem(directory, flag, paths.non_persistent_owners(args),
+                                                     saving=True)
+        if problem:
+            break
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            removed = paths.remove_stale_temporaries(directory)
-            if removed:
-                notes.append(f" removed {len(removed)} unfinished save(s) of a dead job from {directory}")
-            problem, note = ownership.acquire_save_lock(directory)
+            problem, note = ownership.acquire_save_lock(directory, label=f"{flag} {directory}",
+                                                        fix=f"pass another {flag}")
             if note:
                 notes.append(note)
             if problem:
-                problem = problem.replace("--save", flag, 1)
-            else:
-                _held.append(directory)
+                break
+            _held.append(directory)
+            removed = paths.remove_stale_temporaries(directory)
+            if removed:
+                notes.append(f" removed {len(removed)} unfinished save(s) of a dead job from {directory}")
+            if ownership.directory_owner(directory) is None:
+                ownership.claim_directory(directory, args.save)
         except OSError as exc:
             problem = f"{flag} {directory} is not writable ({exc.strerror or exc}); choose a writable directory"
     if notes:
@@ -166,22 +178,52 @@ def _marker(args, iteration: int) -> Dict[str, Any]:
     return {"iteration": iteration, "rank": dist.get_rank(), "parallel_layout": save_load.parallel_layout(args)}
 
 
-def _write_local(args, root: Path, iteration: int, consumed: int, model, optimizer, scheduler) -> Path:
-    """This rank alone: its pieces, ``common.json``, the marker and a manifest in a temporary, renamed into place."""
-    root.mkdir(parents=True, exist_ok=True)
+# One torch.save file: ~470 bytes of zip framing per piece (measured on the tests' model, 122 pieces).
+LOCAL_ITEM_OVERHEAD = 512
+
+
+def _local_bytes(pieces: Dict[str, Any]) -> int:
+    """What ``torch.save`` of ``pieces`` (and the small files beside it) takes on disk, a little over (1.08x the
+    bytes written on the tests' model, where the framing weighs most)."""
+    size = save_load.FIXED_OVERHEAD
+    for value in pieces.values():
+        size += LOCAL_ITEM_OVERHEAD + (value.nbytes if isinstance(value, torch.Tensor) else
+                                           len(value) if isinstance(value, (bytes, bytearray)) else 256)
+    return size
+
+
+def _space_problem(root: Path, iteration: int, pieces: Dict[str, Any]) -> Optional[str]:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        return paths.space_problem(root, iteration, _local_bytes(pieces), paths.free_bytes(root),
+                                   flag="--non-persistent-local-ckpt-dir")
+    except OSError as exc:
+        return f"cannot save to {root}: {exc.strerror or exc}"
+
+
+def _write_local(args, root: Path, iteration: int, consumed: int, pieces: Dict[str, Any], scheduler) -> Path:
+    """This rank alone: its pieces, ``common.json``, the marker and a manifest in a temporary, renamed into place;
+    a failed write removes the temporary (running out of space: one line)."""
     paths.remove_stale_temporaries(root)
-    state = save_steps.host_copies(save_load.save_state_dict(model, optimizer))
     tmp = files.temporary_dir(root, iteration, files.new_nonce())
-    ownership.write_owner(tmp)
-    with open(tmp / PIECES, "wb") as f:
-        torch.save(_local_pieces(state), f)
-        f.flush()
-        os.fsync(f.fileno())
-    files.write_common(tmp, save_load.common_record(args, iteration, consumed, scheduler))
-    files.write_file_durably(tmp / MARKER, json.dumps(_marker(args, iteration), sort_keys=True))
-    manifest.write_manifest(tmp, {}, extra=[PIECES, files.COMMON, MARKER])
-    (tmp / ownership.OWNER).unlink(missing_ok=True)
-    files.fsync_dir(tmp)
+    try:
+        ownership.write_owner(tmp)
+        with open(tmp / PIECES, "wb") as f:
+            torch.save(pieces, f)
+            f.flush()
+            os.fsync(f.fileno())
+        files.write_common(tmp, save_load.common_record(args, iteration, consumed, scheduler))
+        files.write_file_durably(tmp / MARKER, json.dumps(_marker(args, iteration), sort_keys=True))
+        manifest.write_manifest(tmp, {}, extra=[PIECES, files.COMMON, MARKER])
+        files.fault_point("in_local_write", iteration, dist.get_rank())
+        (tmp / ownership.OWNER).unlink(missing_ok=True)
+        files.fsync_dir(tmp)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, Exception) and paths.is_out_of_space(exc, root):
+            raise CheckpointError(f"saving iteration {iteration} to {root} ran out of space (ENOSPC): "
+                                  f"{paths.free_bytes(root)} bytes are free; the partial save was removed") from None
+        raise
     final = root / files.iteration_dir_name(iteration)
     if final.exists():
         os.rename(final, root / f".old_{final.name}_{files.new_nonce()}")
@@ -190,14 +232,26 @@ def _write_local(args, root: Path, iteration: int, consumed: int, model, optimiz
     return final
 
 
+def _failure(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+
+
 def _save_local(args, iteration: int, consumed: int, model, optimizer, scheduler) -> None:
+    """Every rank writes its own files; the ranks agree first that each has the space (nothing written otherwise),
+    then that each completed the save; only then does each drop its older one."""
     start = time.perf_counter()
     root = local_dir(args, dist.get_rank())
+    pieces = _local_pieces(save_steps.host_copies(save_load.save_state_dict(model, optimizer)))
+    short = _all_lines(_space_problem(root, iteration, pieces))
+    if short:
+        named = "; ".join(f"rank {r}: {line}" for r, line in short)
+        raise CheckpointError(f"the local non-persistent save of iteration {iteration} was not started ({named}); "
+                              "every rank keeps its previous local checkpoint")
     final, problem = None, None
     try:
-        final = _write_local(args, root, iteration, consumed, model, optimizer, scheduler)
+        final = _write_local(args, root, iteration, consumed, pieces, scheduler)
     except Exception as exc:  # noqa: BLE001 - every rank learns of it below and raises the same line
-        problem = f"{type(exc).__name__}: {exc}"
+        problem = _failure(exc)
     failed = _all_lines(problem)
     if failed:  # the previous one stays every rank's newest: the new one is dropped where it was written
         if final is not None:
@@ -214,11 +268,13 @@ def _save_local(args, iteration: int, consumed: int, model, optimizer, scheduler
 # ------------------------------------------------------------------ load
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """The non-persistent checkpoint a load may take: its iteration, this rank's directory, its reader."""
+    """The non-persistent checkpoint a load may take: its iteration, this rank's directory, its reader, and what
+    the load line adds about it (newer local iterations not every rank holds)."""
 
     iteration: int
     directory: Path
     read_pieces: Callable = save_load._read_pieces
+    note: str = ""
 
 
 def _global_candidate(args) -> Tuple[Optional[Candidate], Optional[str]]:
@@ -237,60 +293,104 @@ def _global_candidate(args) -> Tuple[Optional[Candidate], Optional[str]]:
     return Candidate(iteration, directory), None
 
 
-def _newest_local(root: Path, layout: Dict[str, Any]) -> Dict[str, Any]:
-    """This rank's newest complete local checkpoint: its iteration, whether its layout is this job's, problems."""
-    found = sorted((p for p in root.glob("iter_*") if (p / MARKER).is_file()), reverse=True) if root.is_dir() else []
-    if not found:
-        return {"iteration": None}
-    directory = found[0]
-    try:
-        marker = json.loads((directory / MARKER).read_text())
-    except (OSError, ValueError) as exc:
-        return {"iteration": None, "problem": f"{directory / MARKER} is unreadable ({exc})"}
-    saved = marker.get("parallel_layout", {})
-    differs = [f"{k} {saved.get(k)!r} then, {v!r} now" for k, v in layout.items() if saved.get(k) != v]
-    problems = manifest.verify(directory)
-    return {"iteration": marker.get("iteration"), "layout": "; ".join(differs),
-            "problem": f"{problems[0]}" if problems else None}
+def _complete_local(root: Path) -> List[int]:
+    """The iterations of this rank's complete local checkpoints (marker present), newest first."""
+    return paths.complete_iterations(root, lambda d: (d / MARKER).is_file()) if root.is_dir() else []
 
 
 def _ranks(ranks: List[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def _local_verdict(found: List[Dict[str, Any]], where: str) -> Tuple[Optional[int], Optional[str]]:
-    """The iteration every rank may load, or why none (the same on every rank: ``found`` is gathered)."""
-    for r, info in enumerate(found):
-        if info.get("iteration") is not None and info.get("layout"):
-            return None, f"it was saved with another layout ({info['layout']})"
-    for r, info in enumerate(found):
-        if info.get("problem"):
-            return None, f"rank {r}'s is damaged: {info['problem']}"
-    missing = [r for r, info in enumerate(found) if info.get("iteration") is None]
-    if len(missing) == len(found):
-        return None, f"no local checkpoint in {where}"
+def _common_iterations(held: List[List[int]], where: str) -> Tuple[List[int], Optional[str]]:
+    """The iterations every rank holds complete, newest first, or why there is none (the same on every rank:
+    ``held`` is gathered). A save killed on one rank after another finished leaves the ranks' newest apart, but
+    the previous one complete on every rank: that is the one to load."""
+    missing = [r for r, its in enumerate(held) if not its]
+    if len(missing) == len(held):
+        return [], f"no local checkpoint in {where}"
     if missing:
         verb = "holds" if len(missing) == 1 else "hold"
-        return None, f"{_ranks(missing)} {verb} no complete local checkpoint in {where}"
-    iterations = sorted({info["iteration"] for info in found})
-    if len(iterations) > 1:
-        by = {i: [r for r, info in enumerate(found) if info["iteration"] == i] for i in iterations}
-        return None, "the ranks' newest complete local checkpoints differ (" + "; ".join(
-            f"{_ranks(rs)}: iteration {i}" for i, rs in by.items()) + ")"
-    return iterations[0], None
+        return [], f"{_ranks(missing)} {verb} no complete local checkpoint in {where}"
+    common = sorted(set.intersection(*(set(its) for its in held)), reverse=True)
+    if not common:
+        return [], "no iteration is complete on every rank (" + "; ".join(
+            f"rank {r}: {', '.join(map(str, its))}" for r, its in enumerate(held)) + ")"
+    return common, None
+
+
+def _not_everywhere(held: List[List[int]], chosen: int) -> str:
+    """The newer iterations some ranks hold and others lack (what a save killed on one rank leaves)."""
+    newer = sorted({i for its in held for i in its if i > chosen})
+    if not newer:
+        return ""
+    parts = [f"{i} (missing on {_ranks([r for r, its in enumerate(held) if i not in its])})" for i in newer]
+    return f"; newer iterations not complete on every rank: {', '.join(parts)}"
+
+
+def _layout_difference(directory: Path, layout: Dict[str, Any]) -> Optional[str]:
+    """How the layout this rank's local checkpoint ``directory`` was written with differs from this job's (its
+    marker), or None (the same; an unreadable marker is ``_local_problem``'s)."""
+    try:
+        saved = json.loads((directory / MARKER).read_text()).get("parallel_layout", {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    differs = [f"{k} {saved.get(k)!r} then, {v!r} now" for k, v in layout.items() if saved.get(k) != v]
+    return "; ".join(differs) or None
+
+
+def _local_problem(directory: Path, layout: Dict[str, Any]) -> Optional[Tuple[str, str]]:
+    """What keeps this rank's local checkpoint ``directory`` from loading: ``("layout", differences)`` or
+    ``("damaged", the first problem)``; None when it fits and verifies."""
+    try:
+        json.loads((directory / MARKER).read_text())
+    except (OSError, ValueError) as exc:
+        return "damaged", f"{directory / MARKER} is unreadable ({exc})"
+    differs = _layout_difference(directory, layout)
+    if differs:
+        return "layout", differs
+    problems = manifest.verify(directory)
+    return ("damaged", problems[0]) if problems else None
 
 
 def _local_candidate(args) -> Tuple[Optional[Candidate], Optional[str]]:
-    """The local checkpoint every rank holds, verified by each rank on its own files (a collective)."""
-    layout = json.loads(json.dumps(save_load.parallel_layout(args)))
+    """The newest local checkpoint every rank holds complete and verifies, each rank on its own files (collectives).
+    A rank directory owned by another job stops the load (``paths.non_persistent_owner_problem``)."""
     root = local_dir(args, dist.get_rank())
-    mine = _newest_local(root, layout)
-    found: List[Optional[Dict[str, Any]]] = [None] * dist.get_world_size()
-    dist.all_gather_object(found, mine)
-    iteration, why = _local_verdict(found, args.non_persistent_local_ckpt_dir)
-    if iteration is None:
-        return None, why
-    return Candidate(iteration, root / files.iteration_dir_name(iteration), _read_local), None
+    foreign = _all_lines(paths.non_persistent_owner_problem(root, "--non-persistent-local-ckpt-dir",
+                                                            paths.non_persistent_owners(args),
+                                                            saving=bool(args.non_persistent_save_interval)))
+    if foreign:
+        raise CheckpointError(f"rank {foreign[0][0]}: {foreign[0][1]}")
+    layout = json.loads(json.dumps(save_load.parallel_layout(args)))
+    mine = _complete_local(root)
+    newest = _layout_difference(root / files.iteration_dir_name(mine[0]), layout) if mine else None
+    gathered: List[Optional[Tuple[List[int], Optional[str]]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (mine, newest))
+    layouts = [differs for _, differs in gathered if differs]
+    if layouts:  # written by a job of another layout (a world size of its own: some ranks may hold none)
+        return None, f"it was saved with another layout ({layouts[0]})"
+    held = [its for its, _ in gathered]
+    common, why = _common_iterations(held, args.non_persistent_local_ckpt_dir)
+    damaged = []
+    for iteration in common:  # newest first; the verdict on each is gathered, so every rank walks the same list
+        directory = root / files.iteration_dir_name(iteration)
+        found: List[Optional[Tuple[str, str]]] = [None] * dist.get_world_size()
+        dist.all_gather_object(found, _local_problem(directory, layout))
+        layouts = [problem[1] for problem in found if problem and problem[0] == "layout"]
+        if layouts:
+            return None, f"it was saved with another layout ({layouts[0]})"
+        bad = [(r, problem[1]) for r, problem in enumerate(found) if problem]
+        if not bad:
+            skipped = "".join(f"; iteration {i} is damaged on rank {r}: {text}" for i, r, text in damaged)
+            return Candidate(iteration, directory, _read_local, _not_everywhere(held, iteration) + skipped), None
+        damaged.append((iteration, *bad[0]))
+    if damaged:
+        _, r, text = damaged[0]
+        older = (f"; so are the older iterations every rank holds ({', '.join(str(d[0]) for d in damaged[1:])})"
+                 if len(damaged) > 1 else "")
+        return None, f"rank {r}'s is damaged: {text}{older}"
+    return None, why
 
 
 def _describe(value: Any) -> Any:
@@ -338,33 +438,43 @@ def _iteration_of(directory: Path) -> int:
     return int(re.search(r"iter_(\d+)", Path(directory).name).group(1))
 
 
+def _found_without_type(args) -> bool:
+    """``--load``'s ``non_persistent/`` holds global non-persistent checkpoints though no type was given (a run
+    that saved them, restarted without the flags): they are compared all the same, said in the load line."""
+    return kind(args) is None and (Path(args.load) / paths.NON_PERSISTENT_SUBDIR / files.TRACKER).is_file()
+
+
 def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
     """``--load``: the newer of its checkpoint and the non-persistent one, said in one line with the reason."""
-    if kind(args) is None:
+    implicit = _found_without_type(args)
+    which = "global" if implicit else kind(args)
+    if which is None:
         return save_load.load_checkpoint(args, model, optimizer, scheduler)
     start = time.perf_counter()
     persistent = paths.find_checkpoint(args, problems=save_load.checkpoint_problems)
     p_iter = None if persistent is None else _iteration_of(persistent)
-    candidate, why_not = _global_candidate(args) if kind(args) == "global" else _local_candidate(args)
-    label = f"the {kind(args)} non-persistent checkpoint"
+    candidate, why_not = _global_candidate(args) if which == "global" else _local_candidate(args)
+    label = f"the {which} non-persistent checkpoint"
+    found = (f" (found in --load {args.load}/{paths.NON_PERSISTENT_SUBDIR} without --non-persistent-ckpt-type: "
+             "compared as with --non-persistent-ckpt-type global)") if implicit else ""
     fallback = (f"loading --load {args.load}'s iteration {p_iter}" if p_iter is not None
                 else f"no checkpoint in --load {args.load}: starting from scratch")
     if candidate is not None and args.ckpt_step is not None:
         print_rank_0(f" --ckpt-step {args.ckpt_step}: loading --load's iteration {args.ckpt_step}, not {label} of "
-                     f"iteration {candidate.iteration}")
+                     f"iteration {candidate.iteration}{found}")
     elif candidate is not None and (p_iter is None or candidate.iteration >= p_iter):
         reason = (f"--load {args.load} holds none" if p_iter is None
                   else f"newer than --load's iteration {p_iter}" if candidate.iteration > p_iter
                   else f"as new as --load's iteration {p_iter} (Megatron-LM's rule: the non-persistent one)")
-        where = candidate.directory if kind(args) == "global" else \
+        where = candidate.directory if which == "global" else \
             f"{args.non_persistent_local_ckpt_dir}/rank_*/{candidate.directory.name}"
-        print_rank_0(f" loading {label} {where} (iteration {candidate.iteration}): {reason}")
+        print_rank_0(f" loading {label} {where} (iteration {candidate.iteration}): {reason}{candidate.note}{found}")
         return save_load.load_directory(args, model, optimizer, scheduler, candidate.directory, start,
                                         verify=False, read_pieces=candidate.read_pieces)
     elif candidate is not None:
-        print_rank_0(f" {fallback}: {label} (iteration {candidate.iteration}) is older")
+        print_rank_0(f" {fallback}: {label} (iteration {candidate.iteration}) is older{found}")
     else:
-        print_rank_0(f" {label} is not used ({why_not}): {fallback}")
+        print_rank_0(f" {label} is not used ({why_not}): {fallback}{found}")
     if persistent is None:
         return 0, 0
     return save_load.load_directory(args, model, optimizer, scheduler, persistent, start)

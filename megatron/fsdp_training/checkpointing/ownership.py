@@ -1,6 +1,8 @@
 """Who owns a checkpoint temporary: an owner file with the host, pid and start time of the job writing it.
 
-Also the lock of a ``--save`` directory (``acquire_save_lock``), which names its holder the same way.
+Also the lock of a ``--save`` directory (``acquire_save_lock``), which names its holder the same way, and the
+owner file of a non-persistent checkpoint directory (``paths.non_persistent_owner_problem``), which names the job
+whose checkpoints it holds.
 
 Rank 0 of a saving job marks each ``.tmp_iter_*`` it creates (``write_owner``). A temporary is
 stale (``is_stale``) when its owner is a dead process of this host, or, without an owner file or
@@ -92,38 +94,66 @@ def _holder_alive(holder: dict) -> bool:
 
 
 def _read_holder(path: Path) -> Optional[dict]:
+    if path.is_symlink():
+        return None
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None
 
 
-def acquire_save_lock(root: Path) -> "tuple[Optional[str], Optional[str]]":
-    """Rank 0: hold ``root``'s lock for this process; returns ``(problem, note)``: the line that stops start-up
-    (another live job holds it), and the line saying a dead job's lock was taken over."""
+def _open_lock_file(path: Path):
+    """The lock file, created if missing, never through a symbolic link (``O_NOFOLLOW``): a tree copied with
+    ``cp -rs`` has its lock file as a link to the original's, and writing through it would replace a file outside
+    this directory (another job's lock)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    return os.fdopen(fd, "r+")
+
+
+def _symlink_problem(path: Path, label: str) -> str:
+    return (f"{label}: its lock file {path} is a symbolic link (to {os.readlink(path)}; a tree copied with cp -rs?): "
+            "the lock is never written through a link; delete the link (the file it points to is left as it is) "
+            "and start again")
+
+
+def acquire_save_lock(root: Path, label: Optional[str] = None,
+                      fix: str = "pass another --save") -> "tuple[Optional[str], Optional[str]]":
+    """Rank 0 (or a converter): hold ``root``'s lock for this process; returns ``(problem, note)``: the line that
+    stops start-up (another live job holds it, or the lock file is a symbolic link), and the line saying a dead
+    job's lock was taken over. ``label`` names the directory in those lines (``--save ROOT``), ``fix`` says what
+    to do instead of waiting."""
+    import errno
     import fcntl
 
     root = Path(root)
+    label = label or f"--save {root}"
     key = str(root.resolve())
     if key in _held:
         return None, None
     path = root / LOCK
     note = None
     for _ in range(5):
-        f = open(path, "a+")
+        if path.is_symlink():
+            return _symlink_problem(path, label), None
+        try:
+            f = _open_lock_file(path)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # made a link between the check and the open
+                return _symlink_problem(path, label), None
+            raise
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             locked = True
         except BlockingIOError:
             f.close()
             holder = _read_holder(path) or {}
-            return (f"--save {root} is in use by another job ({_describe(holder)}; lock file {path}): two jobs "
-                    "saving into one directory overwrite each other's checkpoints; wait for it to end, stop it, "
-                    "or pass another --save"), None
+            return (f"{label} is in use by another job ({_describe(holder)}; lock file {path}): two jobs "
+                    f"saving into one directory overwrite each other's checkpoints; wait for it to end, stop it, "
+                    f"or {fix}"), None
         except OSError:  # no flock on this file system: the holder's pid decides
             locked = False
         try:
-            if os.fstat(f.fileno()).st_ino != os.stat(path).st_ino:
+            if os.fstat(f.fileno()).st_ino != os.lstat(path).st_ino:
                 f.close()  # removed and re-created by a releasing or competing job meanwhile: try again
                 continue
         except FileNotFoundError:
@@ -133,9 +163,9 @@ def acquire_save_lock(root: Path) -> "tuple[Optional[str], Optional[str]]":
         if holder and (holder.get("host"), holder.get("pid")) != (socket.gethostname(), os.getpid()):
             if not locked and _holder_alive(holder):
                 f.close()
-                return (f"--save {root} is in use by another job ({_describe(holder)}; lock file {path}): wait for "
-                        "it to end, stop it, or pass another --save (if that job is gone, delete the lock file)"), None
-            note = f" took over the lock of --save {root} from a job that is gone ({_describe(holder)})"
+                return (f"{label} is in use by another job ({_describe(holder)}; lock file {path}): wait for "
+                        f"it to end, stop it, or {fix} (if that job is gone, delete the lock file)"), None
+            note = f" took over the lock of {label} from a job that is gone ({_describe(holder)})"
         f.seek(0)
         f.truncate()
         f.write(json.dumps(_me()))
@@ -143,7 +173,7 @@ def acquire_save_lock(root: Path) -> "tuple[Optional[str], Optional[str]]":
         os.fsync(f.fileno())
         _held[key] = f
         return None, note
-    return f"--save {root}: could not take its lock file {path} (it keeps being replaced)", None
+    return f"{label}: could not take its lock file {path} (it keeps being replaced)", None
 
 
 def release_save_lock(root: Path) -> None:
@@ -157,3 +187,29 @@ def release_save_lock(root: Path) -> None:
         pass
     f.close()
 
+
+# ------------------------------------------------------------------ who owns a non-persistent directory
+# Why: a --non-persistent-global-ckpt-dir naming another run's --save deleted that run's checkpoints (its non-persistent
+# saves keep only the newest), and a second job given the first one's --non-persistent-local-ckpt-dir resumed the first
+# job's training. A non-persistent directory outside --save belongs to the job whose --save its owner file names
+# (written when the job first saves there); only that job saves there or resumes from it (a job that only loads:
+# the one whose --load it is). A directory that holds checkpoints and no owner file is no job's non-persistent one.
+DIRECTORY_OWNER = ".non_persistent_owner.json"
+
+
+def directory_owner(directory: Path) -> Optional[str]:
+    """The ``--save`` the owner file of ``directory`` names (resolved when written), or None without one."""
+    holder = _read_holder(Path(directory) / DIRECTORY_OWNER)
+    return holder.get("save") if isinstance(holder, dict) else None
+
+
+def claim_directory(directory: Path, save: str) -> None:
+    """Name this job (its ``--save``) as the owner of ``directory`` (atomically; a link there is replaced, its
+    target left as it is)."""
+    path = Path(directory) / DIRECTORY_OWNER
+    tmp = Path(directory) / f".{DIRECTORY_OWNER}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps({"save": os.path.realpath(save), **_me()}))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

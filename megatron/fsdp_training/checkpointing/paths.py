@@ -28,7 +28,7 @@ import socket
 from pathlib import Path
 from typing import Callable, Iterable, List, Optional, Tuple
 
-from . import files
+from . import files, ownership
 from .files import COMMON, TRACKER
 from .ownership import is_stale
 
@@ -108,11 +108,11 @@ def free_bytes(root: Path) -> int:
     return shutil.disk_usage(str(root)).free
 
 
-def space_problem(root: Path, iteration: int, needed: int, free: int) -> Optional[str]:
+def space_problem(root: Path, iteration: int, needed: int, free: int, flag: str = "--save") -> Optional[str]:
     if needed <= free:
         return None
     return (f"not enough space to save iteration {iteration} in {root}: it needs {needed} bytes, {free} are free; "
-            "free some space or pass another --save (nothing was written; earlier checkpoints are intact)")
+            f"free some space or pass another {flag} (nothing was written; earlier checkpoints are intact)")
 
 
 def _causes(exc: BaseException) -> Iterable[BaseException]:
@@ -231,3 +231,52 @@ def newer_checkpoint_problem(save: Path, start: int, problems: Problems,
         print_rank_0(f" --save {save}: the damaged checkpoints of iterations {', '.join(map(str, newer))} (newer "
                      f"than iteration {start}) are replaced when this run saves those iterations")
     return None
+
+
+# ------------------------------------------------------------------ who may use a non-persistent directory
+# Why: a --non-persistent-global-ckpt-dir naming another run's --save deleted that run's checkpoints, and a second job
+# given the first one's --non-persistent-local-ckpt-dir resumed the first job's training. The owner file
+# (``ownership.DIRECTORY_OWNER``) names the job's --save; only that job saves there or resumes from there.
+def non_persistent_owners(args) -> List[str]:
+    """The paths a non-persistent directory's owner file may name for this job: its ``--save`` when it saves
+    non-persistent checkpoints (only the job that writes them may replace them), else its ``--load`` and ``--save``."""
+    if getattr(args, "non_persistent_save_interval", None):
+        return [args.save]
+    return [p for p in (args.load, args.save) if p]
+
+
+def global_dir_is_default(args) -> bool:
+    """``--non-persistent-global-ckpt-dir`` spelt as its default, ``<--save>/non_persistent`` or
+    ``<--load>/non_persistent``: inside that directory, owned with it (its lock and its rules)."""
+    given = os.path.realpath(args.non_persistent_global_ckpt_dir)
+    return any(base and given == os.path.realpath(os.path.join(base, NON_PERSISTENT_SUBDIR))
+               for base in (args.save, args.load))
+
+
+def _checkpoints_in(directory: Path) -> List[str]:
+    return sorted(e.name for e in Path(directory).iterdir()
+                  if e.name == TRACKER or (e.name.startswith(("iter_",) + TEMPORARY_PREFIXES) and e.is_dir()))
+
+
+def non_persistent_owner_problem(directory: Path, flag: str, owners: List[str], saving: bool) -> Optional[str]:
+    """Why this job may not use the non-persistent ``directory`` (``flag``'s), or None. ``owners``: the paths this
+    job answers to (its ``--save`` when it saves there; its ``--load`` too when it only loads)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    owner = ownership.directory_owner(directory)
+    mine = {os.path.realpath(p) for p in owners if p}
+    if owner is not None:
+        if owner in mine:
+            return None
+        harm = "its non-persistent saves would replace them" if saving else "resuming them would continue that job"
+        return (f"{flag} {directory} holds the non-persistent checkpoints of another job (--save {owner}; owner file "
+                f"{directory / ownership.DIRECTORY_OWNER}): {harm}; pass another {flag}, or resume that job with "
+                f"--load {owner} --save {owner}")
+    held = _checkpoints_in(directory)
+    if not held:
+        return None
+    shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+    harm = "its non-persistent saves would delete them" if saving else "they are not this job's to resume"
+    return (f"{flag} {directory} holds checkpoints that no non-persistent save of this job wrote ({shown}; no "
+            f"{ownership.DIRECTORY_OWNER}: another run's --save?): {harm}; pass a new or empty {flag}")

@@ -47,6 +47,7 @@ from . import compatibility
 from .compatibility import KEY_LAYOUT_ARGS, MODEL_SHAPE_ARGS
 from .paths import find_checkpoint
 from .files import CheckpointError
+from ..compat import as_tensor, expert_layout_hint, portable
 from ..logs.lines import print_rank_0
 
 FORMAT = "fsdp_dtensor"
@@ -83,11 +84,11 @@ def rng_state() -> bytes:
     from megatron.core import tensor_parallel
 
     tracker = tensor_parallel.get_cuda_rng_tracker()
-    return pickle.dumps({
+    return pickle.dumps(portable({  # no pickled tensor: they would name a module of this Megatron-Core release
         "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "tracker": tracker.get_states() if getattr(tracker, "states_", None) else None,
-    })
+    }))
 
 
 def set_rng_state(blob: bytes) -> None:
@@ -96,11 +97,11 @@ def set_rng_state(blob: bytes) -> None:
     state = pickle.loads(blob)
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(as_tensor(state["torch"]))
     if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(as_tensor(state["cuda"]))
     if state["tracker"] is not None:
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+        tensor_parallel.get_cuda_rng_tracker().set_states({k: as_tensor(v) for k, v in state["tracker"].items()})
 
 
 # ------------------------------------------------------------------ state dicts
@@ -326,6 +327,9 @@ def verify_checkpoint(directory: Path) -> None:
     if not problems and not (Path(directory) / manifest.MANIFEST).is_file():
         print_rank_0(f" checkpoint {directory} has no {manifest.MANIFEST} (published before manifests existed): its "
                      "files are not verified")
+    source = None if problems else manifest.read_source(directory)
+    if source is not None and not source.get("verified"):
+        print_rank_0(f" checkpoint {directory}: its files are as they were converted; {manifest.source_line(source)}")
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         good = manifest.previous_good(Path(directory).parent, Path(directory))
@@ -381,7 +385,7 @@ def validate_keys(state: Mapping[str, Any], directory: Path, prefixes: Tuple[str
     error = mismatch_error(f"checkpoint {directory} does not fit this model", sorted(missing), sorted(unexpected),
                            wrong + sorted(mismatched))
     if error is not None:
-        raise CheckpointError(str(error))
+        raise CheckpointError(str(error) + expert_layout_hint(missing, unexpected))
 
 
 def tp_global(common: Mapping[str, Any]) -> bool:

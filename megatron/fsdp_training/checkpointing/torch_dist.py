@@ -45,6 +45,7 @@ from . import compatibility
 from .compatibility import MODEL_SHAPE_ARGS
 from .paths import find_checkpoint
 from .files import CheckpointError
+from ..compat import TORCH_DIST_BUCKET_WRITER, read_torch_dist_common, torch_dist_load
 from ..logs.lines import print_rank_0
 
 FORMAT = "torch_dist"
@@ -64,7 +65,7 @@ CONVERTER = "tools/checkpoint/convert.py"
 
 
 def allow_args_in_common() -> None:
-    """``common.pt`` holds ``args`` (a Namespace): allow it in ``torch.load``'s weights-only unpickler."""
+    """The common state holds ``args`` (a Namespace): allow it in ``torch.load``'s weights-only unpickler."""
     torch.serialization.add_safe_globals([argparse.Namespace])
 
 
@@ -192,7 +193,7 @@ def sharded_state_dict(model, optimizer, is_loading: bool, content: Dict[str, An
 
 # ------------------------------------------------------------------------ save
 def _write_in_process(transform_list, use_msc, rank, write_buckets, global_results_queue) -> None:
-    """Megatron-Core's ``write_preloaded_data_multiproc`` without its forked worker per bucket: the same
+    """Megatron-Core's bucket writer (``compat.TORCH_DIST_BUCKET_WRITER``) without its worker per bucket: the same
     per-bucket writer, run here. Forking a process that holds gloo threads is fragile, and a daemon
     process (a worker pool) may not fork at all."""
     import queue
@@ -224,12 +225,12 @@ def _in_process_writes():
 
     if fa._results_queue is None:
         fa._results_queue = queue.Queue()
-    original = fa.FileSystemWriterAsync.__dict__["write_preloaded_data_multiproc"]
-    fa.FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(_write_in_process)
+    original = fa.FileSystemWriterAsync.__dict__[TORCH_DIST_BUCKET_WRITER]
+    setattr(fa.FileSystemWriterAsync, TORCH_DIST_BUCKET_WRITER, staticmethod(_write_in_process))
     try:
         yield
     finally:
-        fa.FileSystemWriterAsync.write_preloaded_data_multiproc = original
+        setattr(fa.FileSystemWriterAsync, TORCH_DIST_BUCKET_WRITER, original)
 
 
 def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler) -> Path:
@@ -273,11 +274,10 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimize
 
 # ------------------------------------------------------------------------ load
 def read_common(directory: Path) -> Dict[str, Any]:
-    """``common.pt``: iteration, args, scheduler, the optimizer's non-tensor state."""
-    from megatron.core import dist_checkpointing
-
+    """The common state (``common.pt`` before Megatron-Core 0.19, inside the DCP files from 0.19): iteration,
+    args, scheduler, the optimizer's non-tensor state."""
     allow_args_in_common()
-    return dist_checkpointing.load_common_state_dict(str(directory))
+    return read_torch_dist_common(directory)
 
 
 def _check_model(saved_args, args, directory: Path) -> None:
@@ -369,7 +369,6 @@ def _set_step(optimizer_state: Dict[str, Any], step: int) -> None:
 
 def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
     """Load ``--load`` (a torch_dist checkpoint) into the baseline; returns ``(iteration, consumed samples)``."""
-    from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint import FileSystemReader
 
     start = time.perf_counter()
@@ -395,7 +394,7 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
     same_model_parallel = all(getattr(saved_args, k, None) == getattr(args, k) for k in
                               ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
     # Megatron-LM's load: the layout the checkpoint was saved in (older checkpoints have no content metadata)
-    content = dist_checkpointing.load_content_metadata(str(directory)) or dict(SHARDED_METADATA)
+    content = common.get("content_metadata") or dict(SHARDED_METADATA)
     if with_optimizer and content.get("distrib_optim_sharding_type") == DP_RESHARDABLE:
         _check_dp_reshardable(saved_args, args, directory)
     with_rng = not (args.finetune or args.no_load_rng) and same_model_parallel and "rng" not in converted.get(
@@ -409,7 +408,7 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
     dropped = _drop_absent_extra_state(state, saved_keys)
     live = _live_common(state)
     try:
-        loaded = dist_checkpointing.load(state, str(directory))
+        loaded = torch_dist_load(state, directory)
     except Exception as exc:  # CheckpointingException: missing keys, shape mismatches (the same on every rank)
         raise CheckpointError(f"checkpoint {directory} does not fit this model: {exc}") from None
     _put_back(loaded, dropped)

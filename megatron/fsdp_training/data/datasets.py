@@ -115,9 +115,11 @@ class MicroBatches:
 
 def get_batch(iterator, device: Optional[torch.device] = None):
     """pretrain_gpt's ``get_batch``: next micro-batch on the device, then this CP rank's chunks."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from megatron.core import parallel_state as ps
+
+    from ..compat import batch_on_this_cp_rank
 
     batch = next(iterator)
     if device is not None and device.type != "cpu":
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    return get_batch_on_this_cp_rank(batch)
+    return batch_on_this_cp_rank(batch, ps.get_context_parallel_group())

@@ -24,7 +24,9 @@ class DataSplitError(ValueError):
 
 def split_samples(args) -> List[Optional[int]]:
     """Samples each split must supply over the whole run; None for a split the run never reads."""
-    train = args.train_iters * args.global_batch_size
+    # A step batch-size schedule (schedule.py) may pass through batches larger than its last one.
+    largest = max([args.global_batch_size] + [batch for _, batch in getattr(args, "step_batch_sizes", None) or ()])
+    train = args.train_iters * largest
     eval_runs = args.train_iters // args.eval_interval + 1 if args.eval_interval else 0
     valid = eval_runs * args.eval_iters * args.global_batch_size if args.eval_iters > 0 else 0
     return [train, valid or None, None]

@@ -1,10 +1,10 @@
 """Tokenizers for the training job and ``tools/preprocess_data.py``.
 
-``build_tokenizer(tokenizer_type, ...)`` returns a subclass of Megatron-Core's legacy
-tokenizer interface (``megatron.core.datasets.megatron_tokenizer.MegatronLegacyTokenizer``,
-called ``MegatronTokenizer`` before Megatron-Core 0.14), which is what Megatron-Core's
+``build_tokenizer(tokenizer_type, ...)`` returns a tokenizer with what Megatron-Core's
 ``GPTDataset`` / ``MockGPTDataset`` read: ``.vocab_size``, ``.eod`` and, when it exists,
-``.pad``.
+``.pad``; on Megatron-Core 0.16.1 a subclass of its legacy tokenizer interface
+(``megatron.core.datasets.megatron_tokenizer.MegatronLegacyTokenizer``, removed in 0.17.0:
+``compat.tokenizer_base``).
 
 Types (Megatron-LM's names where it has one):
 
@@ -39,10 +39,9 @@ import re
 from collections import OrderedDict
 from typing import Dict, Iterable, List, Optional, Tuple
 
-try:  # Megatron-Core >= 0.14 renamed the legacy base class
-    from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer as _Base
-except ImportError:  # pragma: no cover - older Megatron-Core
-    from megatron.core.datasets.megatron_tokenizer import MegatronTokenizer as _Base
+from ..compat import tokenizer_base
+
+_Base = tokenizer_base()  # Megatron-Core's legacy tokenizer interface (0.16.1), plain object from 0.17.0
 
 __all__ = [
     "TOKENIZER_TYPES",

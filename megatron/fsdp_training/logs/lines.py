@@ -156,7 +156,8 @@ def summary(args, model, optimizer) -> None:
 def muon_line(args) -> str:
     """What ``--optimizer muon`` does, said once: nothing else in the log would show Muon is on."""
     return (f"optimizer: Muon on the 2-D weight matrices (momentum {args.muon_momentum}, Nesterov "
-            f"{'on' if args.muon_use_nesterov else 'off'}, {args.muon_num_ns_steps} Newton-Schulz steps, scale "
+            f"{'on' if args.muon_use_nesterov else 'off'}, {args.muon_num_ns_steps} Newton-Schulz steps "
+            f"({args.muon_coefficient_type} coefficients), scale "
             f"{args.muon_scale_mode} x {args.muon_extra_scale_factor}, TP mode {args.muon_tp_mode}); Adam on the "
             f"embedding, output layer, norms and biases (lr {args.lr}, weight decay {args.weight_decay})")
 

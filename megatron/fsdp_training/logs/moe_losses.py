@@ -38,20 +38,12 @@ def moe_aux_losses(args, device: torch.device) -> Dict[str, float]:
     names = tracked_names(args)
     if not names:
         return {}
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker, track_moe_metrics
+    from ..compat import report_moe_metrics
 
-    tracker = get_moe_layer_wise_logging_tracker()
     # The routers of MTP layers log after the decoder's (Megatron-Core's tracker holds both): every
     # pipeline stage needs the same length, since the reduction sums the stages' tensors.
-    layers = args.num_layers + (getattr(args, "mtp_num_layers", None) or 0)
-    for name in names:
-        if name not in tracker:
-            tracker[name] = {"values": torch.zeros(layers, device=device), "reduce_group": None,
-                             "avg_group": None, "reduce_group_has_dp": False}
-    totals: Dict[str, torch.Tensor] = {}
-    track_moe_metrics(loss_scale=1.0 / args.num_micro_batches, iteration=0, total_loss_dict=totals,
-                      track_names=names, num_layers=args.num_layers,
-                      moe_layer_freq=args.moe_layer_freq, mtp_num_layers=getattr(args, "mtp_num_layers", None))
+    totals = report_moe_metrics(names, 1.0 / args.num_micro_batches, args.num_layers, args.moe_layer_freq,
+                                getattr(args, "mtp_num_layers", None), device)
     return {name: float(totals[name]) for name in names if name in totals}
 
 

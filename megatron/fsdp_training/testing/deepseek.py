@@ -40,7 +40,7 @@ def meta_build_equals_eager(ctx, argv) -> list:
     import torch
 
     from megatron.fsdp_training import training
-    from megatron.fsdp_training.arguments.parser import parse_args
+    from megatron.fsdp_training.arguments import parse_args
     from megatron.fsdp_training.testing.megatron_case import megatron_case
 
     built = []

@@ -238,9 +238,11 @@ def data_iterator(batches: List[Dict[str, torch.Tensor]]) -> Iterator[Dict[str, 
 
 def get_batch(iterator):
     """pretrain_gpt's ``get_batch``: next micro-batch, then this CP rank's sequence chunks."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from megatron.core import parallel_state as ps
 
-    return get_batch_on_this_cp_rank(dict(next(iterator)))
+    from ..compat import batch_on_this_cp_rank
+
+    return batch_on_this_cp_rank(dict(next(iterator)), ps.get_context_parallel_group())
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

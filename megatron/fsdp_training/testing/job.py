@@ -45,7 +45,7 @@ def pretrain(ranks, argv, **kwargs):
 def torchrun(nproc, argv):
     """``torchrun pretrain_gpt.py argv``: the logged (iteration, lm loss, grad norm) rows (one per
     iteration of ``--train-iters``) and the output."""
-    from megatron.fsdp_training.arguments.parser import parse_args, validate_args
+    from megatron.fsdp_training.arguments import parse_args, validate_args
 
     iterations = validate_args(parse_args(argv), nproc).train_iters  # also from --train-samples
     env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1")
@@ -56,6 +56,45 @@ def torchrun(nproc, argv):
     rows = [(int(i), float(loss), float(norm)) for i, loss, norm in LINE.findall(out.stdout)]
     assert [r[0] for r in rows] == list(range(1, iterations + 1)), out.stdout[-2000:]
     return rows, out.stdout
+
+
+def tree_hashes(root, keep=lambda relative: True):
+    """Every file under ``root`` (links as their target path, not followed) -> its SHA-256: the bytes a test
+    asserts unchanged. ``keep(relative path)`` selects the files."""
+    import hashlib
+    from pathlib import Path
+
+    out = {}
+    for path in sorted(Path(root).rglob("*")):
+        relative = str(path.relative_to(root))
+        if not keep(relative):
+            continue
+        if path.is_symlink():
+            out[relative] = "link to " + os.readlink(path)
+        elif path.is_file():
+            out[relative] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+def fork_launch(runs, directory, parallel=1, timeout=300):
+    """Real launches of ``runs`` (``[{"nproc", "argv", "env", "log"}, ...]``) by ``tests/training/fork_launch.py``
+    (the job imported once, every rank forked; for the tests that kill a rank): their statuses and logs."""
+    import json
+
+    spec = os.path.join(str(directory), "runs.json")
+    with open(spec, "w") as f:
+        json.dump(runs, f)
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "training", "fork_launch.py"), "--runs", spec,
+                          "--parallel", str(parallel)], capture_output=True, text=True, env=env, timeout=timeout,
+                         cwd=ROOT)
+    assert out.returncode == 0 or out.stdout.strip(), out.stderr[-3000:]
+    logs = []
+    for run in runs:
+        with open(run["log"]) as f:
+            logs.append(f.read())
+    return json.loads(out.stdout.strip().splitlines()[-1]), logs
 
 
 def assert_exact_resume(straight, resumed, at):

@@ -78,9 +78,9 @@ def megatron_case():
             disable_cpu_mode()
             ps.destroy_model_parallel()
             # Megatron-Core's MoE aux-loss tracker is a module global that keeps the groups.
-            from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+            from ..compat import drop_moe_metrics
 
-            get_moe_layer_wise_logging_tracker().clear()
+            drop_moe_metrics()
             from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
             MTPLossLoggingHelper.tracker.clear()  # the MTP loss tracker too (its averaging group)

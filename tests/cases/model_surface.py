@@ -1,0 +1,165 @@
+"""Worker side of tests/engine/test_model_surface.py: a wrapped model used as its users use the
+unwrapped one (transformers' ``generate()``, a method of their own, eval forwards, submodules called
+directly, forward and backward), against the same model unwrapped.
+
+transformers is imported inside the HF case only: the pytest process and the pools never pay for it
+unless that case runs.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+import megatron.fsdp as mfsdp
+from megatron.fsdp.testing.models import Block, TinyLM, make_batches
+
+VOCAB = 64
+
+
+class _Score:
+    """A method of the user's own model class: calls submodules, not the model itself."""
+
+    def score(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(input_ids=ids).last_hidden_state
+        logprobs = torch.log_softmax(self.lm_head(hidden[:, :-1]).float(), dim=-1)
+        return logprobs.gather(-1, ids[:, 1:, None]).squeeze(-1).sum(-1)
+
+
+def _build(family: str):
+    """A tiny ``family`` model (seed 0: equal on every rank) whose class has ``score()``."""
+    import transformers
+
+    shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if family == "llama":
+        config, base = transformers.LlamaConfig(**shape), transformers.LlamaForCausalLM
+    elif family == "mixtral":  # tied: lm_head holds the root unit's embedding under a second name
+        config = transformers.MixtralConfig(**shape, num_local_experts=3, num_experts_per_tok=2,
+                                            tie_word_embeddings=True)
+        base = transformers.MixtralForCausalLM
+    else:
+        raise ValueError(family)
+    torch.manual_seed(0)
+    return type(f"Scoring{base.__name__}", (_Score, base), {})(config)
+
+
+def _released(model) -> bool:
+    """Nothing gathered: every unit idle, its full weights freed where its level frees them (ZeRO-3)."""
+    return all(u.state.value == "idle" and not (u.storage.releases and u.storage.resident) for u in model.units)
+
+
+def _equal(got: torch.Tensor, want: torch.Tensor):
+    """True when bitwise equal, else the largest difference."""
+    if got.shape == want.shape and torch.equal(got, want):
+        return True
+    return f"differs: shapes {tuple(got.shape)} / {tuple(want.shape)}" if got.shape != want.shape else \
+        f"differs by {(got.double() - want.double()).abs().max().item():.3g}"
+
+
+def _train_step(model, optimizer, ctx, batch: torch.Tensor) -> float:
+    n = batch.shape[0] // ctx.size
+    ids = batch[ctx.rank * n:(ctx.rank + 1) * n]
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def hf_surface(ctx, family: str) -> Dict[str, object]:
+    """One step, then the model's surface against the unwrapped model holding the same weights, then a
+    second step; a twin that only trained must end bitwise equal (losses and weights)."""
+    built = {name: _build(family) for name in ("used", "twin", "unsharded")}
+    unsharded = built.pop("unsharded")
+    layer = type(unsharded.model.layers[0])
+    models = {name: mfsdp.fully_shard(module, strategy="optim_grads_params", unit_modules=(layer,),
+                                      process_group=ctx.group) for name, module in built.items()}
+    optimizers = {name: mfsdp.FullyShardedOptimizer(m, torch.optim.AdamW, lr=1e-2) for name, m in models.items()}
+    batches = torch.randint(0, VOCAB, (2, 2 * ctx.size, 12), generator=torch.Generator().manual_seed(1))
+    losses = {name: [_train_step(models[name], optimizers[name], ctx, batches[0])] for name in models}
+    model = models["used"]
+    unsharded.load_state_dict(model.full_state_dict(), strict=False)  # the trained weights, unsharded
+    unsharded.eval()
+    model.ledger.reset()
+
+    checks: Dict[str, object] = {}
+
+    def check(name, use, want):
+        """``use()`` against ``want()``: equal, or what ``use`` raised (one check failing leaves the others)."""
+        try:
+            got = use()
+        except Exception as exc:  # noqa: BLE001  (reported, and the test fails naming it)
+            checks[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+            return
+        checks[name] = _equal(got, want())
+
+    prompt = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(2))
+    greedy = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    model.eval()
+    tokens = unsharded.generate(prompt, **greedy)
+    check("generate", lambda: model.module.generate(prompt, **greedy), lambda: tokens)
+    checks["released after generate"] = _released(model)
+    # Each rank its own prompt, rank 0's stopping at its second token (its eos): transformers'
+    # synced_gpus keeps every rank calling the model until all are done, so the gathers still match.
+    own = prompt[ctx.rank:ctx.rank + 1]
+    stop = dict(greedy, eos_token_id=int(tokens[0, prompt.shape[1] + 1]))
+    check("generate, a prompt per rank (synced_gpus)", lambda: model.module.generate(own, synced_gpus=True, **stop),
+          lambda: unsharded.generate(own, **stop))
+    checks["length generated"] = unsharded.generate(own, **stop).shape[1]  # rank 0 stops first
+    with torch.no_grad():
+        hidden = unsharded.model.embed_tokens(tokens)
+        check("score", lambda: model.module.score(tokens), lambda: unsharded.score(tokens))
+        check("eval forward", lambda: model(tokens).logits, lambda: unsharded(tokens).logits)
+        check("eval forward of model.module", lambda: model.module(tokens).logits, lambda: unsharded(tokens).logits)
+        check("embedding called directly", lambda: model.module.model.embed_tokens(tokens), lambda: hidden)
+        check("lm_head called directly", lambda: model.module.lm_head(hidden), lambda: unsharded.lm_head(hidden))
+        check("unit's submodule called directly", lambda: model.module.model.layers[1].mlp(hidden),
+              lambda: unsharded.model.layers[1].mlp(hidden))
+    checks["released after direct calls"] = _released(model)
+    model.train()
+    checks["ledger"] = model.ledger.summary()  # the same collectives on every rank
+
+    losses["used"].append(_train_step(model, optimizers["used"], ctx, batches[1]))
+    losses["twin"].append(_train_step(models["twin"], optimizers["twin"], ctx, batches[1]))
+    used, twin = models["used"].full_state_dict(), models["twin"].full_state_dict()
+    checks["trains as before"] = losses["used"] == losses["twin"] and all(torch.equal(used[k], twin[k]) for k in used)
+    return checks
+
+
+
+def submodule_trained_alone(ctx, strategy: str) -> Dict[str, object]:
+    """A unit's submodule (``blocks.0.mlp``, not a unit) called on its own, forward and backward, then
+    an SGD step, then a whole-model step, against the same calls on the unwrapped model. Every rank
+    feeds the same inputs, so the averaged gradients are the reference's exactly."""
+    torch.manual_seed(0)
+    reference = TinyLM()
+    torch.manual_seed(0)
+    model = mfsdp.fully_shard(TinyLM(), strategy=strategy, process_group=ctx.group, unit_modules=(Block,))
+    optimizer = mfsdp.FullyShardedOptimizer(model, torch.optim.SGD, lr=0.5)
+    reference_optimizer = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.5)
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(3))
+    tokens, targets = make_batches(1, 1, 2)[0][0]
+    checks: Dict[str, object] = {}
+    out, want = model.module.blocks[0].mlp(x), reference.blocks[0].mlp(x)
+    checks["output"] = _equal(out, want)
+    checks["released after forward"] = _released(model)
+    for loss, opt in ((out.square().mean(), optimizer), (want.square().mean(), reference_optimizer)):
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    trained = model.full_state_dict()
+    checks["stepped"] = [n for n, p in reference.named_parameters() if not torch.equal(trained[n], p.detach())]
+    losses = []
+    for module, opt in ((model, optimizer), (reference, reference_optimizer)):
+        loss = module(tokens, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    trained = model.full_state_dict()
+    checks["then trained"] = [n for n, p in reference.named_parameters() if not torch.equal(trained[n], p.detach())]
+    checks["losses"] = losses
+    checks["released at the end"] = _released(model)
+    return checks
