@@ -19,7 +19,7 @@ def _specs():
     ]
 
 
-@pytest.mark.parametrize("world_size, align", itertools.product([1, 2, 3, 4, 5, 7], [1, 4]))
+@pytest.mark.parametrize("world_size, align", list(itertools.product([1, 2, 3, 4, 5, 7], [1, 4])))
 def test_every_element_has_exactly_one_owner(world_size, align):
     layout = build_layout(_specs(), world_size, align)
     covered = {s.spec.name: [0] * s.spec.numel for s in layout.slots}
