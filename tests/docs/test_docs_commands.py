@@ -197,6 +197,17 @@ def test_every_command_block_carries_a_marker():
         assert not trains or b.marker.get("append"), f"{b.name}: training commands without scaled-down append"
 
 
+def test_performance_and_checkpoint_pages_say_what_is_true_now():
+    """The measured pages hold the current figures and how to reproduce them; their history lives in git
+    (a page under 500 lines for the benchmark, no per-round or per-issue accounts)."""
+    history = re.compile(r"\bissue ?\d+|\b(first|second|third|fourth|fifth|last) round\b|\bround \d+\b", re.I)
+    assert len((ROOT / "docs" / "performance.md").read_text().splitlines()) < 500
+    for name in ("performance.md", "checkpoints.md"):
+        lines = (ROOT / "docs" / name).read_text().splitlines()
+        found = [f"{name}:{i}: {line.strip()}" for i, line in enumerate(lines, 1) if history.search(line)]
+        assert found == [], found
+
+
 def test_the_test_fails_a_command_that_trains_nothing(tmp_path):
     """A block whose job trains 0 iterations (a resume with the same --train-iters) fails the test."""
     fake = Block("fake.md", 1, "echo ' training done | iterations: 0 |' pretrain_gpt.py\n", {})
