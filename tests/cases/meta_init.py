@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import megatron.fsdp as mfsdp
-from megatron.fsdp.testing.engine_training import GLOBAL_MICRO_BATCH, OPTIMIZERS, local_slice
+from megatron.fsdp.testing.engine_training import GLOBAL_MICRO_BATCH, OPTIMIZERS, RunConfig, train_step
 from megatron.fsdp.testing.models import MLP, ResetBlock, ResetLM, make_batches
 
 
@@ -70,15 +70,7 @@ def _differences(eager, meta) -> List[str]:
 def _train(ctx, fsdp, steps: int = 2) -> List[float]:
     cls, kwargs = OPTIMIZERS["adamw"]
     opt = mfsdp.FullyShardedOptimizer(fsdp, cls, clip_grad=1.0, **kwargs)
-    losses = []
-    for step in make_batches(steps, 1, GLOBAL_MICRO_BATCH):
-        tokens, targets = step[0]
-        loss = fsdp(local_slice(ctx, tokens), local_slice(ctx, targets))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return [train_step(ctx, fsdp, opt, step, RunConfig())[0] for step in make_batches(steps, 1, GLOBAL_MICRO_BATCH)]
 
 
 def meta_matches_eager(ctx, configs: List[Config], train: Optional[Config] = None) -> Dict[str, object]:

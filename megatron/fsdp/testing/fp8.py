@@ -246,7 +246,7 @@ def fp8_errors(ctx) -> Dict[str, Optional[str]]:
 
 def fp8_meta_init(ctx, recipe: str, steps: int = 2) -> Dict[str, object]:
     """The same model built eagerly and on the meta device: the same FP8 weights and losses, bitwise."""
-    from megatron.fsdp.testing.engine_training import OPTIMIZERS, local_slice
+    from megatron.fsdp.testing.engine_training import OPTIMIZERS
     from megatron.fsdp.testing.models import MLP, ResetBlock, ResetLM
 
     runs = {}
@@ -262,12 +262,7 @@ def fp8_meta_init(ctx, recipe: str, steps: int = 2) -> Dict[str, object]:
         losses, weights = [], []
         for step in make_batches(steps, 1, GLOBAL_MICRO_BATCH):
             captured.clear()
-            tokens, targets = step[0]
-            loss = fsdp(local_slice(ctx, tokens), local_slice(ctx, targets))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
+            losses.append(train_step(ctx, fsdp, opt, step, RunConfig())[0])
             weights.append({n: (q.data.view(torch.uint8), q.scale_inv.float()) for n, (q, _) in captured.items()})
         runs[meta] = (losses, weights, quantized_names(fsdp))
     (eager_losses, eager_w, names), (meta_losses, meta_w, meta_names) = runs[False], runs[True]
