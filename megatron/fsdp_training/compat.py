@@ -22,7 +22,7 @@ from typing import Any, Dict
 import torch
 
 from megatron.fsdp.mcore.compat import (  # noqa: F401  (the version and the adapter's differences, re-exported)
-    HAS_LEGACY_GROUPED_MLP, MCORE_VERSION, MCORE_VERSION_STRING, MUON_COEFFICIENT_TYPE_IS_FIELD, MUON_NESTEROV_FIELD,
+    HAS_LEGACY_GROUPED_MLP, HAS_MEGATRON_TRAINING, MCORE_VERSION, MCORE_VERSION_STRING, MUON_COEFFICIENT_TYPE_IS_FIELD, MUON_NESTEROV_FIELD,
     at_least, legacy_grouped_mlp_class,
 )
 
@@ -218,7 +218,7 @@ HAS_RAMPUP_CALCULATOR = not at_least("0.18.0")
 
 
 __all__ = [
-    "COMMON_PT", "COMMON_STATE_IN_DCP", "CP_SPLIT_TAKES_HYBRID_FLAG", "HAS_LEGACY_GROUPED_MLP",
+    "COMMON_PT", "COMMON_STATE_IN_DCP", "CP_SPLIT_TAKES_HYBRID_FLAG", "HAS_LEGACY_GROUPED_MLP", "HAS_MEGATRON_TRAINING",
     "HAS_LEGACY_TOKENIZER_BASE", "HAS_MOE_METRICS_TRACKER", "HAS_RAMPUP_CALCULATOR", "MCORE_VERSION",
     "MCORE_VERSION_STRING", "MUON_COEFFICIENT_TYPE_IS_FIELD", "MUON_NESTEROV_FIELD", "TORCH_DIST_BUCKET_WRITER",
     "at_least", "batch_on_this_cp_rank", "as_tensor", "drop_moe_metrics", "expert_layout_hint", "legacy_grouped_mlp_class", "portable",

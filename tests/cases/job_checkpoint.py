@@ -224,3 +224,48 @@ def layout_v1_translation(ctx, directory: str) -> Dict[str, bool]:
         ok[f"proj tp{t}"] = torch.equal(got[proj][:, 2 * t:2 * t + 2], raw[f"tp{t}.{proj}"])
     ok["norm"] = torch.equal(got[norm], raw[f"tp0.{norm}"])
     return ok
+
+
+def _adam_state(optimizer) -> Dict[str, torch.Tensor]:
+    """Every optimizer state tensor of this rank (moments, step, initialised flag), as local copies."""
+    out = {}
+    for k, v in optimizer.state_dict().items():
+        local = v._local_tensor if hasattr(v, "_local_tensor") else v
+        if isinstance(local, torch.Tensor):
+            out[k] = local.clone()
+    return out
+
+
+def trainer_preload_copy(ctx, argv: List[str], directory: str) -> Dict[str, object]:
+    """Megatron-LM's and Bridge's ``fsdp_dtensor`` round trip: save ``optimizer.sharded_state_dict``; at load, keep
+    a shallow copy of the optimizer and model dicts from before ``dcp.load`` and hand those copies to
+    ``load_state_dict`` (only what ``dcp.load`` filled in place survives). Returns the keys whose loaded state
+    differs from the saved one (every Adam moment, the step, the flag) and whether any were compared."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron.fsdp_training.arguments import parse_args
+    from megatron.fsdp_training.training import setup
+
+    args = parse_args(argv)
+    metadata = {"distrib_optim_sharding_type": "fsdp_dtensor"}
+    with megatron_case():
+        _, _, model, optimizer, _ = setup(args)
+        tokens, positions, mask = _causal_inputs(args.padded_vocab_size, args.seq_length)
+        for _ in range(2):
+            model[0](tokens, positions, mask, labels=tokens).float().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        saved = _adam_state(optimizer)
+        dcp.save({"model": model[0].state_dict_for_save_checkpoint(),
+                  "optimizer": optimizer.sharded_state_dict({}, metadata=metadata)}, checkpoint_id=directory)
+    with megatron_case():
+        _, _, model, optimizer, _ = setup(args)  # fresh: no Adam state yet, as a trainer's load finds it
+        state = {"model": model[0].state_dict_for_save_checkpoint(),
+                 "optimizer": optimizer.sharded_state_dict({}, is_loading=True, metadata=metadata)}
+        raw_model, raw_optimizer = state["model"].copy(), state["optimizer"].copy()
+        dcp.load(state, checkpoint_id=directory)
+        model[0].load_state_dict(raw_model)
+        optimizer.load_state_dict(raw_optimizer)
+        loaded = _adam_state(optimizer)
+        differ = sorted(k for k in saved if k not in loaded or not _same(saved[k], loaded[k]))
+        return {"differ": differ, "compared": sorted(saved), "initialized": bool(loaded.get("state_initialized"))}

@@ -55,3 +55,34 @@ def test_newer_gradient_reductions_are_refused(field, value):
     setattr(config, field, value)
     with pytest.raises(ValueError, match=f"TransformerConfig {field}=.*does not run the gradient reductions"):
         check_configs(config, _ddp())
+
+
+def test_every_megatron_fsdp_field_is_honoured_said_or_refused():
+    """Megatron-LM's and Bridge's Megatron-FSDP fields (``ddp_fields.py``), as this release's config has them: each
+    substituted one is said in one line naming it, each refused one stops with one line, the trainers' own bucket
+    size says nothing, and the gradient-communication dtype is honoured."""
+    import torch
+
+    from megatron.fsdp.mcore import ddp_fields
+    from megatron.fsdp.mcore.data_parallel import mixed_precision
+
+    fields = DistributedDataParallelConfig.__dataclass_fields__
+    said = [f for f, _ in ddp_fields.SUBSTITUTED if f in fields]
+    assert {"nccl_ub", "fsdp_manual_registration", "bucket_size"} <= set(said)
+    for field in said:
+        value = True if isinstance(getattr(_ddp(), field), bool) else 12345
+        lines = ddp_fields.substitutions(_ddp(**{field: value}), dp_size=2)
+        assert len(lines) == 1 and f"DistributedDataParallelConfig.{field}=" in lines[0], (field, lines)
+    assert ddp_fields.substitutions(_ddp(bucket_size=ddp_fields.trainer_bucket_size(2)), dp_size=2) == []
+    refused = [f for f, _ in ddp_fields.REFUSED if f in fields]
+    assert "delay_wgrad_compute" in refused
+    for field in refused:
+        with pytest.raises(ValueError, match=field):
+            check_configs(_config(), _ddp(**{field: True}))
+    if "megatron_fsdp_grad_comm_dtype" in fields:  # Megatron-Core 0.19's fields
+        ddp = _ddp(megatron_fsdp_grad_comm_dtype=torch.bfloat16)
+        assert mixed_precision(_config(bf16=True), ddp).grad_reduce_dtype == torch.bfloat16
+        for field, dtype in (("megatron_fsdp_main_grads_dtype", torch.bfloat16),
+                             ("megatron_fsdp_grad_comm_dtype", torch.float16)):
+            with pytest.raises(ValueError, match=field):
+                check_configs(_config(), _ddp(**{field: dtype}))

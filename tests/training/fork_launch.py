@@ -23,6 +23,12 @@ line printed is a JSON list of their statuses:
     python tests/training/fork_launch.py --runs RUNS.json [--parallel 2]
     RUNS.json: [{"nproc": 2, "argv": [...], "env": {...}, "log": "/path/run0.log"}, ...]
 
+A run with ``"trainer": "megatron_lm"`` runs Megatron-LM's trainer instead (``argv``: the script, then its flags),
+as ``python -m megatron.fsdp.mcore.megatron_lm`` does; the parent then imports ``megatron.training`` too. With
+``"trainer": "bridge"`` it runs a Megatron-Bridge script (``argv`` likewise) as ``__main__``; the parent installs
+the test stand-ins for what Bridge imports and this machine lacks (``tests/mcore/trainer_scripts/bridge_standins.py``)
+and imports Bridge's trainer.
+
 The one ``torchrun`` launch of the suite (``test_pretrain.py``) proves the command line itself.
 """
 
@@ -55,6 +61,7 @@ class Run:
     argv: List[str]
     env: Dict[str, str] = dataclasses.field(default_factory=dict)
     log: Optional[str] = None  # None: the launcher's own stdout and stderr
+    trainer: str = "job"  # or "megatron_lm" / "bridge": that trainer on the script argv[0]
     pids: List[int] = dataclasses.field(default_factory=list)
     running: List[int] = dataclasses.field(default_factory=list)
     status: Optional[int] = None
@@ -74,8 +81,18 @@ def _rank(run: Run, rank: int, port: int) -> None:
     os.environ.update(run.env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(run.nproc),
                       LOCAL_WORLD_SIZE=str(run.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    sys.argv = ["pretrain_gpt.py"] + list(run.argv)
-    pretrain_main(list(run.argv))
+    if run.trainer == "megatron_lm":
+        from megatron.fsdp.mcore import megatron_lm
+
+        megatron_lm.main(list(run.argv))
+    elif run.trainer == "bridge":
+        import runpy
+
+        sys.argv = list(run.argv)
+        runpy.run_path(run.argv[0], run_name="__main__")
+    else:
+        sys.argv = ["pretrain_gpt.py"] + list(run.argv)
+        pretrain_main(list(run.argv))
     sys.exit(0)  # a normal exit: atexit handlers and finalization run, as under torchrun
 
 
@@ -142,5 +159,19 @@ if __name__ == "__main__":
     if args.runs is None:
         sys.exit(launch([Run(args.nproc, args.argv[1:] if args.argv[:1] == ["--"] else args.argv)])[0])
     with open(args.runs) as f:
-        statuses = launch([Run(**spec) for spec in json.load(f)], args.parallel)
+        runs = [Run(**spec) for spec in json.load(f)]
+    if any(run.trainer == "megatron_lm" for run in runs):
+        import megatron.training.training  # noqa: F401  (once, before the ranks fork)
+        from megatron.fsdp.mcore import megatron_lm
+
+        megatron_lm.install()
+    if any(run.trainer == "bridge" for run in runs):
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "mcore",
+                                        "trainer_scripts"))
+        import bridge_standins
+
+        bridge_standins.install()
+        import megatron.bridge.training.gpt_step  # noqa: F401  (once, before the ranks fork)
+        import megatron.bridge.training.pretrain  # noqa: F401
+    statuses = launch(runs, args.parallel)
     print(json.dumps(statuses), flush=True)

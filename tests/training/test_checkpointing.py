@@ -24,7 +24,7 @@ from megatron.fsdp_training.checkpointing.layout_v1 import parse_key as parse_v1
 from megatron.fsdp.testing.common import LEVELS, rel
 from megatron.fsdp_training.testing.job import B8, B12, LINE, MODEL, ROOT, assert_exact_resume, fsdp, pretrain
 from tests.cases.job_checkpoint import (failing_background_write, fresh_then_loaded, layout_v1_translation, load_error,
-                                        loaded_vs_unsharded, rng_round_trip)
+                                        loaded_vs_unsharded, rng_round_trip, trainer_preload_copy)
 from megatron.fsdp.testing.matrix import full_matrix
 from megatron.fsdp_training.testing.pools import pool_of
 from tools.checkpoint import convert
@@ -552,3 +552,15 @@ def test_checkpoint_argument_errors(argv, pattern):
 
 
 # ------------------------------------------------------------ issue 18: damage, full disk, paths
+
+
+@pytest.mark.parametrize("level", ["optim", "optim_grads_params"])
+def test_a_trainers_pre_load_copy_keeps_every_adam_moment(level, tmp_path):
+    """Megatron-LM's and Bridge's fsdp_dtensor load put back their copy of the optimizer dict from before
+    ``dcp.load``: everything checkpointed is a tensor filled in place, so no moment, step or flag is lost."""
+    results = pool_of(2).run(trainer_preload_copy, timeout=300, argv=MODEL + B8 + fsdp(level),
+                             directory=str(tmp_path / "ckpt"))
+    for result in results:
+        assert result["differ"] == [] and result["initialized"], result
+        assert any(k.endswith(".exp_avg_sq") for k in result["compared"]), result["compared"]
+        assert "state_initialized" in result["compared"]

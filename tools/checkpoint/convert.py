@@ -6,6 +6,8 @@
     python tools/checkpoint/convert.py from-hf HF_DIR SAVE_DIR
     python tools/checkpoint/convert.py from-torch-dist TORCH_DIST_DIR SAVE_DIR   # baseline -> --use-megatron-fsdp
     python tools/checkpoint/convert.py to-torch-dist CKPT TORCH_DIST_DIR         # --use-megatron-fsdp -> baseline
+    python tools/checkpoint/convert.py to-megatron-lm CKPT SAVE_DIR    # -> Megatron-LM's trainer (docs/trainers.md)
+    python tools/checkpoint/convert.py from-megatron-lm CKPT SAVE_DIR  # Megatron-LM's trainer -> this job
 
 ``to-torch`` reads a ``--save`` directory's latest checkpoint (or an
 ``iter_XXXXXXX`` directory) into full, unsharded tensors, in one process without
@@ -126,7 +128,9 @@ def main(argv=None) -> None:
     b.add_argument("save_dir")
     _add_overwrite(a, b)
     for name, what in (("from-torch-dist", "torch_dist checkpoint (Megatron-Core DDP baseline) -> fsdp_dtensor"),
-                       ("to-torch-dist", "fsdp_dtensor checkpoint -> torch_dist (Megatron-Core DDP baseline)")):
+                       ("to-torch-dist", "fsdp_dtensor checkpoint -> torch_dist (Megatron-Core DDP baseline)"),
+                       ("from-megatron-lm", "checkpoint of Megatron-LM's trainer with megatron.fsdp -> this job's"),
+                       ("to-megatron-lm", "this job's checkpoint -> one Megatron-LM's trainer loads with megatron.fsdp")):
         c = sub.add_parser(name, help=what)
         c.add_argument("checkpoint", help="a --save directory (its latest checkpoint) or one iter_* directory")
         c.add_argument("save_dir", help="written as SAVE_DIR/iter_XXXXXXX with the tracker (pretrain_gpt.py --load)")
@@ -152,16 +156,25 @@ def main(argv=None) -> None:
         raise
 
 
+# command -> (module of tools/checkpoint, its function (source, save_dir, iteration, overwrite), how it reads)
+CONVERTERS = {
+    "from-torch-dist": ("torch_dist_convert", "from_torch_dist", "one tensor at a time"),
+    "to-torch-dist": ("torch_dist_convert", "to_torch_dist", "one tensor at a time"),
+    "from-megatron-lm": ("megatron_lm_convert", "from_megatron_lm", "full tensors, one process"),
+    "to-megatron-lm": ("megatron_lm_convert", "to_megatron_lm", "full tensors, one process"),
+}
+
+
 def _run(args) -> None:
     start = time.perf_counter()
     if args.command in ("to-hf", "from-hf"):
         _run_hf_command(args, start)
-    elif args.command in ("from-torch-dist", "to-torch-dist"):
-        from tools.checkpoint import torch_dist_convert
+    elif args.command in CONVERTERS:
+        import importlib
 
-        print(f"> converting {args.checkpoint} ({args.command}, one tensor at a time) ...", flush=True)
-        convert = torch_dist_convert.from_torch_dist if args.command == "from-torch-dist" else \
-            torch_dist_convert.to_torch_dist
+        module, function, how = CONVERTERS[args.command]
+        convert = getattr(importlib.import_module(f"tools.checkpoint.{module}"), function)
+        print(f"> converting {args.checkpoint} ({args.command}, {how}) ...", flush=True)
         written = convert(args.checkpoint, args.save_dir, args.iteration, args.overwrite)
         print(f"wrote {written}{_rate(written, start)}")
     elif args.command == "to-torch":

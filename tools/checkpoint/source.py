@@ -97,3 +97,31 @@ def torch_file_record(path: Path) -> Dict[str, object]:
     from megatron.fsdp_training.checkpointing import manifest
 
     return manifest.unverified_source("a torch file", str(Path(path).resolve()), "was not checked against checksums")
+
+
+def fsdp_dtensor_record(directory: Path) -> Dict[str, object]:
+    """The source record of a conversion from this project's checkpoint: its manifest was verified first."""
+    return {"format": "fsdp_dtensor", "path": str(Path(directory).resolve()), "verified": True}
+
+
+def megatron_lm_record(directory: Path) -> Dict[str, object]:
+    from megatron.fsdp_training.checkpointing import manifest
+
+    return manifest.unverified_source("Megatron-LM's trainer's fsdp_dtensor", str(Path(directory).resolve()),
+                                      NO_CHECKSUMS)
+
+
+def tp_global_fsdp_dtensor(source: str, iteration=None):
+    """A checkpoint of this project's job to convert: its directory and ``common.json``, after its manifest is
+    verified, refusing layout version 1 (keys per tensor-parallel rank), which the converters do not merge."""
+    from megatron.fsdp_training.checkpointing import files
+    from megatron.fsdp_training.checkpointing.save_load import tp_global
+    from tools.checkpoint.inspect import resolve
+
+    directory = resolve(source, iteration)
+    check_fsdp_dtensor(directory)
+    common = files.read_common(directory)
+    if not tp_global(common):
+        raise SystemExit("this checkpoint has layout version 1 (keys per tensor-parallel rank): load it at its TP "
+                         "size with pretrain_gpt.py, save it again, then convert that")
+    return directory, common

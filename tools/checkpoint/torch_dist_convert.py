@@ -276,12 +276,14 @@ def from_torch_dist(source: str, out: str, iteration: Optional[int] = None, over
             for hp, value in _adam_group(src, wd).items():
                 objects[f"optimizer.param_groups.{g}.{hp}"] = value
             shapes[f"optimizer.param_groups.{g}.state.step"] = ((), torch.float32)
-        objects["optimizer.state_initialized"] = step > 0
+        shapes["optimizer.state_initialized"] = ((), torch.bool)  # a tensor, as the engine writes it
     cache: Dict[str, torch.Tensor] = {}
 
     def produce(key: str) -> torch.Tensor:
         if key.endswith(".state.step"):
             return torch.tensor(float(step))
+        if key == "optimizer.state_initialized":
+            return torch.tensor(step > 0)
         td_key, index = plan[key]
         if td_key not in cache:  # one (stacked) torch_dist tensor in memory at a time
             cache.clear()
@@ -329,18 +331,10 @@ def to_torch_dist(source: str, out: str, iteration: Optional[int] = None, overwr
     """An fsdp_dtensor checkpoint as a torch_dist one under ``out`` (the baseline loads it with its optimizer)."""
     from megatron.fsdp.mcore.checkpoint_keys import tp1_shape
 
-    from megatron.fsdp_training.checkpointing import files
-    from megatron.fsdp_training.checkpointing.save_load import tp_global
     from megatron.fsdp_training.checkpointing.torch_dist import CHECKPOINT_VERSION, SHARDED_METADATA
     from tools.checkpoint import source as checked
-    from tools.checkpoint.inspect import resolve
 
-    directory = resolve(source, iteration)
-    checked.check_fsdp_dtensor(directory)
-    common = files.read_common(directory)
-    if not tp_global(common):
-        raise SystemExit("this checkpoint has layout version 1 (keys per tensor-parallel rank): load it at its TP "
-                         "size with pretrain_gpt.py, save it again, then convert that")
+    directory, common = checked.tp_global_fsdp_dtensor(source, iteration)
     args = argparse.Namespace(**common["args"])
     _refuse_moe(args)
     saved = _tensor_keys(_metadata(directory))

@@ -72,6 +72,8 @@ def loads_as(key: str, saved: Description, wanted: Description) -> bool:
     """The same description, or an optimizer moment of the same shape in another dtype."""
     if saved == wanted:
         return True
+    if saved == BYTES and wanted == ((), "torch.bool"):  # a flag written as a Python bool (before it was a tensor)
+        return True
     return len(saved) == len(wanted) == 2 and saved[0] == wanted[0] and converts_on_load(key, saved[1], wanted[1])
 
 

@@ -389,7 +389,11 @@ def optimizer_state_dict(optimizer, main_weights: bool = True) -> Dict[str, Any]
     ``param_groups.<g>.state.<key>`` (e.g. ``step``, one value per group: every
     tensor of a group steps together) and ``state_initialized`` (False before
     the first step: loading it leaves the optimizer to create its state lazily,
-    exactly as a fresh one would). Collective-free; the values are copies.
+    exactly as a fresh one would). Collective-free; the values are copies, and every
+    value a load reads back is a tensor (filled in place by ``dcp.load``), so a caller
+    that restores its own pre-load copy of the dict, as Megatron-LM's and Bridge's
+    ``fsdp_dtensor`` loads do, still holds what was loaded (the hyperparameters, not
+    tensors, then come back as that copy has them: the loading run's own).
     ``main_weights=False`` leaves the ``main.<param>`` copies out (a save whose
     model state dict holds the same values).
     """
@@ -415,7 +419,7 @@ def optimizer_state_dict(optimizer, main_weights: bool = True) -> Dict[str, Any]
                 out[f"param_groups.{g}.{hp}"] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
         for name, value in layout.scalars[g].items():
             out[f"param_groups.{g}.state.{name}"] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
-    out["state_initialized"] = layout.initialized
+    out["state_initialized"] = torch.tensor(layout.initialized)
     return out
 
 
@@ -428,7 +432,7 @@ def _expected_optimizer_keys(optimizer, layout: OptimizerLayout) -> Dict[str, Op
     for g, group in enumerate(optimizer.optimizer.param_groups):
         keys.update({f"param_groups.{g}.{hp}": _shape_of(v) for hp, v in group.items() if hp != "params"})
         keys.update({f"param_groups.{g}.state.{n}": _shape_of(v) for n, v in layout.scalars[g].items()})
-    keys["state_initialized"] = None
+    keys["state_initialized"] = ()
     return keys
 
 
@@ -441,6 +445,8 @@ def load_optimizer_state_dict(optimizer, state_dict: Mapping[str, Any]) -> None:
     installs the main weights into main and compute storage (a collective).
     """
     layout = optimizer_layout(optimizer)
+    if "state_initialized" in state_dict:  # a Python bool in checkpoints written before it was a tensor
+        state_dict = {**state_dict, "state_initialized": torch.as_tensor(bool(state_dict["state_initialized"]))}
 
     def check():
         check_against("optimizer load_state_dict", state_dict, _expected_optimizer_keys(optimizer, layout))

@@ -45,6 +45,10 @@ def at_least(version: str) -> bool:
 # builds ``SequentialMLP`` for ``moe_grouped_gemm=True`` (TEGroupedMLP remains, with Transformer Engine).
 HAS_LEGACY_GROUPED_MLP = not at_least("0.17.0")
 
+# --------------------------------------------------------------------------- Megatron-LM's trainer
+# 0.17.0 ships Megatron-LM's ``megatron/training`` in the wheel (Python >= 3.12): ``megatron_lm.py`` runs it.
+HAS_MEGATRON_TRAINING = at_least("0.17.0")
+
 
 def legacy_grouped_mlp_class() -> Optional[type]:
     """0.16.1's ``GroupedMLP`` (``weight1``/``weight2`` holding every local expert); None from 0.17.0."""

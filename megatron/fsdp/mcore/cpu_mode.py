@@ -54,7 +54,7 @@ import logging
 import math
 import types
 import warnings
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
@@ -64,6 +64,7 @@ from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.utils import GlobalMemoryBuffer
 
 from . import compat
+from .patches import Patches
 
 __all__ = [
     "CpuModeWarning", "CpuNorm", "SDPACoreAttention", "cpu_layer_spec", "cpu_mode_enabled", "cpu_mtp_block_spec",
@@ -77,29 +78,7 @@ class CpuModeWarning(UserWarning):
     """Emitted once per process when CPU mode is first enabled (filterable by category)."""
 
 
-_MISSING = object()
-
-
-class _Patches:
-    """Every attribute CPU mode replaces, with its value from before the first replacement."""
-
-    def __init__(self) -> None:
-        self._saved: dict = {}
-
-    def set(self, owner: Any, name: str, value: Any) -> None:
-        self._saved.setdefault((id(owner), name), (owner, name, getattr(owner, name, _MISSING)))
-        setattr(owner, name, value)
-
-    def restore(self) -> None:
-        for owner, name, original in reversed(list(self._saved.values())):
-            if original is not _MISSING:
-                setattr(owner, name, original)
-            elif hasattr(owner, name):
-                delattr(owner, name)
-        self._saved.clear()
-
-
-_PATCHES = _Patches()
+_PATCHES = Patches()
 _MODE: Optional["_CudaToCpu"] = None
 _ANNOUNCED = False
 

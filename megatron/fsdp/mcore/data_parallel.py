@@ -30,7 +30,7 @@ import megatron.fsdp as mfsdp
 from megatron.fsdp.checkpoint.state_dict import expected_model_keys
 from megatron.fsdp.init.meta_init import is_on_meta
 
-from . import compat
+from . import compat, ddp_fields
 from .checkpoint_keys import CheckpointKeys, ParallelRanks, chunk_keys, split_rules, tp_placements
 from .distributed_index import FSDPDistributedIndex
 from .fp8_gather import fp8_gather_arguments
@@ -41,19 +41,15 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_UNIT_CLASSES = (TransformerLayer, MoELayer)
 
-# Fields whose non-default values this wrapper does not implement (they tune
-# Megatron's own bucketed buffers or NCCL registration; the engine has its own
-# per-unit schedule). Setting one warns once; semantics-changing ones raise.
-_TUNING_FIELDS = ("bucket_size", "pad_buckets_for_high_nccl_busbw",
-                  "nccl_ub", "fsdp_manual_registration", "disable_symmetric_registration",
-                  "align_param_gather", "check_for_large_grads")
 _warned = set()
 
 
 def warn_once(message: str) -> None:
+    """Once per process, and only from rank 0 when torch.distributed runs (every rank sees the same config)."""
     if message not in _warned:
         _warned.add(message)
-        warnings.warn(message, stacklevel=3)
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            warnings.warn(message, stacklevel=3)
 
 
 @dataclasses.dataclass
@@ -108,7 +104,7 @@ def reject_fp16(config) -> None:
         raise ValueError("fp16 needs loss scaling, which megatron.fsdp does not implement; use bf16")
 
 
-def check_configs(config: TransformerConfig, ddp_config: DistributedDataParallelConfig) -> None:
+def check_configs(config: TransformerConfig, ddp_config: DistributedDataParallelConfig, dp_size: int = 1) -> None:
     """Reject what cannot work and say how to fix it, before any collective."""
     if not ddp_config.use_megatron_fsdp:
         raise ValueError("FullyShardedDataParallel needs DistributedDataParallelConfig(use_megatron_fsdp=True); "
@@ -122,24 +118,22 @@ def check_configs(config: TransformerConfig, ddp_config: DistributedDataParallel
         raise ValueError("gradient_accumulation_fusion=True writes weight grads into param.main_grad, which "
                          "megatron.fsdp replaces with flat sharded buffers; set "
                          "gradient_accumulation_fusion=False (--no-gradient-accumulation-fusion)")
-    if getattr(ddp_config, "delay_wgrad_compute", False):
-        raise ValueError("delay_wgrad_compute is not supported with megatron.fsdp; leave it False")
+    refused = ddp_fields.refusal(ddp_config)
+    if refused:
+        raise ValueError(refused)
     missing = compat.finalize_features_not_supported(config)
     if missing:
         raise ValueError(f"TransformerConfig {', '.join(missing)}: megatron.fsdp's finalize_model_grads does not "
                          "run the gradient reductions these need (Megatron-Core's own DistributedDataParallel does); "
                          "leave them at their defaults")
-    defaults = DistributedDataParallelConfig()
-    for field in _TUNING_FIELDS:
-        if hasattr(ddp_config, field) and getattr(ddp_config, field) != getattr(defaults, field):
-            warn_once(f"megatron.fsdp ignores DistributedDataParallelConfig.{field}={getattr(ddp_config, field)!r}: "
-                      "it tunes Megatron's own bucketed buffers; the engine schedules per unit")
+    for line in ddp_fields.substitutions(ddp_config, dp_size):
+        warn_once(line)
 
 
 def mixed_precision(config: TransformerConfig, ddp_config: DistributedDataParallelConfig) -> mfsdp.MixedPrecision:
     """The engine's precision: compute in bf16 under ``config.bf16``; main weights in
     ``megatron_fsdp_main_params_dtype`` (fp32 by default; ``None``: the compute dtype); gradients reduced in
-    fp32 with ``grad_reduce_in_fp32``, else in the compute dtype."""
+    fp32 with ``grad_reduce_in_fp32``, else in the compute dtype, unless ``megatron_fsdp_grad_comm_dtype`` says."""
     compute = torch.bfloat16 if config.bf16 else torch.float32
     main = getattr(ddp_config, "megatron_fsdp_main_params_dtype", torch.float32) or compute
     if main not in (torch.float32, torch.bfloat16):
@@ -147,7 +141,7 @@ def mixed_precision(config: TransformerConfig, ddp_config: DistributedDataParall
     if main == torch.bfloat16 and compute != torch.bfloat16:
         raise ValueError("megatron_fsdp_main_params_dtype=torch.bfloat16 needs bf16 compute (TransformerConfig.bf16)")
     return mfsdp.MixedPrecision(param_dtype=torch.bfloat16 if config.bf16 else None, main_dtype=main,
-                                grad_reduce_dtype=torch.float32 if ddp_config.grad_reduce_in_fp32 else compute)
+                                grad_reduce_dtype=ddp_fields.grad_comm_dtype(ddp_config, compute))
 
 
 def _tied_embedding_units(module: torch.nn.Module):
@@ -197,15 +191,15 @@ class FullyShardedDataParallel(_BaseDataParallel):
                  disable_bucketing: bool = False, pg_collection=None,
                  unit_classes: Iterable[Type[torch.nn.Module]] = DEFAULT_UNIT_CLASSES):
         super().__init__(config=config, module=module)
-        check_configs(config, ddp_config)
-        self.ddp_config = ddp_config
-        self._checkpoint_keys: Optional[CheckpointKeys] = None
         instances = ddp_config.num_distributed_optimizer_instances
         experts = expert_levels(ddp_config)
-        if pg_collection is None:
+        if pg_collection is None:  # the groups' handles and sizes: no collective
             self.index = FSDPDistributedIndex.from_parallel_state(instances, experts.instances)
         else:
             self.index = FSDPDistributedIndex.from_pg_collection(pg_collection, instances, experts.instances)
+        check_configs(config, ddp_config, self.index.dp_cp_size)
+        self.ddp_config = ddp_config
+        self._checkpoint_keys: Optional[CheckpointKeys] = None
         mp = mixed_precision(config, ddp_config)
         # Megatron-Core marks the input embedding and output layer (LanguageModule); --decoupled-lr
         # gives them their own learning rate. Read before wrapping, under the engine's names.
@@ -225,7 +219,8 @@ class FullyShardedDataParallel(_BaseDataParallel):
             average_grads=average,
             experts=self._expert_sharding(module, experts, average),
             # Persistent gather buffers (Megatron-Core's field; gather_buffers.py in the engine).
-            double_buffer=bool(getattr(ddp_config, "fsdp_double_buffer", False)),
+            double_buffer=bool(getattr(ddp_config, "fsdp_double_buffer", False)
+                               or getattr(ddp_config, "megatron_fsdp_max_pool_double_buffer", False)),
             # --fp8-param-gather: the FP8 layers' weights gathered as FP8 bytes + scales (fp8_gather.py)
             **fp8_gather_arguments(config, ddp_config, module),
             **overlap_arguments(ddp_config, module, unit_classes),
@@ -262,6 +257,17 @@ class FullyShardedDataParallel(_BaseDataParallel):
     def no_sync(self):
         with self._fsdp.no_sync():
             yield
+
+    def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False) -> None:
+        """Megatron's hook before a chunk's forward (``--overlap-param-gather``): the engine gathers each unit in
+        its own pre-forward hook, prefetching the next; ``force_sync`` waits for weights still being gathered
+        after the optimizer step (non-ZeRO-3 levels), so they are current when this returns."""
+        if force_sync:
+            self._fsdp.wait_weights()
+
+    def stop_communication(self) -> None:
+        """Wait for every weight gather in flight (Megatron-LM calls it before reading parameters directly)."""
+        self._fsdp.wait_weights()
 
     def start_grad_sync(self, *unused) -> None:
         self._fsdp.start_grad_sync()
@@ -337,6 +343,25 @@ class FullyShardedDataParallel(_BaseDataParallel):
     def full_state_dict(self):
         """Full tensors by global checkpoint key, in this rank's TP-local shapes (a collective on sharded levels)."""
         return self.checkpoint_keys().globalize(self._fsdp.full_state_dict())
+
+    @contextlib.contextmanager
+    def full_parameters(self, write_back: bool = False):
+        """Inside the block the wrapped module's parameters hold this rank's full weights (the fp32 main weights,
+        TP-local shapes), as an unwrapped module's would, at every level: for reading them whole (AutoBridge's
+        export) or, with ``write_back``, writing them (an import: on exit every rank's shards take the values
+        written). A collective on sharded levels; not inside a forward or backward."""
+        full = self._fsdp.full_state_dict()
+        params = {name: p for name, p in self.module.named_parameters() if name in full}
+        kept = {name: p.data for name, p in params.items()}
+        try:
+            for name, p in params.items():
+                p.data = full[name]
+            yield self.module
+        finally:
+            for name, p in params.items():
+                p.data = kept[name]
+        if write_back:
+            self._fsdp.load_full_state_dict(full)
 
     def load_full_state_dict(self, state_dict, strict: bool = True):
         """Load full tensors keyed as ``full_state_dict()``; every rank takes its own piece."""

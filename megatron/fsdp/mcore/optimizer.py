@@ -102,17 +102,38 @@ class FullyShardedMegatronOptimizer(MegatronOptimizer):
         global keys as the chunks' ``state_dict``), step and hyperparameters per param group.
         ``main_weights=False``: without the main weights (a save that holds them as the model's)."""
         params = self._param_keys()
-        return {rename_optimizer_key(k, params): v for k, v in self.engine.state_dict(main_weights).items()}
+        return {rename_optimizer_key(k, params): v for k, v in self.engine.state_dict(main_weights).items()
+                if not _derived_group_key(k)}
 
     def load_state_dict(self, state_dict) -> None:
         """Load a ``state_dict()`` after ``dcp.load`` filled it, at any DP size, level or mesh (a collective)."""
         params = {g: q for q, g in self._param_keys().items()}
-        self.engine.load_state_dict({rename_optimizer_key(k, params): v for k, v in state_dict.items()})
+        state = {rename_optimizer_key(k, params): v for k, v in state_dict.items()}
+        if not any(k.startswith("main.") for k in state):  # sharded_state_dict's form: the model's load set them
+            state.update({k: v for k, v in self.engine.state_dict(main_weights=True).items() if k.startswith("main.")})
+        stored = {k.split(".")[1] for k in state if k.startswith("param_groups.")}  # the elementwise groups
+        state.update({f"param_groups.{g}.{key}": group[key] for g, group in enumerate(self.engine.param_groups)
+                      for key in DERIVED_GROUP_KEYS if key in group and str(g) in stored})
+        self.engine.load_state_dict(state)
 
-    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
-        raise NotImplementedError(
-            "megatron.fsdp does not produce Megatron's dist-checkpoint sharded state dicts; "
-            "save with --ckpt-format fsdp_dtensor (torch DCP)")
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None, **kwargs):
+        """Megatron-LM's and Bridge's ``--ckpt-format fsdp_dtensor`` save and load: ``state_dict()`` without the
+        main weights, which the model's state dict holds (``model.<key>``); ``load_state_dict`` then takes them
+        from the model, which those trainers load first. Megatron's ``torch_dist`` (ShardedTensor) form is refused."""
+        if (metadata or {}).get("distrib_optim_sharding_type") != "fsdp_dtensor":
+            raise ValueError("megatron.fsdp checkpoints through torch DCP in whole-parameter coordinates: save with "
+                             "--ckpt-format fsdp_dtensor (tools/checkpoint/convert.py converts to and from torch_dist)")
+        return self.state_dict(main_weights=False)
+
+
+# Param-group keys this adapter derives from the config when it builds the optimizer: not state, so not in
+# checkpoints (``default_config``: the groups on the command line's schedule, Megatron-LM 0.19's lr column).
+DERIVED_GROUP_KEYS = ("default_config",)
+
+
+def _derived_group_key(key: str) -> bool:
+    parts = key.split(".")
+    return len(parts) == 3 and parts[0] == "param_groups" and parts[2] in DERIVED_GROUP_KEYS
 
 
 def _counts_in_norm(tp_rank: int):
@@ -174,12 +195,14 @@ def get_fsdp_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.Modu
         main_grads_dtype=precision.main_grads_dtype, **kwargs)
     # Keys Megatron's OptimizerParamScheduler reads from every param group (the matrix group decays);
     # Megatron-Core's decoupled groups carry --decoupled-lr / --decoupled-min-lr as their max/min lr.
+    # ``default_config``: the groups on the command line's schedule (Megatron-LM >= 0.19 logs their lr).
     for group, (label, no_decay) in zip(engine.param_groups, engine.group_labels + [("", False)]):
         decoupled = label == DECOUPLED
         group.update(max_lr=config.decoupled_lr if decoupled else config.lr,
                      min_lr=(config.decoupled_min_lr if config.decoupled_min_lr is not None else config.min_lr)
                      if decoupled else config.min_lr, lr_mult=1.0,
-                     wd_mult=0.0 if no_decay else 1.0, is_expert_parallel=False, is_decoupled_lr=False)
+                     wd_mult=0.0 if no_decay else 1.0, is_expert_parallel=False, is_decoupled_lr=False,
+                     default_config=not decoupled)
     return FullyShardedMegatronOptimizer(engine, config, model_chunks)
 
 

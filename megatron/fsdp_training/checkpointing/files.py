@@ -124,7 +124,10 @@ def write_common(directory: Path, common: Dict[str, Any]) -> None:
 def read_common(directory: Path) -> Dict[str, Any]:
     path = Path(directory) / COMMON
     if not path.is_file():
-        raise CheckpointError(f"{directory} has no {COMMON}: not a checkpoint written with --ckpt-format fsdp_dtensor")
+        from megatron.fsdp.mcore.trainer_checkpoints import megatron_lm_checkpoint_in_job
+
+        raise CheckpointError(megatron_lm_checkpoint_in_job(directory) or
+                              f"{directory} has no {COMMON}: not a checkpoint written with --ckpt-format fsdp_dtensor")
     try:
         with open(path) as f:
             return json.load(f)

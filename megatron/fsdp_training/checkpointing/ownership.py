@@ -116,6 +116,19 @@ def _symlink_problem(path: Path, label: str) -> str:
             "and start again")
 
 
+def _await_holder(path: Path, patience_s: float = 2.0) -> dict:
+    """The holder's record of a lock held now: it writes who it is just after it locks, so a job that starts at
+    the same moment may find the file still empty; it waits a moment for the name rather than say "None"."""
+    import time
+
+    deadline = time.monotonic() + patience_s
+    holder = _read_holder(path) or {}
+    while not holder and time.monotonic() < deadline:
+        time.sleep(0.05)
+        holder = _read_holder(path) or {}
+    return holder
+
+
 def acquire_save_lock(root: Path, label: Optional[str] = None,
                       fix: str = "pass another --save") -> "tuple[Optional[str], Optional[str]]":
     """Rank 0 (or a converter): hold ``root``'s lock for this process; returns ``(problem, note)``: the line that
@@ -146,7 +159,7 @@ def acquire_save_lock(root: Path, label: Optional[str] = None,
             locked = True
         except BlockingIOError:
             f.close()
-            holder = _read_holder(path) or {}
+            holder = _await_holder(path)
             return (f"{label} is in use by another job ({_describe(holder)}; lock file {path}): two jobs "
                     f"saving into one directory overwrite each other's checkpoints; wait for it to end, stop it, "
                     f"or {fix}"), None

@@ -1,0 +1,179 @@
+"""Megatron-LM's own trainer (``megatron.training`` from the megatron-core wheel) with this backend behind
+``--use-megatron-fsdp``, as ``python -m megatron.fsdp.mcore.megatron_lm SCRIPT`` runs it.
+
+``trainer_scripts/pretrain_gpt.py`` is a script in the shape of Megatron-LM's ``pretrain_gpt.py`` that records every
+micro-batch's loss. The runs below are real multi-process runs on CPU ranks (gloo), launched by
+``tests/training/fork_launch.py`` (one import, the ranks forked), made once per session: the same losses as
+Megatron-Core's DDP (fp32, 1e-6 relative) dense + SwiGLU, TP2 x DP2 with overlap and MoE EP2, the learning rate and params norm
+in Megatron-LM's log line, a save at iteration 2 that resumes to 4 equal to the uninterrupted run (bitwise at the same
+layout, within 1e-6 at another data-parallel size and level), and checkpoints moving between this project's own
+``pretrain_gpt.py`` and Megatron-LM's trainer through ``tools/checkpoint/convert.py`` (and one line each way without).
+"""
+
+import functools
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from megatron.fsdp_training.testing.job import LINE, fork_launch
+
+SCRIPT = str(Path(__file__).parent / "trainer_scripts" / "pretrain_gpt.py")
+SHAPE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+         "--micro-batch-size 2 --global-batch-size 8 --train-iters 4 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
+         "--lr-warmup-iters 1 --mock-data --tokenizer-type NullTokenizer --seed 1234 --hidden-dropout 0 "
+         "--attention-dropout 0 --clip-grad 1.0 --swiglu --log-interval 1 --log-params-norm").split()
+# Megatron-LM 0.19's NullTokenizer has --vocab-size entries, this job's one more: 128 rows either way.
+TRAINER = SHAPE + ("--vocab-size 128 --transformer-impl local --no-gradient-accumulation-fusion "
+                   "--no-masked-softmax-fusion --no-bias-dropout-fusion --no-bias-swiglu-fusion --no-rope-fusion "
+                   "--no-persist-layer-norm --eval-iters 0 --eval-interval 1000 --split 100,0,0 "
+                   "--distributed-backend gloo").split()
+JOB = SHAPE + "--vocab-size 127 --eval-iters 1 --eval-interval 1000".split()
+ZERO3 = ("--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --use-distributed-optimizer "
+         "--ckpt-format fsdp_dtensor").split()
+MOE = ("--num-experts 4 --expert-model-parallel-size 2 --moe-router-topk 2 --disable-bias-linear "
+       "--moe-token-dispatcher-type alltoall").split()
+OPTIM_GRADS = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads", "--use-distributed-optimizer",
+               "--ckpt-format", "fsdp_dtensor"]
+
+
+def trainer_run(name: str, nproc: int, *flags: str) -> dict:
+    return {"name": name, "nproc": nproc, "trainer": "megatron_lm", "argv": [SCRIPT, *TRAINER, *flags]}
+
+
+def job_run(name: str, nproc: int, *flags: str) -> dict:
+    return {"name": name, "nproc": nproc, "argv": [*JOB, *flags]}
+
+
+def launch(work: Path, runs: list, failing: bool = False) -> dict:
+    """Each run's per-iteration losses (Megatron-LM's trainer: from the script's records; the job: its log line),
+    its log and its status (``failing``: runs expected to stop)."""
+    specs = []
+    for run in runs:
+        out = work / run.pop("name")
+        out.mkdir()
+        specs.append({**run, "log": str(out / "log"), "env": {"LOSSES_DIR": str(out)}})
+    statuses, logs = fork_launch(specs, work, timeout=900)
+    results = {}
+    for spec, status, log in zip(specs, statuses, logs):
+        out = Path(spec["log"]).parent
+        assert failing or status == 0, f"{out.name}: {log[-6000:]}"
+        sums = {}
+        for path in out.glob("rank*.json"):
+            for iteration, loss, tokens in json.loads(path.read_text()):
+                total = sums.setdefault(iteration + 1, [0.0, 0])
+                total[0], total[1] = total[0] + loss, total[1] + tokens
+        losses = {it: loss / tokens for it, (loss, tokens) in sums.items()}
+        if spec.get("trainer") != "megatron_lm":
+            losses = {int(i): float(loss) for i, loss, _ in LINE.findall(log)}
+        results[out.name] = {"losses": dict(sorted(losses.items())), "log": log, "status": status}
+    return results
+
+
+@functools.lru_cache(maxsize=None)
+def _runs(work: str) -> dict:
+    from tools.checkpoint import convert
+
+    work = Path(work)
+    ckpt, job_ckpt = str(work / "ckpt"), str(work / "job_ckpt")
+    results = launch(work, [
+        trainer_run("ddp", 2),
+        trainer_run("zero3", 2, *ZERO3, "--save", ckpt, "--save-interval", "2"),  # saves at 2 and goes on
+        trainer_run("resume", 2, *ZERO3, "--load", ckpt, "--ckpt-step", "2"),
+        trainer_run("resume_dp1", 1, *OPTIM_GRADS, "--load", ckpt, "--ckpt-step", "2"),
+        trainer_run("ddp_tp2", 4, "--tensor-model-parallel-size", "2"),
+        trainer_run("zero3_tp2", 4, "--tensor-model-parallel-size", "2", *ZERO3, "--overlap-grad-reduce",
+                    "--overlap-param-gather"),
+        trainer_run("ddp_moe", 2, *MOE),
+        trainer_run("zero3_moe", 2, *MOE, *ZERO3),
+        job_run("job", 2, "--use-megatron-fsdp", "--save", job_ckpt, "--save-interval", "2"),
+    ])
+    results.update(launch(work, [  # each handed the other's checkpoint as it is: one line naming the converter
+        trainer_run("trainer_loads_job", 2, *ZERO3, "--load", job_ckpt, "--ckpt-step", "2"),
+        job_run("job_loads_trainer", 2, "--use-megatron-fsdp", "--load", ckpt, "--ckpt-step", "2"),
+    ], failing=True))
+    convert.main(["to-megatron-lm", job_ckpt, str(work / "job_as_trainer"), "--iteration", "2"])  # docs/trainers.md
+    convert.main(["from-megatron-lm", ckpt, str(work / "trainer_as_job"), "--iteration", "2"])
+    results.update(launch(work, [
+        trainer_run("trainer_from_job", 2, *ZERO3, "--load", str(work / "job_as_trainer")),
+        job_run("job_from_trainer", 2, "--use-megatron-fsdp", "--load", str(work / "trainer_as_job")),
+    ]))
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return _runs(str(tmp_path_factory.mktemp("megatron_lm")))
+
+
+def assert_close(a: dict, b: dict, rel: float, iterations):
+    for it in iterations:
+        assert it in a and it in b, (a, b)
+        assert abs(a[it] - b[it]) <= rel * abs(b[it]), f"iteration {it}: {a[it]!r} vs {b[it]!r}"
+
+
+def _field(line: str, name: str) -> str:
+    return re.search(name + r": ([^ |]+)", line).group(1)
+
+
+@pytest.mark.mcore_only("HAS_MEGATRON_TRAINING", why="megatron-core ships Megatron-LM's megatron.training from 0.17")
+def test_zero3_gives_megatron_core_ddp_losses_and_logs_lr_and_params_norm(runs):
+    base, ours = runs["ddp"], runs["zero3"]
+    assert sorted(ours["losses"]) == [1, 2, 3, 4]
+    assert_close(ours["losses"], base["losses"], 1e-6, [1, 2, 3, 4])
+    lines = [line for line in ours["log"].splitlines() if re.search(r"iteration +\d+/ +4 \|", line)]
+    base_lines = [line for line in base["log"].splitlines() if re.search(r"iteration +\d+/ +4 \|", line)]
+    assert len(lines) == len(base_lines) == 4, ours["log"][-3000:]
+    for line, base_line in zip(lines, base_lines):  # Megatron-LM's rounding of the same numbers
+        for field in ("learning rate", "grad norm", "params norm"):
+            assert _field(line, field) == _field(base_line, field), (line, base_line)
+    assert ours["log"].count("fsdp_dtensor: Megatron-Core's preprocessing") == 1  # said once, by rank 0
+
+
+@pytest.mark.mcore_only("HAS_MEGATRON_TRAINING", why="megatron-core ships Megatron-LM's megatron.training from 0.17")
+def test_save_at_2_resumes_to_4_bitwise_and_at_another_data_parallel_size_and_level(runs):
+    ours = runs["zero3"]["losses"]
+    assert runs["resume"]["losses"] == {it: ours[it] for it in (3, 4)}
+    assert sorted(runs["resume_dp1"]["losses"]) == [3, 4]
+    assert_close(runs["resume_dp1"]["losses"], ours, 1e-6, [3, 4])
+
+
+@pytest.mark.mcore_only("HAS_MEGATRON_TRAINING", why="megatron-core ships Megatron-LM's megatron.training from 0.17")
+def test_tp2_dp2_with_overlap_gives_ddp_losses(runs):
+    assert sorted(runs["zero3_tp2"]["losses"]) == [1, 2, 3, 4]
+    assert_close(runs["zero3_tp2"]["losses"], runs["ddp_tp2"]["losses"], 1e-6, [1, 2, 3, 4])
+
+
+@pytest.mark.mcore_only("HAS_MEGATRON_TRAINING", why="megatron-core ships Megatron-LM's megatron.training from 0.17")
+def test_moe_ep2_gives_ddp_losses(runs):
+    assert sorted(runs["zero3_moe"]["losses"]) == [1, 2, 3, 4]
+    assert_close(runs["zero3_moe"]["losses"], runs["ddp_moe"]["losses"], 1e-6, [1, 2, 3, 4])
+
+
+@pytest.mark.mcore_only("HAS_MEGATRON_TRAINING", why="megatron-core ships Megatron-LM's megatron.training from 0.17")
+def test_checkpoints_move_between_this_job_and_megatron_lm_trainer(runs):
+    # this job's checkpoint, converted, continues in Megatron-LM's trainer as in the job; and the other way
+    assert_close(runs["trainer_from_job"]["losses"], runs["job"]["losses"], 1e-6, [3, 4])
+    assert_close(runs["job_from_trainer"]["losses"], runs["zero3"]["losses"], 1e-6, [3, 4])
+
+
+@pytest.mark.mcore_only("HAS_MEGATRON_TRAINING", why="megatron-core ships Megatron-LM's megatron.training from 0.17")
+def test_each_trainer_names_the_converter_for_the_others_checkpoint(runs):
+    for name, command in (("trainer_loads_job", "to-megatron-lm"), ("job_loads_trainer", "from-megatron-lm")):
+        log = runs[name]["log"]
+        assert runs[name]["status"] != 0 and log.count(f"convert.py {command}") == 1, log[-3000:]
+
+
+@pytest.mark.mcore_only("not HAS_MEGATRON_TRAINING", why="megatron-core before 0.17 ships no megatron.training")
+def test_the_runner_refuses_with_one_line_without_megatron_training(tmp_path):
+    import subprocess
+    import sys
+
+    from megatron.fsdp_training.testing.job import ROOT
+
+    done = subprocess.run([sys.executable, "-m", "megatron.fsdp.mcore.megatron_lm", SCRIPT, "--use-megatron-fsdp"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "ships no megatron.training" in lines[0] and "pretrain_gpt.py" in lines[0], lines
