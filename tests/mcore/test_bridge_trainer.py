@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron.fsdp_training.testing.job import fork_launch
+from tests.mcore import trainer_runs
+from tests.mcore.trainer_runs import assert_close
 
 SCRIPTS = Path(__file__).parent / "trainer_scripts"
 LEVELS = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -25,10 +26,17 @@ def _run(name: str, script: str, *argv: str, nproc: int = 2) -> dict:
     return {"name": name, "nproc": nproc, "trainer": "bridge", "argv": [str(SCRIPTS / script), *argv]}
 
 
+def records(spec: dict, out: Path, log: str) -> dict:
+    """Rank 0's per-iteration loss and grad norm (Bridge's data-parallel-reduced ``lm loss``), by iteration."""
+    rows = json.loads((out / "rank0.json").read_text()) if (out / "rank0.json").exists() else []
+    return {"losses": {step + 1: loss for step, loss, _ in rows}, "grad_norms": {step + 1: norm for step, _, norm in rows}}
+
+
 @functools.lru_cache(maxsize=None)
 def _runs(work: str) -> dict:
     work = Path(work)
     ckpt = str(work / "ckpt")
+    cache = ("--data-cache", str(work / "index_cache"))  # the dataset indices: built by the first run, read after
     runs = [
         _run("ddp", "bridge_pretrain.py"),
         _run("zero3", "bridge_pretrain.py", "--fsdp", "optim_grads_params", "--save", ckpt, "--save-interval", "3"),
@@ -39,22 +47,11 @@ def _runs(work: str) -> dict:
         _run("zero3_tp2", "bridge_pretrain.py", "--iters", "3", "--tp", "2", "--fsdp", "optim_grads_params", nproc=4),
         _run("ddp_moe", "bridge_pretrain.py", "--iters", "3", "--moe"),
         _run("zero3_moe", "bridge_pretrain.py", "--iters", "3", "--moe", "--fsdp", "optim_grads_params"),
-        _run("autobridge", "autobridge_roundtrip.py", ",".join(LEVELS), str(work / "autobridge")),
     ]
-    specs = []
     for run in runs:
-        out = work / run.pop("name")
-        out.mkdir()
-        specs.append({**run, "log": str(out / "log"), "env": {"LOSSES_DIR": str(out)}})
-    (work / "autobridge").mkdir(exist_ok=True)
-    statuses, logs = fork_launch(specs, work, timeout=900)
-    results = {}
-    for spec, status, log in zip(specs, statuses, logs):
-        out = Path(spec["log"]).parent
-        assert status == 0, f"{out.name}: {log[-6000:]}"
-        records = json.loads((out / "rank0.json").read_text()) if (out / "rank0.json").exists() else []
-        results[out.name] = {"losses": {step + 1: loss for step, loss, _ in records},
-                             "grad_norms": {step + 1: norm for step, _, norm in records}, "log": log}
+        run["argv"] += cache
+    runs.append(_run("autobridge", "autobridge_roundtrip.py", ",".join(LEVELS), str(work / "autobridge")))
+    results = trainer_runs.launch(work, runs, records)  # (the AutoBridge run writes into its own folder)
     results["autobridge"]["result"] = json.loads((work / "autobridge" / "result.json").read_text())
     return results
 
@@ -62,12 +59,6 @@ def _runs(work: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return _runs(str(tmp_path_factory.mktemp("bridge")))
-
-
-def assert_close(a: dict, b: dict, rel: float, iterations):
-    for it in iterations:
-        assert it in a and it in b, (a, b)
-        assert abs(a[it] - b[it]) <= rel * abs(b[it]), f"iteration {it}: {a[it]!r} vs {b[it]!r}"
 
 
 @pytest.mark.mcore_only("HAS_MEGATRON_TRAINING", why="Megatron-Bridge 0.6.2 runs on megatron-core 0.19 (Python 3.12), which ships megatron.training")

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron.fsdp_training.testing.job import LINE, fork_launch
+from megatron.fsdp_training.testing.job import LINE
+from tests.mcore import trainer_runs
+from tests.mcore.trainer_runs import assert_close
 
 SCRIPT = str(Path(__file__).parent / "trainer_scripts" / "pretrain_gpt.py")
 SHAPE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
@@ -42,33 +44,33 @@ def trainer_run(name: str, nproc: int, *flags: str) -> dict:
     return {"name": name, "nproc": nproc, "trainer": "megatron_lm", "argv": [SCRIPT, *TRAINER, *flags]}
 
 
+def cached(runs: list, work: Path) -> list:
+    """Megatron-LM's runs share one dataset-index cache (``--data-cache-path``): built by the first, read after."""
+    for run in runs:
+        if run.get("trainer") == "megatron_lm":
+            run["argv"] = run["argv"] + ["--data-cache-path", str(work / "index_cache")]
+    return runs
+
+
 def job_run(name: str, nproc: int, *flags: str) -> dict:
     return {"name": name, "nproc": nproc, "argv": [*JOB, *flags]}
 
 
+def losses(spec: dict, out: Path, log: str) -> dict:
+    """Per-iteration losses: Megatron-LM's trainer's from the script's records (summed over data-parallel ranks),
+    the job's from its log line."""
+    if spec.get("trainer") != "megatron_lm":
+        return {"losses": {int(i): float(loss) for i, loss, _ in LINE.findall(log)}}
+    sums = {}
+    for path in out.glob("rank*.json"):
+        for iteration, loss, tokens in json.loads(path.read_text()):
+            total = sums.setdefault(iteration + 1, [0.0, 0])
+            total[0], total[1] = total[0] + loss, total[1] + tokens
+    return {"losses": {it: loss / tokens for it, (loss, tokens) in sorted(sums.items())}}
+
+
 def launch(work: Path, runs: list, failing: bool = False) -> dict:
-    """Each run's per-iteration losses (Megatron-LM's trainer: from the script's records; the job: its log line),
-    its log and its status (``failing``: runs expected to stop)."""
-    specs = []
-    for run in runs:
-        out = work / run.pop("name")
-        out.mkdir()
-        specs.append({**run, "log": str(out / "log"), "env": {"LOSSES_DIR": str(out)}})
-    statuses, logs = fork_launch(specs, work, timeout=900)
-    results = {}
-    for spec, status, log in zip(specs, statuses, logs):
-        out = Path(spec["log"]).parent
-        assert failing or status == 0, f"{out.name}: {log[-6000:]}"
-        sums = {}
-        for path in out.glob("rank*.json"):
-            for iteration, loss, tokens in json.loads(path.read_text()):
-                total = sums.setdefault(iteration + 1, [0.0, 0])
-                total[0], total[1] = total[0] + loss, total[1] + tokens
-        losses = {it: loss / tokens for it, (loss, tokens) in sums.items()}
-        if spec.get("trainer") != "megatron_lm":
-            losses = {int(i): float(loss) for i, loss, _ in LINE.findall(log)}
-        results[out.name] = {"losses": dict(sorted(losses.items())), "log": log, "status": status}
-    return results
+    return trainer_runs.launch(work, cached(runs, work), losses, failing)
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,12 +107,6 @@ def _runs(work: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return _runs(str(tmp_path_factory.mktemp("megatron_lm")))
-
-
-def assert_close(a: dict, b: dict, rel: float, iterations):
-    for it in iterations:
-        assert it in a and it in b, (a, b)
-        assert abs(a[it] - b[it]) <= rel * abs(b[it]), f"iteration {it}: {a[it]!r} vs {b[it]!r}"
 
 
 def _field(line: str, name: str) -> str:

@@ -1,7 +1,7 @@
 """Megatron-Bridge 0.6.2's ``pretrain(cfg, forward_step)`` on a tiny GPT, as a Bridge user writes it, for the tests.
 
     python bridge_pretrain.py [--fsdp LEVEL] [--gelu] [--tp N] [--moe] [--iters N] [--save DIR --save-interval N]
-                              [--load DIR [--ckpt-step N]]
+                              [--load DIR [--ckpt-step N]] [--data-cache DIR]
 
 ``--fsdp LEVEL``: Bridge's Megatron-FSDP recipe (``cfg.ddp.use_megatron_fsdp = True``, the level,
 ``average_in_collective = False``, ``ckpt_format = "fsdp_dtensor"``); without it, Megatron-Core's DDP. Both call
@@ -51,7 +51,7 @@ def config(args):
         ddp=DistributedDataParallelConfig(check_for_nan_in_grad=True),
         dataset=MockGPTDatasetConfig(seq_length=32, random_seed=1234, reset_position_ids=False,
                                      reset_attention_mask=False, eod_mask_loss=False, num_workers=0,
-                                     dataloader_type="single", split="1,1,1"),
+                                     dataloader_type="single", split="1,1,1", path_to_cache=args.data_cache),
         logger=LoggerConfig(log_interval=1, tensorboard_dir=None, log_timers_to_tensorboard=False),
         tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=128),
         checkpoint=CheckpointConfig(save=args.save, save_interval=args.save_interval, load=args.load,
@@ -75,6 +75,7 @@ def main():
     parser.add_argument("--gelu", action="store_true")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--moe", action="store_true")
+    parser.add_argument("--data-cache", default=None, help="the dataset indices' cache folder (path_to_cache)")
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--save", default=None)
     parser.add_argument("--save-interval", type=int, default=None)

@@ -71,7 +71,7 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
     args = get_args()
     config = GPTDatasetConfig(random_seed=args.seed, sequence_length=args.seq_length, split=args.split,
                               tokenizer=build_tokenizer(args), reset_position_ids=False, reset_attention_mask=False,
-                              eod_mask_loss=False, create_attention_mask=True)
+                              eod_mask_loss=False, create_attention_mask=True, path_to_cache=args.data_cache_path)
     return BlendedMegatronDatasetBuilder(MockGPTDataset, train_val_test_num_samples,
                                          lambda: mpu.get_tensor_model_parallel_rank() == 0, config).build()
 
