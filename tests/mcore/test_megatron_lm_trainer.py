@@ -173,3 +173,22 @@ def test_the_runner_refuses_with_one_line_without_megatron_training(tmp_path):
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "ships no megatron.training" in lines[0] and "pretrain_gpt.py" in lines[0], lines
+
+
+@pytest.mark.mcore_only("HAS_MEGATRON_TRAINING", why="megatron-core ships Megatron-LM's megatron.training from 0.17")
+def test_the_trainers_parameter_groups_become_the_engines_or_are_refused():
+    """Megatron-LM's standard ``config_overrides`` (no decay for biases and 1-D parameters, --decoupled-lr) are the
+    engine's no-decay rule; an override it cannot honour (muP's per-class learning rates) stops with one line."""
+    import torch
+    from megatron.core.optimizer import OptimizerConfig, get_standard_config_overrides
+    from megatron.core.optimizer.optimizer_config import ParamKey
+
+    from megatron.fsdp.mcore.trainer_backend import no_weight_decay_rule
+
+    config = OptimizerConfig(lr=1e-3, decoupled_lr=1e-4)
+    rule = no_weight_decay_rule(get_standard_config_overrides(config))
+    matrix, vector = torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(4))
+    assert not rule("decoder.layers.0.mlp.linear_fc1.weight", matrix)
+    assert rule("decoder.layers.0.mlp.linear_fc1.bias", vector) and rule("decoder.final_layernorm.weight", vector)
+    with pytest.raises(ValueError, match="optimizer overrides are not supported: .*lr_mult"):
+        no_weight_decay_rule({ParamKey(name="*.linear_fc1.weight"): {"lr_mult": 0.5}})

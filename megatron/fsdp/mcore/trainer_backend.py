@@ -62,9 +62,10 @@ def no_weight_decay_rule(config_overrides) -> Callable:
         if fields.get("wd_mult") == 0.0:
             wd_keys.append(key)
             fields.pop("wd_mult")
-        if set(fields) <= {"max_lr", "min_lr"} and tuple(getattr(key, "attr", ()) or ()) in (
-                ("is_embedding_or_output_parameter",), "is_embedding_or_output_parameter"):
-            fields = {}
+        attr = getattr(key, "attr", ())
+        if set(fields) <= {"max_lr", "min_lr"} and ((attr,) if isinstance(attr, str) else tuple(attr)) == (
+                "is_embedding_or_output_parameter",):
+            fields = {}  # --decoupled-lr's group: get_fsdp_optimizer builds it from the config
         if fields:
             unsupported.append(f"{key}: {fields}")
     if unsupported:
@@ -78,6 +79,12 @@ def no_weight_decay_rule(config_overrides) -> Callable:
 
 
 def build_optimizer(config, model_chunks, config_overrides=None) -> FullyShardedMegatronOptimizer:
+    """``get_fsdp_optimizer`` with the trainer's parameter groups (None: Megatron-Core's standard ones, as its
+    ``get_megatron_optimizer`` takes them)."""
+    if config_overrides is None:
+        from megatron.core.optimizer import get_standard_config_overrides
+
+        config_overrides = get_standard_config_overrides(config)
     optimizer = get_fsdp_optimizer(config, list(model_chunks), no_weight_decay_cond=no_weight_decay_rule(
         config_overrides))
     for chunk in model_chunks:
