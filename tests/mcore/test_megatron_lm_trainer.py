@@ -22,6 +22,7 @@ from tests.mcore import trainer_runs
 from tests.mcore.trainer_runs import assert_close
 
 SCRIPT = str(Path(__file__).parent / "trainer_scripts" / "pretrain_gpt.py")
+CONVERT = str(Path(__file__).resolve().parents[2] / "tools" / "checkpoint" / "convert.py")
 SHAPE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
          "--micro-batch-size 2 --global-batch-size 8 --train-iters 4 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
          "--lr-warmup-iters 1 --mock-data --tokenizer-type NullTokenizer --seed 1234 --hidden-dropout 0 "
@@ -45,10 +46,13 @@ def trainer_run(name: str, nproc: int, *flags: str) -> dict:
 
 
 def cached(runs: list, work: Path) -> list:
-    """Megatron-LM's runs share one dataset-index cache (``--data-cache-path``): built by the first, read after."""
-    for run in runs:
-        if run.get("trainer") == "megatron_lm":
-            run["argv"] = run["argv"] + ["--data-cache-path", str(work / "index_cache")]
+    """Megatron-LM's runs share one dataset-index cache (``--data-cache-path``): the first builds it, the others
+    start after it and read it."""
+    trainer = [run for run in runs if run.get("trainer") == "megatron_lm"]
+    for run in trainer:
+        run["argv"] = run["argv"] + ["--data-cache-path", str(work / "index_cache")]
+        if run is not trainer[0]:
+            run["after"] = sorted(set(run.get("after", [])) | {trainer[0]["name"]})
     return runs
 
 
@@ -69,39 +73,38 @@ def losses(spec: dict, out: Path, log: str) -> dict:
     return {"losses": {it: loss / tokens for it, (loss, tokens) in sorted(sums.items())}}
 
 
-def launch(work: Path, runs: list, failing: bool = False) -> dict:
-    return trainer_runs.launch(work, cached(runs, work), losses, failing)
+def convert_run(name: str, *argv: str, after=()) -> dict:
+    """``tools/checkpoint/convert.py ARGV`` as a run between runs (docs/trainers.md shows these commands)."""
+    return {"name": name, "nproc": 1, "trainer": "script", "argv": [CONVERT, *argv], "after": list(after)}
 
 
 @functools.lru_cache(maxsize=None)
 def _runs(work: str) -> dict:
-    from tools.checkpoint import convert
-
     work = Path(work)
     ckpt, job_ckpt = str(work / "ckpt"), str(work / "job_ckpt")
-    results = launch(work, [
+    as_trainer, as_job = str(work / "job_as_trainer"), str(work / "trainer_as_job")
+    runs = [
         trainer_run("ddp", 2),
         trainer_run("zero3", 2, *ZERO3, "--save", ckpt, "--save-interval", "2"),  # saves at 2 and goes on
-        trainer_run("resume", 2, *ZERO3, "--load", ckpt, "--ckpt-step", "2"),
-        trainer_run("resume_dp1", 1, *OPTIM_GRADS, "--load", ckpt, "--ckpt-step", "2"),
+        job_run("job", 2, "--use-megatron-fsdp", "--save", job_ckpt, "--save-interval", "2"),
         trainer_run("ddp_tp2", 4, "--tensor-model-parallel-size", "2"),
         trainer_run("zero3_tp2", 4, "--tensor-model-parallel-size", "2", *ZERO3, "--overlap-grad-reduce",
                     "--overlap-param-gather"),
         trainer_run("ddp_moe", 2, *MOE),
         trainer_run("zero3_moe", 2, *MOE, *ZERO3),
-        job_run("job", 2, "--use-megatron-fsdp", "--save", job_ckpt, "--save-interval", "2"),
-    ])
-    results.update(launch(work, [  # each handed the other's checkpoint as it is: one line naming the converter
-        trainer_run("trainer_loads_job", 2, *ZERO3, "--load", job_ckpt, "--ckpt-step", "2"),
-        job_run("job_loads_trainer", 2, "--use-megatron-fsdp", "--load", ckpt, "--ckpt-step", "2"),
-    ], failing=True))
-    convert.main(["to-megatron-lm", job_ckpt, str(work / "job_as_trainer"), "--iteration", "2"])  # docs/trainers.md
-    convert.main(["from-megatron-lm", ckpt, str(work / "trainer_as_job"), "--iteration", "2"])
-    results.update(launch(work, [
-        trainer_run("trainer_from_job", 2, *ZERO3, "--load", str(work / "job_as_trainer")),
-        job_run("job_from_trainer", 2, "--use-megatron-fsdp", "--load", str(work / "trainer_as_job")),
-    ]))
-    return results
+        {**trainer_run("resume", 2, *ZERO3, "--load", ckpt, "--ckpt-step", "2"), "after": ["zero3"]},
+        {**trainer_run("resume_dp1", 1, *OPTIM_GRADS, "--load", ckpt, "--ckpt-step", "2"), "after": ["zero3"]},
+        # each handed the other's checkpoint as it is: one line naming the converter
+        {**trainer_run("trainer_loads_job", 2, *ZERO3, "--load", job_ckpt, "--ckpt-step", "2"), "after": ["job"],
+         "failing": True},
+        {**job_run("job_loads_trainer", 2, "--use-megatron-fsdp", "--load", ckpt, "--ckpt-step", "2"),
+         "after": ["zero3"], "failing": True},
+        convert_run("to_trainer", "to-megatron-lm", job_ckpt, as_trainer, "--iteration", "2", after=["job"]),
+        convert_run("to_job", "from-megatron-lm", ckpt, as_job, "--iteration", "2", after=["zero3"]),
+        {**trainer_run("trainer_from_job", 2, *ZERO3, "--load", as_trainer), "after": ["to_trainer"]},
+        {**job_run("job_from_trainer", 2, "--use-megatron-fsdp", "--load", as_job), "after": ["to_job"]},
+    ]
+    return trainer_runs.launch(work, cached(runs, work), losses)
 
 
 @pytest.fixture(scope="module")

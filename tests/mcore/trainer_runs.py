@@ -1,4 +1,4 @@
-"""What the trainer tests share: their runs, launched once by ``tests/training/fork_launch.py``, and the comparison."""
+"""What the trainer tests share: their runs, launched together by ``tests/training/fork_launch.py``, and the comparison."""
 
 from pathlib import Path
 from typing import Callable, Dict, List
@@ -6,20 +6,25 @@ from typing import Callable, Dict, List
 from megatron.fsdp_training.testing.job import fork_launch
 
 
-def launch(work: Path, runs: List[dict], read: Callable[[dict, Path, str], dict], failing: bool = False) -> dict:
-    """Run ``runs`` (each a fork_launch run with a ``name``; its output folder ``work/name`` is its ``LOSSES_DIR``)
-    one after the other: ``{name: read(spec, folder, log) + log and status}``. A run that fails fails the test unless
-    ``failing`` (runs expected to stop)."""
-    specs = []
+def launch(work: Path, runs: List[dict], read: Callable[[dict, Path, str], dict], parallel: int = 2) -> dict:
+    """Run ``runs`` in one launcher, ``parallel`` at a time: each a fork_launch run with a ``name`` (its output folder
+    ``work/name`` is its ``LOSSES_DIR``), optionally ``after`` (names of runs that must end first) and ``failing``
+    (expected to stop). ``{name: read(spec, folder, log) + log and status}``; a run that fails unexpectedly fails
+    the test."""
+    names = [run["name"] for run in runs]
+    specs, failing = [], []
     for run in runs:
+        run = dict(run)
         out = work / run.pop("name")
         out.mkdir()
+        failing.append(run.pop("failing", False))
+        run["after"] = [names.index(name) for name in run.get("after", [])]
         specs.append({**run, "log": str(out / "log"), "env": {"LOSSES_DIR": str(out)}})
-    statuses, logs = fork_launch(specs, work, timeout=900)
+    statuses, logs = fork_launch(specs, work, parallel=parallel, timeout=900)
     results = {}
-    for spec, status, log in zip(specs, statuses, logs):
+    for spec, status, log, expected_failure in zip(specs, statuses, logs, failing):
         out = Path(spec["log"]).parent
-        assert failing or status == 0, f"{out.name}: {log[-6000:]}"
+        assert expected_failure or status == 0, f"{out.name}: {log[-6000:]}"
         results[out.name] = {**read(spec, out, log), "log": log, "status": status}
     return results
 

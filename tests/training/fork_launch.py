@@ -27,7 +27,9 @@ A run with ``"trainer": "megatron_lm"`` runs Megatron-LM's trainer instead (``ar
 as ``python -m megatron.fsdp.mcore.megatron_lm`` does; the parent then imports ``megatron.training`` too. With
 ``"trainer": "bridge"`` it runs a Megatron-Bridge script (``argv`` likewise) as ``__main__``; the parent installs
 the test stand-ins for what Bridge imports and this machine lacks (``tests/mcore/trainer_scripts/bridge_standins.py``)
-and imports Bridge's trainer.
+and imports Bridge's trainer. ``"trainer": "script"`` runs any Python script ``argv[0]`` as ``__main__`` (a
+converter between runs, say). A run with ``"after": [indices]`` starts only once those runs (positions in the
+list) have ended, so dependent runs can share ``--parallel`` with independent ones.
 
 The one ``torchrun`` launch of the suite (``test_pretrain.py``) proves the command line itself.
 """
@@ -61,7 +63,8 @@ class Run:
     argv: List[str]
     env: Dict[str, str] = dataclasses.field(default_factory=dict)
     log: Optional[str] = None  # None: the launcher's own stdout and stderr
-    trainer: str = "job"  # or "megatron_lm" / "bridge": that trainer on the script argv[0]
+    trainer: str = "job"  # or "megatron_lm" / "bridge": that trainer on the script argv[0]; "script": argv[0]
+    after: List[int] = dataclasses.field(default_factory=list)  # runs (indices) that must have ended first
     pids: List[int] = dataclasses.field(default_factory=list)
     running: List[int] = dataclasses.field(default_factory=list)
     status: Optional[int] = None
@@ -85,7 +88,7 @@ def _rank(run: Run, rank: int, port: int) -> None:
         from megatron.fsdp.mcore import megatron_lm
 
         megatron_lm.main(list(run.argv))
-    elif run.trainer == "bridge":
+    elif run.trainer in ("bridge", "script"):
         import runpy
 
         sys.argv = list(run.argv)
@@ -129,8 +132,12 @@ def launch(runs: List[Run], parallel: int = 1) -> List[int]:
     gc.freeze()
     pending, active = list(runs), []
     while pending or active:
-        while pending and len(active) < parallel:
-            run = pending.pop(0)
+        while len(active) < parallel:
+            ready = [r for r in pending if all(runs[i].status is not None for i in r.after)]
+            if not ready:
+                break
+            run = ready[0]
+            pending.remove(run)
             _start(run)
             active.append(run)
         pid, status = os.wait()
