@@ -98,3 +98,28 @@ def test_install_keeps_torch_and_megatron_core_and_ships_none_of_their_files(tmp
     assert "megatron/__init__.py" not in ours_files  # a namespace package, shared with megatron-core
     overlap = sorted(ours_files & set(after["megatron-core"]["files"]))
     assert not overlap, f"installed by both {PROJECT} and megatron-core {after['megatron-core']['version']}: {overlap}"
+
+
+def test_a_containers_pre_release_torch_is_kept(tmp_path):
+    """An NGC container's torch reports a pre-release local version (``2.13.0a0+<git>.nv25.11``): the requirement
+    accepts it, so the install leaves it alone (with ``torch>=2.13.0`` pip, offline here, finds nothing to satisfy it;
+    online it would download another torch)."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    python = venv / "bin" / "python"
+    ours_site = Path(_probe_site(python))
+    container = "2.13.0a0+gitabc1234.nv25.11"
+    info = ours_site / f"torch-{container}.dist-info"  # the venv's own site first: pip sees this torch
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {container}\n")
+    (info / "RECORD").write_text("")
+    (ours_site / "running_interpreter.pth").write_text("\n".join(_running_site_dirs()) + "\n")
+    assert _probe(python, "torch")["torch"]["version"] == container
+    out = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index",
+                          "--no-build-isolation", "--no-compile", str(_sources(tmp_path / "src"))],
+                         capture_output=True, text=True, env=_pip_env(), timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    check = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "check"], capture_output=True,
+                           text=True, env=_pip_env(), timeout=120)
+    assert f"{PROJECT} 0.1.0 has requirement torch" not in check.stdout, check.stdout
+    assert _probe(python, "torch")["torch"]["version"] == container
