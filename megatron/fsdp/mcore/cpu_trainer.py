@@ -53,8 +53,6 @@ def start_gloo(rank: int, world_size: int, timeout_minutes: float) -> None:
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
-
-
 def enable_after_seeding(seed: int) -> None:
     """CPU mode once the model-parallel groups exist (their ranks seed the RNG streams); said once, by rank 0."""
     from .cpu_mode import CpuModeWarning, enable_cpu_mode
