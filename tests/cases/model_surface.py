@@ -163,3 +163,141 @@ def submodule_trained_alone(ctx, strategy: str) -> Dict[str, object]:
     checks["losses"] = losses
     checks["released at the end"] = _released(model)
     return checks
+
+
+class LoRALinear(torch.nn.Module):
+    """A frozen projection plus a trainable low-rank A/B pair beside it (LoRA)."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int = 4):
+        super().__init__()
+        self.base = base
+        self.lora_a = torch.nn.Linear(base.in_features, rank, bias=False)
+        self.lora_b = torch.nn.Linear(rank, base.out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+def _partly_frozen(kind: str):
+    """A tiny three-layer Llama (seed 0). ``q_proj``: only every layer's ``q_proj`` trains (the root: embedding,
+    final norm, head, is frozen). ``lora``: LoRA pairs on layer 0's ``q_proj`` and ``v_proj`` train and the rest
+    is frozen, so layers 1 and 2 are units whose parameters are all frozen (the gradient passes through them to
+    layer 0). ``none``: everything trains."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    if kind == "lora":
+        attention = model.model.layers[0].self_attn
+        attention.q_proj, attention.v_proj = LoRALinear(attention.q_proj), LoRALinear(attention.v_proj)
+    for name, p in model.named_parameters():
+        p.requires_grad_({"lora": "lora_" in name, "q_proj": name.endswith("q_proj.weight")}.get(kind, True))
+    return model
+
+
+def _train_both(ctx, model, reference, steps: int, after_backward=lambda: None):
+    """``steps`` AdamW steps of the wrapped ``model`` (each rank its slice of each batch) and of the unwrapped
+    ``reference`` on this rank (the slices' gradients averaged as the engine averages them). Returns the largest
+    relative difference of the losses and of the weights after (0.0: bitwise), and the trained weights."""
+    batches = torch.randint(0, VOCAB, (steps, 2 * ctx.size, 12), generator=torch.Generator().manual_seed(1))
+    optimizer = mfsdp.FullyShardedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    trainable = [p for p in reference.parameters() if p.requires_grad]
+    reference_optimizer = torch.optim.AdamW([{"params": [p for p in trainable if p.dim() > 1]},  # the engine's
+                                             {"params": [p for p in trainable if p.dim() == 1], "weight_decay": 0.0}],
+                                            lr=1e-2, weight_decay=0.1)  # default decay rule: none on norms
+    losses = []
+    for batch in batches:
+        slices = batch.chunk(ctx.size)
+        loss = model(input_ids=slices[ctx.rank], labels=slices[ctx.rank]).loss
+        loss.backward()
+        after_backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        wanted = [reference(input_ids=s, labels=s).loss for s in slices]
+        per_slice = [torch.autograd.grad(want, trainable) for want in wanted]
+        for p, *grads in zip(trainable, *per_slice):
+            p.grad = sum(grads[1:], grads[0]).mul_(1.0 / ctx.size)
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        losses.append((loss.detach(), wanted[ctx.rank].detach()))
+    trained = model.full_state_dict()
+    return {"loss": max(_relative(got, want) for got, want in losses),
+            "weights": max(_relative(trained[k], p.detach()) for k, p in reference.named_parameters())}, trained
+
+
+def frozen_training(ctx, steps: int = 2) -> Dict[str, object]:
+    """Each partly frozen model trained at every level against the unwrapped model (``_train_both``): per
+    (kind, level) the losses' and weights' differences, what trained, the gradient bytes kept after the first
+    backward, and whether any unit whose parameters are all frozen was reduced or got gradient memory."""
+    from megatron.fsdp.testing.common import LEVELS
+
+    out: Dict[str, object] = {}
+    for kind in ("q_proj", "lora"):
+        initial = _partly_frozen(kind).state_dict()
+        for level in LEVELS:
+            reference, module = _partly_frozen(kind), _partly_frozen(kind)
+            model = mfsdp.fully_shard(module, strategy=level, unit_modules=(type(module.model.layers[0]),),
+                                      process_group=ctx.group)
+            model.ledger.trace = True
+            frozen_units = [u.name for u in model.units if not u.num_trainable]
+            gathered = []  # per unit's end of backward: the units still gathered (ZeRO-3 releases each as it ends)
+            model.register_post_backward_hook(
+                lambda name: gathered.append((name, [u.name for u in model.units if u.storage.releases and u.storage.resident])))
+            grad_bytes = []
+            checks, trained = _train_both(ctx, model, reference, steps,
+                                          lambda: grad_bytes.append(model.memory_report().main_grads))
+            trainable = [(k, p) for k, p in reference.named_parameters() if p.requires_grad]
+            out[f"{kind} {level}"] = dict(
+                checks,
+                stepped=sorted(k for k, _ in trainable if not torch.equal(trained[k], initial[k])),
+                trainable=sorted(k for k, _ in trainable),
+                **{"grad bytes": grad_bytes[0], "trainable bytes": 4 * sum(p.numel() for _, p in trainable),
+                   "frozen units": frozen_units,
+                   "frozen units reduced or given gradients": sorted(
+                       {e.tag for e in model.ledger.events if e.tag in frozen_units and e.kind != "all_gather"}
+                       | {u.name for u in model.units if u.name in frozen_units and u.storage.grad_accum.numel()}),
+                   "released": _released(model), "gathered": gathered})
+    return out
+
+
+def conversions(ctx) -> Dict[str, object]:
+    """``.to()`` and its kin on a tiny Llama wrapped at no_shard and at ZeRO-3 (fp32), and at ZeRO-3 under bf16
+    mixed precision: what each call raised (its first line) or ``"ok"`` (it returned the model), the logits'
+    dtype after them, and (fp32) two training steps after them against the unwrapped model (``_train_both``)."""
+    out: Dict[str, object] = {}
+    for level, precision in (("no_shard", None), ("optim_grads_params", None),
+                             ("optim_grads_params", mfsdp.MixedPrecision(param_dtype=torch.bfloat16))):
+        reference, module = _partly_frozen("none"), _partly_frozen("none")
+        model = mfsdp.fully_shard(module, strategy=level, unit_modules=(type(module.model.layers[0]),),
+                                  process_group=ctx.group, mixed_precision=precision)
+        calls = {"to(bfloat16)": lambda: model.to(torch.bfloat16), "half()": model.half,
+                 "bfloat16()": model.bfloat16, "double()": model.double, "to(meta)": lambda: model.to("meta"),
+                 "module.to(float16)": lambda: model.module.to(torch.float16),
+                 "to(float32)": lambda: model.to(torch.float32), "float()": model.float,
+                 "to(cpu)": lambda: model.to("cpu"), "cpu()": model.cpu,
+                 "module.to(cpu, float32)": lambda: model.module.to("cpu", torch.float32)}
+        checks: Dict[str, object] = {}
+        for name, call in calls.items():
+            try:
+                checks[name] = "ok" if call() in (model, model.module) else "returned another module"
+            except RuntimeError as exc:
+                checks[name] = str(exc)
+        ids = torch.arange(8)[None] % VOCAB
+        checks["logits"] = str(model(input_ids=ids).logits.dtype)
+        checks["rotary buffer"] = str(model.module.model.rotary_emb.inv_freq.dtype)
+        if precision is None:
+            checks.update(_train_both(ctx, model, reference, 2)[0])
+        else:  # the compute dtype: a no-op for the parameters; buffers follow as on the unwrapped model
+            model.to(torch.bfloat16)
+            checks["rotary buffer after to(bfloat16)"] = str(model.module.model.rotary_emb.inv_freq.dtype)
+        out[level if precision is None else f"{level} bf16"] = checks
+    return out
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference relative to the largest magnitude of ``want`` (0.0: bitwise equal)."""
+    if torch.equal(got, want):
+        return 0.0
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()

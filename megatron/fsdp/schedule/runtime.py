@@ -68,10 +68,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..collectives import profiling
 from ..collectives.comm import Handle, StagedHandle
@@ -212,12 +213,14 @@ class Schedule:
             self._release_all()
         return output
 
-    def pre_forward(self, unit: FSDPUnit) -> None:
+    def pre_forward(self, unit: FSDPUnit, args: tuple = (), kwargs: Optional[dict] = None):
+        """A unit module's forward begins (its pre-hook, with the call's ``args`` and ``kwargs``). Returns
+        None, or the inputs to call it with instead (``_watch_inputs``)."""
         if unit.state in (UnitState.FORWARD, UnitState.BACKWARD):
-            return  # re-entry, or activation recompute inside backward: already resident
+            return None  # re-entry, or activation recompute inside backward: already resident
         if _in_backward():
-            self._enter_backward(unit)
-            return
+            self._enter_backward(unit)  # a reentrant recompute: the inner backward is this unit's
+            return self._watch_inputs(unit, args, kwargs)
         self._count_gather(unit, "forward")
         ahead: List[FSDPUnit] = []  # a unit called outside a pass: nothing of a pass to record or prefetch
         if self._pass_open:
@@ -226,6 +229,21 @@ class Schedule:
         self._gather_then_prefetch(unit, ahead)
         unit.begin_use(UnitState.FORWARD)
         profiling.mark("forward", "begin", unit.name)
+        return self._watch_inputs(unit, args, kwargs)
+
+    def _watch_inputs(self, unit: FSDPUnit, args: tuple, kwargs: Optional[dict]):
+        """A unit that ``waits_for_input_grads``: its inputs that require grad pass through an identity
+        autograd function whose backward runs once their gradients from this unit's compute are summed,
+        before they flow on to earlier units: there ``inputs_done`` ends the unit's backward."""
+        if not unit.waits_for_input_grads or not torch.is_grad_enabled():
+            return None
+        flat, spec = tree_flatten((args, kwargs or {}))
+        where = [k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not where:
+            return None
+        for k, t in zip(where, _InputsDone.apply(functools.partial(self.inputs_done, unit), *(flat[k] for k in where))):
+            flat[k] = t
+        return tree_unflatten(flat, spec)
 
     def post_forward(self, unit: FSDPUnit, output):
         if unit.state is not UnitState.FORWARD:
@@ -379,16 +397,39 @@ class Schedule:
         profiling.mark("backward", "begin", unit.name)
 
     def on_grad(self, unit: FSDPUnit, param_index: int) -> None:
-        if unit.state is not UnitState.BACKWARD:
+        if unit.state is not UnitState.BACKWARD or not unit.grads_pending:
             raise RuntimeError(
                 f"parameter {unit.param_names[param_index]!r} of FSDP unit {unit.name} received a gradient "
                 "outside that unit's backward: it was used outside any module call (read directly); use it "
                 "through the module that holds it (that call's hooks gather and reduce the unit)")
         unit.storage.take_grad(param_index)
         if unit.mark_ready(param_index):
+            if unit.weights_needed:
+                self._reduce_grads(unit)  # its frozen weights may still pass the gradient on: released later
+            else:
+                self._post_backward(unit)
+
+    def inputs_done(self, unit: FSDPUnit) -> None:
+        """The gradients of a unit's inputs are computed (``_watch_inputs``): its weights are not used
+        again in this backward. Its backward ends now if its own gradients are all in, else at the last."""
+        if unit.state is not UnitState.BACKWARD:
+            return
+        unit.weights_needed = False
+        if unit.all_grads_ready:
             self._post_backward(unit)
 
     def _post_backward(self, unit: FSDPUnit) -> None:
+        """A unit's backward is over: its gradients reduced (unless they were already), its weights released."""
+        if unit.grads_pending:
+            self._reduce_grads(unit)
+        profiling.mark("backward", "end", unit.name)
+        unit.release()
+        for hook in tuple(self.post_backward_hooks.values()):
+            hook(unit.name)
+
+    def _reduce_grads(self, unit: FSDPUnit) -> None:
+        """Every gradient of the unit is in (a compute end): its reduction is issued, its flat gradient dropped."""
+        unit.grads_pending = False
         self._advance_staged()
         storage = unit.storage
         if unit.num_trainable:
@@ -403,10 +444,6 @@ class Schedule:
                 self._enqueue(unit, handle)
                 unit.reduced_this_step |= with_step
         storage.end_grads()
-        profiling.mark("backward", "end", unit.name)
-        unit.release()
-        for hook in tuple(self.post_backward_hooks.values()):
-            hook(unit.name)
 
     def _reduce_step(self, unit: FSDPUnit) -> None:
         with profiling.span("reduce", unit.name):
@@ -506,6 +543,23 @@ class Schedule:
         """Nothing of this model in flight afterwards: reductions drained, install gathers landed."""
         self._drain()
         self.wait_weights()
+
+
+class _InputsDone(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward, which runs once their gradients from the unit are summed
+    and before those flow on, calls ``done`` (FSDP2's post-backward hook works the same way)."""
+
+    @staticmethod
+    def forward(ctx, done, *inputs):
+        ctx.done = done
+        ctx.set_materialize_grads(False)
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.done()
+        return (None,) + grads
+
 
 class _Plan:
     """An order of units to prefetch in: who comes first, who comes after a given unit."""

@@ -65,6 +65,12 @@ class FSDPUnit:
         self._grad_ready = [False] * len(trainable)
         self._ready_count = 0
         self.reduced_this_step = False  # the once-per-step reduction stage has run
+        # ZeRO-3 with frozen parameters: once the unit's own gradients are in, its frozen weights may
+        # still carry the gradient on to earlier units (LoRA: only adapters trainable), so its backward
+        # ends when the gradients of its inputs are computed (``runtime.Schedule.inputs_done``).
+        self.waits_for_input_grads = storage.releases and len(trainable) < len(storage.params)
+        self.grads_pending = False   # in a backward, its gradients not yet reduced
+        self.weights_needed = False  # in a backward, its weights may still be used (until its inputs' gradients)
 
     @property
     def num_trainable(self) -> int:
@@ -126,6 +132,8 @@ class FSDPUnit:
     def begin_backward(self) -> None:
         self._grad_ready = [False] * self.num_trainable
         self._ready_count = 0
+        self.grads_pending = True
+        self.weights_needed = self.waits_for_input_grads
         self.storage.begin_grads()
 
     def mark_ready(self, param_index: int) -> bool:
@@ -134,4 +142,8 @@ class FSDPUnit:
         if not self._grad_ready[k]:
             self._grad_ready[k] = True
             self._ready_count += 1
+        return self.all_grads_ready
+
+    @property
+    def all_grads_ready(self) -> bool:
         return self._ready_count == self.num_trainable

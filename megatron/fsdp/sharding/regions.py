@@ -7,7 +7,9 @@ lives on the finest range its levels allow:
 
 * compute weights: the outer piece if the outer level shards params, else the
   inner shard if the inner level does, else the whole buffer;
-* gradient accumulator: the same rule with "shards grads";
+* gradient accumulator: the same rule with "shards grads", clipped to the trainable prefix
+  when the unit holds frozen parameters (they have no gradient; a unit without any keeps its
+  whole range, padding included, so its reductions run on the buffer as it is);
 * main weights and optimizer state: the same rule with "shards optimizer
   state", clipped to the trainable prefix ``[0, trainable_end)``.
 """
@@ -28,7 +30,7 @@ class UnitRegions:
     inner: Range    # inner shard, or the whole buffer when the inner level shards nothing
     piece: Range    # this rank's outer piece of ``inner``
     compute: Range  # persistent compute weights
-    accum: Range    # gradient accumulator between micro-batches
+    accum: Range    # gradient accumulator between micro-batches (no frozen parameter's range)
     owned: Range    # the finest range optimizer state is sharded over: this rank's checkpoint values
     main: Range     # main weights / optimizer state: the trainable part of ``owned`` (may be empty)
 
@@ -57,11 +59,13 @@ def unit_regions(layout: FlatLayout, levels: MeshStrategy, inner_rank: int, oute
         return inner if inner_flag else (0, layout.padded_size)
 
     owned = finest(levels.outer.shard_optim, levels.inner.shard_optim)
+    frozen = any(not slot.spec.trainable for slot in layout.slots)
     return UnitRegions(
         inner=inner,
         piece=piece,
         compute=finest(levels.outer.shard_params, levels.inner.shard_params),
-        accum=finest(levels.outer.shard_grads, levels.inner.shard_grads),
+        accum=trainable_part(finest(levels.outer.shard_grads, levels.inner.shard_grads),
+                             layout.trainable_end if frozen else layout.padded_size),
         owned=owned,
         main=trainable_part(owned, layout.trainable_end),
     )

@@ -176,7 +176,7 @@ def memory(ctx, strategy: str, bf16: bool, mesh=None, outer_strategy=None):
         main_grads=0,  # released by zero_grad (set_to_none)
         optimizer_state=8 * trainable / split(inner.shard_optim, outer.shard_optim),
     )
-    grads = 4 * (total if inner.keeps_full_grads else trainable) / split(inner.shard_grads, outer.shard_grads)
+    grads = 4 * trainable / split(inner.shard_grads, outer.shard_grads)  # frozen parameters have none
     return {"report": dataclasses.asdict(report), "theory": dataclasses.asdict(theory),
             "report_in_step": dataclasses.asdict(in_step),
             "theory_in_step": dataclasses.asdict(dataclasses.replace(theory, main_grads=grads)),

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import types
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -65,6 +67,51 @@ def _nbytes(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.untyped_storage().nbytes()
 
 
+def _check_conversion(units: List[FSDPUnit], fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Raise unless ``fn`` (what ``.to()``, ``.half()``, ``.float()``, ``.cuda()`` ... apply to every tensor)
+    leaves each unit's parameters where and in the dtype they are sharded in: one it keeps, its compute
+    dtype or (trainable ones) its main dtype. Probed on an empty tensor of each."""
+    for unit in units:
+        storage = unit.storage
+        device = storage.full.device
+        dtypes = [storage.compute_dtype] + ([storage.main_dtype] if storage.trainable_params else [])
+        with torch.no_grad():
+            applied = [fn(torch.empty(0, dtype=d, device=device)) for d in dtypes]
+        moved = next((t.device for t in applied if t.device != device), None)
+        if moved is not None:
+            raise RuntimeError(
+                f"a model wrapped by fully_shard cannot move its parameters from {device} to {moved} (.to(), .cuda(), "
+                "...): its flat buffers, optimizer state and process groups stay where fully_shard built them; move "
+                "the module before fully_shard, or build it on the meta device and pass fully_shard(..., device=...)")
+        if all(t.dtype != d for t, d in zip(applied, dtypes)):
+            target = applied[0].dtype
+            raise RuntimeError(
+                f"a model wrapped by fully_shard cannot convert its parameters from {storage.compute_dtype} to {target} "
+                "(.to(dtype), .half(), .bfloat16(), .float(), .double()): its flat buffers and optimizer state keep "
+                f"the dtype they were sharded in; to compute in {target}, pass mixed_precision="
+                f"MixedPrecision(param_dtype={target}) to fully_shard (or convert the module before fully_shard)")
+
+
+def _guarded_apply(units: List[FSDPUnit], module: torch.nn.Module, fn, recurse: bool = True):
+    """The wrapped root module's ``_apply`` (through which ``.to()``, ``.half()``, ``.float()``, ``.cuda()`` ... of
+    the wrapper and of the module act): a call that would change where or in which dtype the parameters are
+    sharded raises (``_check_conversion``); any other applies to the buffers as on the unwrapped module and
+    leaves the parameters, views of the units' flat storage, as they are."""
+    _check_conversion(units, fn)
+    sharded = {id(p) for unit in units for p in unit.storage.params}
+    hidden = []
+    try:
+        for m in module.modules():
+            params = m.__dict__["_parameters"]
+            if any(p is not None and id(p) in sharded for p in params.values()):
+                hidden.append((m, params))
+                m.__dict__["_parameters"] = {k: p for k, p in params.items() if p is None or id(p) not in sharded}
+        return type(module)._apply(module, fn, recurse)
+    finally:
+        for m, params in hidden:
+            m.__dict__["_parameters"] = params
+
+
 class FullyShardedModule(torch.nn.Module):
     """The wrapped model: call it like the original; its parameters live in flat unit buffers."""
 
@@ -91,6 +138,9 @@ class FullyShardedModule(torch.nn.Module):
             lambda _m, args, kwargs: _cast_inputs(mixed_precision, args, kwargs) if runtime.enter_root_module() else None,
             prepend=True, with_kwargs=True)
         module.register_forward_hook(lambda _m, _a, out: runtime.leave_root_module(out), always_call=True)
+        # ``.to()``, ``.half()``, ``.cuda()`` ... of the wrapper and of ``module``: a bound method, so a deepcopy of
+        # the module binds its copy and shares ``units`` (the partial) instead of copying the wrapper.
+        module._apply = types.MethodType(functools.partial(_guarded_apply, units), module)
 
     # ------------------------------------------------------------------ use
     def forward(self, *args, **kwargs):
