@@ -1,102 +1,186 @@
-"""Build peak per rank of the Megatron GPT: eager build vs ``--init-model-with-meta-device`` (ZeRO-3).
+"""The meta-device build's memory against what it keeps: the engine alone and the training job, per world size.
 
-Run under torchrun; model arguments as for pretrain_gpt.py::
+    python tools/meta_init_peak.py                     # 2, 4 and 8 ranks; a 641 MiB GPT (12 x 1024, vocabulary 8192)
+    python tools/meta_init_peak.py --ranks 2 --layers 2 --hidden 256 --vocab 1024
 
-    torchrun --nproc_per_node 4 tools/meta_init_peak.py --num-layers 8 --hidden-size 1024 \\
-        --num-attention-heads 16 --seq-length 64
+For each world size, two ``torchrun`` launches, with every ``MALLOC_*`` variable taken out of the
+environment (glibc's defaults):
 
-Each rank builds the model chunk and wraps it in ``FullyShardedDataParallel`` twice, eager
-then on the meta device, and reports the resident-set high-water mark (``VmHWM``, reset
-through ``/proc/self/clear_refs``) above the resident set before the build. Large blocks
-are served by ``mmap`` (a fixed 64 KiB ``M_MMAP_THRESHOLD``, ``MEASURE_MMAP_THRESHOLD`` of
-``megatron/fsdp_training/allocator.py``) so freed memory leaves the resident set, and a small build of each kind runs first (the first meta build loads torch's meta
-kernels). The bound column is ``persistent + root + 2 units`` (the meta build's promise)
-and, as a fraction of the eager peak, ``1/N + root + 2 units``.
+- ``engine``: a torch-only GPT (pre-norm blocks of ``nn.Linear``/``nn.LayerNorm``, untied head)
+  built under ``torch.device("meta")`` and wrapped by ``megatron.fsdp.fully_shard`` at ZeRO-3,
+  one unit per block: what a user of ``megatron.fsdp`` gets, nothing tuned;
+- ``job``: the same shape as Megatron-Core's GPT (``--untie-embeddings-and-output-weights``), built by
+  the job's model code with ``--init-model-with-meta-device`` and wrapped by the adapter's
+  ``FullyShardedDataParallel``, after the job's ``initialize`` (which applies its allocator setting,
+  ``megatron/fsdp_training/allocator.py``), as ``pretrain_gpt.py`` does.
+
+Each rank first builds a tiny model both ways (the first meta build loads torch's meta kernels), then
+measures the meta build, then the eager one. **Peak**: the resident set's high-water mark
+(``VmHWM``, reset by writing ``5`` to ``/proc/self/clear_refs`` right before the build) above the
+resident set before it, the heap trimmed first (so what an earlier build freed is not reused unseen);
+CPU only, as the resident set sees it (on a GPU the promise is about ``max_memory_allocated``). **Bound**: this rank's persistent state after the build (its storages as
+``memory_report()`` counts them, plus the model's buffers) plus the largest unit in fp32; the promise
+is peak / bound <= 1.05. **After**: the resident set right after the build (no trim by this tool)
+minus the persistent state. Each row is the rank with the largest ratio.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import gc
+import json
 import os
+import subprocess
 import sys
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tools.bench.measure import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_heap  # noqa: E402
-
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 2 ** 20
+_TAG = "META_INIT_PEAK "
 
 
-def _build(args, meta: bool):
-    from megatron.fsdp.mcore import FullyShardedDataParallel, FullyShardedDataParallelConfig
-    from megatron.fsdp_training import model as model_lib
-
-    args = copy.copy(args)
-    args.init_model_with_meta_device = meta
-    cpu = not torch.cuda.is_available()
-    config = model_lib.transformer_config(args, cpu)
-    chunks = model_lib.build_model_chunks(args, config, args.padded_vocab_size, cpu)
-    ddp = FullyShardedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params",
-                                         grad_reduce_in_fp32=True)
-    return [FullyShardedDataParallel(config, ddp, chunk) for chunk in chunks]
+class Block(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.norm1, self.qkv, self.proj = nn.LayerNorm(hidden), nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.norm2, self.fc1, self.fc2 = nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
 
 
-def _measure(args, meta: bool) -> dict:
-    trim_heap()
+class GPT(nn.Module):
+    """The parameters of a GPT (no forward: only its build is measured)."""
+
+    def __init__(self, vocab: int, hidden: int, layers: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(Block(hidden) for _ in range(layers))
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+
+def _measure(build) -> Dict[str, float]:
+    """``build()`` returns wrapped models; their build's peak, persistent state, largest unit and what stays.
+
+    The heap is trimmed first (glibc's ``malloc_trim``): what an earlier build freed would otherwise be
+    resident already, and a build reusing it would look free."""
+    from tools.bench.measure import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_heap
+
+    trim_heap()  # gc.collect(), then malloc_trim(0)
     dist.barrier()
     start = rss_bytes()
-    reset_peak_rss()
-    model = _build(args, meta)
-    peak = peak_rss_bytes() - start
-    units = [u for chunk in model for u in chunk.fsdp.units]
-    sizes = {u.name: u.storage.layout.padded_size * 4 for u in units}
-    nested = max((sizes[n] + sizes.get(n + ".mlp", 0) for n in sizes if n != "<root>"), default=0)
-    out = {"peak": peak, "persistent": sum(chunk.fsdp.memory_report().total for chunk in model),
-           "model": sum(sizes.values()), "root": sizes.get("<root>", 0), "unit": nested}
-    del model, units
+    if not reset_peak_rss():  # writes "5" to /proc/self/clear_refs: VmHWM restarts from the resident set
+        raise RuntimeError("/proc/self/clear_refs is not writable here: the build's peak cannot be isolated")
+    models = build()
+    peak, after = peak_rss_bytes() - start, rss_bytes() - start
+    units = [u for m in models for u in m.units]
+    persistent = sum(m.memory_report().total for m in models)
+    persistent += sum(b.untyped_storage().nbytes() for m in models for b in m.module.buffers())
+    out = dict(peak=peak, after=after, persistent=persistent, unit=max(4 * u.storage.layout.padded_size for u in units),
+               model=sum(4 * u.storage.layout.padded_size for u in units))
+    del models, units
     gc.collect()
     return out
 
 
-def main(argv) -> None:
-    from megatron.fsdp_training.arguments import parse_args, validate_args
+def _engine_worker(opts) -> Dict[str, Dict[str, float]]:
+    import megatron.fsdp as mfsdp
+
+    dist.init_process_group("gloo")
+
+    def build(meta: bool, vocab: int, hidden: int, layers: int):
+        torch.manual_seed(0)
+        with torch.device("meta" if meta else "cpu"):
+            module = GPT(vocab, hidden, layers)
+        return [mfsdp.fully_shard(module, strategy="optim_grads_params", unit_modules=(Block,), device="cpu")]
+
+    for meta in (True, False):
+        build(meta, 256, 64, 1)
+    return {kind: _measure(lambda: build(kind == "meta", opts.vocab, opts.hidden, opts.layers))
+            for kind in ("meta", "eager")}
+
+
+def _job_worker(opts) -> Dict[str, Dict[str, float]]:
+    from megatron.fsdp.mcore import FullyShardedDataParallel, FullyShardedDataParallelConfig
+    from megatron.fsdp_training import model as model_lib
+    from megatron.fsdp_training.arguments import parse_args
     from megatron.fsdp_training.data.datasets import build_tokenizer, padded_vocab_size
     from megatron.fsdp_training.initialize import initialize
 
-    args = parse_args(argv + ["--mock-data", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
-                              "optim_grads_params"])
-    validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    args = parse_args(["--mock-data", "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                       "--num-layers", str(opts.layers), "--hidden-size", str(opts.hidden),
+                       "--num-attention-heads", str(max(1, opts.hidden // 64)), "--seq-length", "64",
+                       "--max-position-embeddings", "64", "--untie-embeddings-and-output-weights",
+                       "--tokenizer-type", "NullTokenizer", "--vocab-size", str(opts.vocab - 1),
+                       "--micro-batch-size", "1"])
     initialize(args)
-    from megatron.fsdp_training.allocator import MEASURE_MMAP_THRESHOLD, fix_mmap_threshold
+    vocab = padded_vocab_size(build_tokenizer(args).vocab_size, args)
 
-    fix_mmap_threshold(MEASURE_MMAP_THRESHOLD)  # the resident set follows every tensor over 64 KiB
-    args.padded_vocab_size = padded_vocab_size(build_tokenizer(args).vocab_size, args)
-    tiny = copy.copy(args)
-    tiny.num_layers, tiny.hidden_size, tiny.ffn_hidden_size = args.pipeline_model_parallel_size, 64, 256
-    tiny.num_attention_heads = 4 * args.tensor_model_parallel_size
-    for meta in (False, True):
-        _measure(tiny, meta)
-    rows = {kind: _measure(args, kind == "meta") for kind in ("eager", "meta")}
-    mine = torch.tensor([[rows[k][f] for f in ("peak", "persistent", "model", "root", "unit")]
-                         for k in ("eager", "meta")], dtype=torch.float64)
-    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
+    def build(meta: bool, layers: int, hidden: int, vocab: int):
+        a = copy.copy(args)
+        a.init_model_with_meta_device, a.num_layers, a.hidden_size = meta, layers, hidden
+        a.ffn_hidden_size, a.num_attention_heads = 4 * hidden, max(1, hidden // 64)
+        config = model_lib.transformer_config(a, cpu=True)
+        chunks = model_lib.build_model_chunks(a, config, vocab, cpu=True)
+        ddp = FullyShardedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params",
+                                             grad_reduce_in_fp32=True)
+        return [FullyShardedDataParallel(config, ddp, chunk).fsdp for chunk in chunks]
+
+    for meta in (True, False):
+        build(meta, 1, 64, 256)
+    return {kind: _measure(lambda: build(kind == "meta", opts.layers, opts.hidden, vocab))
+            for kind in ("meta", "eager")}
+
+
+def _worker(opts) -> None:
+    rows = (_engine_worker if opts.worker == "engine" else _job_worker)(opts)
+    everyone: List[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, rows)
     if dist.get_rank() == 0:
-        n = args.data_parallel_size
-        print(f"build peak per rank (MiB), ZeRO-3, {dist.get_world_size()} ranks (DP {n}), "
-              f"{args.num_layers} layers x hidden {args.hidden_size}")
-        print(" rank | eager peak | meta peak | meta/eager | bound (MiB) | bound/eager (1/N + root + 2 units)")
-        for rank, t in enumerate(everyone):
-            (e_peak, *_), (m_peak, persistent, model, root, unit) = t.tolist()
-            bound = persistent + root + 2 * unit
-            print(f" {rank:4d} | {e_peak / MIB:10.1f} | {m_peak / MIB:9.1f} | {m_peak / e_peak:10.3f} | "
-                  f"{bound / MIB:11.1f} | {1 / n + (root + 2 * unit) / model:.3f}")
+        print(_TAG + json.dumps(everyone), flush=True)
     dist.destroy_process_group()
 
 
+def _launch(kind: str, ranks: int, opts) -> List[Dict[str, Dict[str, float]]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.update(TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+           os.path.abspath(__file__), "--worker", kind, "--layers", str(opts.layers), "--hidden", str(opts.hidden),
+           "--vocab", str(opts.vocab)]
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(_TAG)]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{kind} at {ranks} ranks failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len(_TAG):])
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=8192, help="a multiple of 128 (the job pads to one)")
+    parser.add_argument("--worker", choices=("engine", "job"), help=argparse.SUPPRESS)
+    opts = parser.parse_args(argv)
+    if opts.worker:
+        return _worker(opts)
+    print(f"meta-device build, ZeRO-3, fp32 GPT {opts.layers} x {opts.hidden}, vocabulary {opts.vocab}; "
+          "MiB per rank (the rank with the largest ratio)")
+    print("| ranks | build | model | persistent | largest unit | peak | peak / (persistent + unit) "
+          "| after - persistent | eager peak |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for ranks in opts.ranks:
+        for kind in ("engine", "job"):
+            per_rank = _launch(kind, ranks, opts)
+            worst = max(per_rank, key=lambda r: r["meta"]["peak"] / (r["meta"]["persistent"] + r["meta"]["unit"]))
+            m, e = worst["meta"], worst["eager"]
+            print(f"| {ranks} | {kind} | {m['model'] / MIB:.1f} | {m['persistent'] / MIB:.1f} | {m['unit'] / MIB:.1f} "
+                  f"| {m['peak'] / MIB:.1f} | {m['peak'] / (m['persistent'] + m['unit']):.3f} "
+                  f"| {(m['after'] - m['persistent']) / MIB:+.1f} | {e['peak'] / MIB:.1f} |", flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -5,7 +5,6 @@ Each returns plain data; the assertions live in ``test_meta_init.py``.
 
 from __future__ import annotations
 
-import gc
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -87,46 +86,35 @@ def meta_matches_eager(ctx, configs: List[Config], train: Optional[Config] = Non
     return result
 
 
-def _rss_tools():
-    from tools.bench.measure import peak_rss_bytes, reset_peak_rss, rss_bytes
-    from tools.bench.measure import trim_heap as trim_memory
-    return peak_rss_bytes, reset_peak_rss, rss_bytes, trim_memory
+def _persistent_bytes(fsdp) -> int:
+    """This rank's persistent state after the build: its storages (``memory_report``) and the buffers."""
+    return fsdp.memory_report().total + sum(b.untyped_storage().nbytes() for b in fsdp.module.buffers())
 
 
-def _mmap_large_allocations() -> None:
-    """glibc: serve blocks over 64 KiB by mmap (and unmap them on free), so the resident set follows the
-    live tensors; by default the threshold grows after the first large free and freed blocks stay resident."""
-    from megatron.fsdp_training.allocator import MEASURE_MMAP_THRESHOLD, fix_mmap_threshold
+def build_peak(ctx, configs: List[Config], layers: int = 8, hidden: int = 512, vocab: int = 4096) -> Dict[str, object]:
+    """Resident-set high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``) above the start of
+    each meta build, and the resident set right after it, with glibc's defaults; one eager build last
+    (the instrument must see the whole model there). Before each build the heap is trimmed: what earlier
+    builds freed would otherwise be resident already, and a build reusing it would look free."""
+    from tools.bench.measure import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_heap
 
-    fix_mmap_threshold(MEASURE_MMAP_THRESHOLD, respect_env=False)
-
-
-def build_peak(ctx, layers: int = 8, hidden: int = 256, vocab: int = 4096) -> Dict[str, object]:
-    """Resident-set high-water mark above the start of each build, eager then meta (ZeRO-3)."""
-    peak_rss_bytes, reset_peak_rss, rss_bytes, trim_memory = _rss_tools()
-    _mmap_large_allocations()
     kwargs = dict(vocab=vocab, hidden=hidden, layers=layers, heads=4)
     for meta in (False, True):  # warm-up: the first meta build loads torch's meta kernels (~30 MiB of code)
-        _build(ctx, ("optim_grads_params", None, False), meta=meta)
-    out = {}
-    for meta in (False, True):
-        trim_memory()
+        _build(ctx, configs[0], meta=meta)
+    out: Dict[str, object] = {}
+    for cfg, meta in [(c, True) for c in configs] + [(configs[0], False)]:
+        trim_heap()  # gc.collect(), then glibc's malloc_trim(0)
         dist.barrier(group=ctx.group)
         start = rss_bytes()
-        reset_peak_rss()
-        fsdp = _build(ctx, ("optim_grads_params", None, False), meta=meta, model_kwargs=kwargs)
-        out["meta" if meta else "eager"] = peak_rss_bytes() - start
+        assert reset_peak_rss(), "/proc/self/clear_refs is not writable: VmHWM cannot be reset"
+        fsdp = _build(ctx, cfg, meta=meta, model_kwargs=kwargs)
+        peak, after = peak_rss_bytes() - start, rss_bytes() - start
+        units = [4 * u.storage.layout.padded_size for u in fsdp.units]
+        out[str(cfg) + ("" if meta else " eager")] = dict(
+            peak=peak, after=after, persistent=_persistent_bytes(fsdp), largest_unit=max(units), model=sum(units))
         report = fsdp.memory_report()  # without the optimizer: its state is not counted, and it says so
-        out["persistent_bytes"] = report.total  # this rank's weight shards (no gradients yet)
         out["report_repr"] = repr(report)
-        sizes = {u.name: 4 * u.storage.layout.padded_size for u in fsdp.units}
         del fsdp
-        gc.collect()
-    out["model_bytes"] = sum(sizes.values())
-    out["root_bytes"] = sizes["<root>"]
-    block = [n for n in sizes if n.startswith("blocks.") and not n.endswith(".mlp")][0]
-    out["largest_unit_bytes"] = sizes[block] + sizes[block + ".mlp"]  # a block with its nested MLP unit
-    out["ranks"] = ctx.size
     return out
 
 

@@ -1,18 +1,23 @@
-"""Build a sharded model from one on the ``meta`` device: unit by unit, so no rank holds it whole.
+"""Build a sharded model from one on the ``meta`` device: parameter by parameter, so no rank holds it whole.
 
 A model built under ``with torch.device("meta")`` has shapes but no storage.
-``fully_shard`` then walks ``module.modules()`` in order (the order an eager
+``fully_shard`` lays out every unit's flat storage from the shapes first (what the
+level keeps on this rank: the shards under ZeRO-3, the full buffer under
+``no_shard``), then walks ``module.modules()`` in order (the order an eager
 constructor creates and initialises submodules) and, for each submodule:
 
-1. gives its own parameters and buffers real storage on the target device;
+1. gives its own parameters storage in a scratch buffer, and its buffers real storage;
 2. initialises them: ``init_weights(submodule)`` when given, else the
    submodule's own ``reset_parameters()``;
-3. once every submodule holding a parameter of some unit has been visited,
-   builds that unit's flat storage (this rank's shard) and drops the full copy.
+3. copies each parameter into its unit's storage (``place``) and leaves the
+   parameter as the level keeps it (a view of the storage, or empty under ZeRO-3).
 
-So at any moment a rank holds its finished shards, the root unit (whose
-parameters, e.g. embedding and output head, sit at both ends of the walk), the
-unit being initialised and, for nested units, the unit around it.
+So a build's peak is the persistent state plus one submodule's own parameters
+(and what its initialiser allocates), at most the largest unit. The scratch is
+reused by every submodule and, on CPU, is an anonymous ``mmap``: freed, it leaves
+the process, however glibc's mmap threshold has moved. (Materialising a unit whole
+kept the root unit, embedding and head at both ends of the walk, through the whole
+build: on 2 ranks the peak passed the whole fp32 model.)
 
 **Equality with the eager build.** The weights equal, bitwise, those of the same
 model built eagerly on the same device after the same ``torch.manual_seed``
@@ -35,7 +40,10 @@ of ``fully_shard``; a failure raises one error naming the module and the fix.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
+import ctypes
+import math
+import mmap
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -87,9 +95,9 @@ def check_meta_module(module: torch.nn.Module, init_weights: Optional[InitFn]) -
                         "own parameters and buffers")
 
 
-def _materialise_param(p: torch.nn.Parameter, device: torch.device) -> None:
-    """Give a meta parameter storage in place: same Python object (identity, attributes, hooks kept)."""
-    real = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+def _materialise_param(p: torch.nn.Parameter, storage: torch.Tensor) -> None:
+    """Give a meta parameter ``storage`` in place: same Python object (identity, attributes, hooks kept)."""
+    real = torch.nn.Parameter(storage, requires_grad=p.requires_grad)
     real.__dict__.update(p.__dict__)
     torch.utils.swap_tensors(p, real)
     if p.is_floating_point():
@@ -97,41 +105,88 @@ def _materialise_param(p: torch.nn.Parameter, device: torch.device) -> None:
 
 
 def _unset(t: torch.Tensor) -> bool:
-    return t.is_floating_point() and bool(torch.isnan(t).any())
+    """Any NaN left in ``t``. A max propagates NaN: it allocates no mask of ``t``'s size (``isnan``'s
+    transient masks, freed into glibc's heap, fragmented it and grew a build's resident set)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return False
+    try:
+        return bool(torch.isnan(t.detach().amax()))
+    except RuntimeError:  # a dtype without a max kernel here (float8)
+        return bool(torch.isnan(t.detach().float()).any())
+
+
+_ALIGN = 64  # bytes: where each parameter starts in the scratch (torch's CPU allocator aligns as much)
+
+
+class _Scratch:
+    """Memory, reused by every submodule, for the parameters of the submodule being initialised.
+
+    On CPU: one anonymous ``mmap`` sized for the submodule with the most parameter bytes of its own;
+    each parameter gets a storage of its own at a fixed offset in it (storage offset 0, as a fresh
+    tensor), from materialisation until ``place`` has copied it into its unit's storage. Freed, the
+    mapping leaves the process whatever glibc's mmap threshold has become (a heap block of that size
+    would stay resident). ``torch.frombuffer`` holds the mapping, so it is unmapped only when the last
+    tensor on it is gone. Elsewhere (CUDA) each parameter is allocated, and the caching allocator
+    reuses the blocks.
+    """
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.device, self.used = device, 0
+        self.mapping = mmap.mmap(-1, nbytes) if device.type == "cpu" and nbytes > 0 else None
+
+    @staticmethod
+    def size_of(shapes: Sequence[Tuple[torch.Size, torch.dtype]]) -> int:
+        return sum(-(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN for shape, dtype in shapes)
+
+    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        count = math.prod(shape)
+        if self.mapping is None or count == 0:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        start, self.used = self.used, self.used + self.size_of([(shape, dtype)])
+        return torch.frombuffer(self.mapping, dtype=dtype, count=count, offset=start).view(shape)
+
+
+def _return_freed_memory() -> None:
+    """glibc's ``malloc_trim(0)``: hand the free pages of every malloc arena back to the OS.
+
+    The initialisers' temporaries (a master weight drawn whole, then sliced) are freed into glibc's heap,
+    where they would stay resident after the build; the build trims once, where glibc is the C library.
+    """
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc
+        pass
 
 
 class MetaMaterialiser:
-    """Walk ``module.modules()`` once; materialise, initialise, and hand finished groups to ``build``.
+    """Walk ``module.modules()`` once: materialise, initialise, and hand each parameter to ``place``.
 
-    ``groups`` maps a key (a unit's storage) to its ``(name, parameter)`` pairs; ``build(key)``
-    turns a group whose parameters are all initialised into its flat storage.
+    ``place(param)`` copies an initialised parameter (its value a view of the scratch) into its unit's
+    storage and makes it what the level keeps; it runs before the next submodule is initialised, so at
+    any moment a rank holds its storages plus one submodule's own parameters (and whatever its
+    initialiser allocates).
     """
 
     def __init__(self, module: torch.nn.Module, device: torch.device, init_weights: Optional[InitFn]):
         self.module, self.device, self.init_weights = module, device, init_weights
 
-    def run(self, groups: Sequence[Tuple[Hashable, List[Tuple[str, torch.nn.Parameter]]]],
-            build: Callable[[Hashable], object]) -> Dict[Hashable, object]:
+    def run(self, place: Callable[[torch.nn.Parameter], None]) -> None:
         modules = list(self.module.named_modules())
-        position = {id(m): i for i, (_, m) in enumerate(modules)}
-        last_holder: Dict[int, int] = {}
-        for _, m in modules:
-            for p in m._parameters.values():
-                if p is not None:
-                    last_holder[id(p)] = position[id(m)]
-        finish_at: Dict[int, List[Hashable]] = {}
-        for key, params in groups:
-            at = max((last_holder[id(p)] for _, p in params), default=-1)
-            finish_at.setdefault(at, []).append(key)
-        built = {key: build(key) for key in finish_at.pop(-1, [])}
+        self._shapes = {id(p): (p.shape, p.dtype) for _, m in modules for p in m._parameters.values()
+                        if p is not None}
+        largest = max((_Scratch.size_of([self._shapes[id(p)] for p in m._parameters.values() if p is not None])
+                       for _, m in modules), default=0)
+        scratch = _Scratch(largest, self.device)
         done: set = set()
-        for i, (name, m) in enumerate(modules):
-            self._initialise(name, m, done)
-            for key in finish_at.get(i, ()):
-                built[key] = build(key)
-        return built
+        for name, m in modules:
+            scratch.used = 0
+            self._initialise(name, m, done, scratch, place)
+        del scratch
+        if self.device.type == "cpu":
+            _return_freed_memory()
 
-    def _initialise(self, name: str, m: torch.nn.Module, done: set) -> None:
+    def _initialise(self, name: str, m: torch.nn.Module, done: set, scratch: _Scratch,
+                    place: Callable[[torch.nn.Parameter], None]) -> None:
         fresh, seen = [], []
         for pname, p in m._parameters.items():
             if p is None:
@@ -139,7 +194,7 @@ class MetaMaterialiser:
             if id(p) in done:
                 seen.append(pname)
             elif p.is_meta:
-                _materialise_param(p, self.device)
+                _materialise_param(p, scratch.take(p.shape, p.dtype))
                 fresh.append((pname, p))
         for bname, b in list(m._buffers.items()):
             if b is None:
@@ -155,7 +210,7 @@ class MetaMaterialiser:
         # runs on a scratch copy (it draws what it drew eagerly), the first value stays.
         originals = {pname: m._parameters[pname] for pname in seen}
         for pname, p in originals.items():
-            m._parameters[pname] = torch.nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad)
+            m._parameters[pname] = torch.nn.Parameter(scratch.take(*self._shapes[id(p)]), requires_grad=p.requires_grad)
         owner = name or "<root>"
         try:
             with torch.no_grad():
@@ -175,10 +230,13 @@ class MetaMaterialiser:
         for pname, p in fresh:
             if _unset(p):
                 raise ValueError(self._unset_message("parameter", owner, pname, m))
-            done.add(id(p))
         for bname, b in m._buffers.items():
             if b is not None and _unset(b):
                 raise ValueError(self._unset_message("buffer", owner, bname, m))
+        for _, p in fresh:
+            with torch.no_grad():
+                place(p)
+            done.add(id(p))
 
     @staticmethod
     def _adopt_reassigned(m: torch.nn.Module, fresh) -> None:

@@ -15,7 +15,9 @@ collectives that move data between the ranges:
   gather never needs the outer axis (the outer all-gather runs once per step);
 * reduce: full gradient --inner reduce-scatter or all-reduce--> inner shard
   --outer reduce-scatter or all-reduce--> piece. Stages whose level shards
-  gradients run every micro-batch; the others run once per step;
+  gradients run every micro-batch; the others run once per step. The accumulator
+  holds no frozen parameter's range (``regions.py``): a reduce-scatter that needs
+  it reads zeros there;
 * install (after the optimizer step): main weights --cast--> compute storage,
   then the gathers that rebuild persistent compute weights from the shards the
   optimizer updated.
@@ -107,18 +109,20 @@ class UnitStorage:
         self.shares_main = compute_dtype == main_dtype and not quantizes
         self.regions: UnitRegions = unit_regions(layout, levels, inner.rank, outer.rank, outer.size)
         regions = self.regions
-        originals = [p.detach() for p in params]
         self.trainable_params = [(i, p) for i, p in enumerate(params) if layout.slots[i].spec.trainable]
 
-        self.full = torch.zeros(layout.padded_size, dtype=compute_dtype, device=device)
-        self.views = self._views_of(self.full)
-        # ``full.data`` has its own version counter: gathers write through it so
-        # autograd never sees the refill of a released buffer as an in-place edit.
-        self._full_out = self.full.data
         # Persistent compute weights: the full buffer, or (ZeRO-3, where the full
         # buffer is released between uses) a shard of it. On a mesh of one rank the
         # shard is the whole buffer: keep it resident and never gather or release.
         self.releases = levels.inner.shard_params and (inner.size > 1 or outer.size > 1)
+        self.full = (torch.empty if self.releases else torch.zeros)(layout.padded_size, dtype=compute_dtype,
+                                                                     device=device)
+        self.views = self._views_of(self.full)
+        if self.releases:  # released untouched (each gather allocates it): never resident at build time
+            _free(self.full)
+        # ``full.data`` has its own version counter: gathers write through it so
+        # autograd never sees the refill of a released buffer as an in-place edit.
+        self._full_out = self.full.data
         # ZeRO-3 under mixed precision where the main shard covers the trainable part of
         # the compute range: gathers cast main weights; only frozen elements keep a shard.
         self.casts_main = (self.releases and not self.shares_main
@@ -129,23 +133,11 @@ class UnitStorage:
         self.shard: Optional[torch.Tensor] = None
         if self.releases:
             self.shard = torch.zeros(regions.size(self.kept), dtype=compute_dtype, device=device)
-            for piece in layout.pieces_in(*self.kept):
-                src = originals[piece.slot_index].reshape(-1)
-                self.shard[piece.shard_offset:piece.shard_offset + piece.length].copy_(
-                    src[piece.param_offset:piece.param_offset + piece.length])
-        else:
-            for view, src in zip(self.views, originals):
-                view.copy_(src)
-
         a, b = regions.main
         if self.shares_main:
             self.main = self.compute_slice(a, b)
         else:
             self.main = torch.zeros(b - a, dtype=main_dtype, device=device)
-            for piece in layout.pieces_in(a, b):
-                src = originals[piece.slot_index].reshape(-1)
-                self.main[piece.shard_offset:piece.shard_offset + piece.length].copy_(
-                    src[piece.param_offset:piece.param_offset + piece.length])
 
         accum_size = regions.size(regions.accum) if self.trainable_params else 0
         # Allocated at the first reduction into it, freed by ``zero_grads(set_to_none=True)``.
@@ -153,13 +145,37 @@ class UnitStorage:
         self.residency = Residency.SHARDED if self.releases else Residency.FULL
         self.gather_buffer = None  # a persistent buffer for ``full`` (gather_buffers.py), or per-gather allocation
         self._gather_name = ""
-        if self.releases:
-            _free(self.full)
-            self._detach_params()
-        else:
-            self._attach_params()
+        # A parameter on the meta device gets its value later, one at a time (``adopt``, meta_init.py).
+        self._pieces: Optional[List[list]] = None  # adopt's pieces per slot
+        for index, param in enumerate(params):
+            if not param.is_meta:
+                self.adopt(index, param.detach())
         # The FP8 gather; its first quantization is an install, issued by ``fully_shard`` (a collective).
         self.fp8: Optional[QuantizedGather] = QuantizedGather(self, param_gather, quantized) if quantizes else None
+
+    def adopt(self, index: int, value: torch.Tensor) -> None:
+        """Copy ``value`` (parameter ``index``'s full value) into the persistent storage that holds it on this
+        rank, then make the parameter what the level keeps between uses: a view of ``full``, or (ZeRO-3) empty.
+
+        One parameter at a time, so a meta-device build holds one submodule's parameters beside the shards
+        instead of a whole unit (``init/meta_init.py``)."""
+        if self._pieces is None:  # ("shard" or "main", piece) of every slot, found once
+            self._pieces = [[] for _ in self.layout.slots]
+            kept = self.layout.pieces_in(*self.kept) if self.shard is not None else ()
+            main = self.layout.pieces_in(*self.regions.main) if not self.shares_main else ()
+            for target, pieces in (("shard", kept), ("main", main)):
+                for piece in pieces:
+                    self._pieces[piece.slot_index].append((target, piece))
+        flat = value.reshape(-1)
+        for target, piece in self._pieces[index]:
+            getattr(self, target)[piece.shard_offset:piece.shard_offset + piece.length].copy_(
+                flat[piece.param_offset:piece.param_offset + piece.length])
+        param = self.params[index]
+        if self.releases:
+            param.data = torch.empty(0, dtype=self.compute_dtype, device=self.full.device)
+        else:
+            self.views[index].copy_(value.view(self.layout.slots[index].spec.shape))
+            param.data = self.views[index]
 
     def use_gather_buffer(self, buffer, name: str) -> None:
         """Gather into ``buffer`` (a ``GatherBuffer``) from now on instead of allocating per gather.
@@ -190,7 +206,7 @@ class UnitStorage:
             self.main_grad = accum[a - regions.accum[0]:b - regions.accum[0]] if self.trainable_params else accum
             if self.grads_in_place and self.trainable_params:
                 self.grad_full = accum
-                self.grad_views = self._views_of(accum)
+                self.grad_views = self._grad_views_of(accum)
 
     def set_main_grads_dtype(self, dtype: torch.dtype) -> None:
         """Keep the gradient accumulator in ``dtype`` (e.g. bf16 main grads); its values are kept (cast)."""
@@ -273,6 +289,15 @@ class UnitStorage:
 
     def _views_of(self, flat: torch.Tensor) -> List[torch.Tensor]:
         return [flat[s.start:s.end].view(s.spec.shape) for s in self.layout.slots]
+
+    def _grad_views_of(self, flat: torch.Tensor) -> List[Optional[torch.Tensor]]:
+        """The trainable parameters' views of a flat gradient (None for frozen ones: ``flat`` may end before them)."""
+        return [flat[s.start:s.end].view(s.spec.shape) if s.spec.trainable else None for s in self.layout.slots]
+
+    def _accum_part(self, grads: torch.Tensor, region) -> torch.Tensor:
+        """The part of ``grads`` (buffer range ``region``) that the accumulator holds."""
+        a, b = self.regions.accum
+        return grads[a - region[0]:b - region[0]]
 
     def compute_slice(self, a: int, b: int) -> torch.Tensor:
         """Persistent compute storage of buffer range [a, b) (checkpoints and full state dicts read it)."""
@@ -404,7 +429,7 @@ class UnitStorage:
             # delivers it (``take_grad``), and what got none is zeroed when the unit's backward
             # ends (``finish_grads``).
             self.grad_full = torch.empty(self.layout.padded_size, dtype=self.compute_dtype, device=self.full.device)
-            self.grad_views = self._views_of(self.grad_full)
+            self.grad_views = self._grad_views_of(self.grad_full)
             self._unwritten = dict(self.trainable_params)
             for _, p in self.trainable_params:
                 p.grad = None
@@ -450,7 +475,7 @@ class UnitStorage:
         """Full-grad inner levels with a transient buffer: add this micro-batch into the accumulator."""
         if not self.grads_in_place and self.grad_full is not None:
             self.finish_grads()
-            self._accumulate(self.grad_full)
+            self._accumulate(self._accum_part(self.grad_full, (0, self.layout.padded_size)))
 
     def reduce_microbatch(self, tag: str, then_step: bool) -> Handle:
         """Grad-sharded inner levels: reduce this micro-batch's full gradient into the accumulator.
@@ -483,13 +508,14 @@ class UnitStorage:
                 if inner_out is self.grad_accum:
                     self._scale(inner_out, self.inner)  # reduced straight into the accumulator: the mean in place
                 else:
-                    self._accumulate(self._scale(inner_out, self.inner))
+                    self._accumulate(self._scale(self._accum_part(inner_out, regions.inner), self.inner))
             return staged(Handle(first, then=add_inner), *step)
         piece_out = torch.empty(piece_hi - piece_lo, dtype=self.reduce_dtype, device=device)
 
         def outer_stage() -> Handle:
             def add_piece():
-                self._accumulate(self._scale(self._scale(piece_out, self.inner), self.outer))
+                own = self._accum_part(piece_out, regions.piece)
+                self._accumulate(self._scale(self._scale(own, self.inner), self.outer))
             return Handle(self.outer.reduce_scatter(piece_out, inner_out, tag), then=add_piece, keep=(inner_out,))
         return staged(first, outer_stage, *step)
 
@@ -500,32 +526,46 @@ class UnitStorage:
         stages = []
         regions = self.regions
         accum = self.ensure_grads()
-        base = regions.accum[0]
         if self.levels.inner.keeps_full_grads:
-            stages.append(lambda: self._reduce_region(accum, self.inner, (0, accum.numel()),
+            stages.append(lambda: self._reduce_region(accum, self.inner, (0, self.layout.padded_size),
                                                       regions.inner if self.levels.inner.shard_optim else None, tag))
         if not self.levels.outer.shard_grads:
-            region = (regions.inner[0] - base, regions.inner[1] - base)
-            piece = (regions.piece[0] - base, regions.piece[1] - base) if self.levels.outer.shard_optim else None
-            stages.append(lambda: self._reduce_region(accum, self.outer, region, piece, tag))
+            piece = regions.piece if self.levels.outer.shard_optim else None
+            stages.append(lambda: self._reduce_region(accum, self.outer, regions.inner, piece, tag))
         return staged(stages[0](), *stages[1:])
 
     def _reduce_region(self, accum: torch.Tensor, axis: CommAxis, region, piece, tag: str) -> Handle:
-        """Average ``accum[region]`` over ``axis``: all-reduce it, or reduce-scatter it into ``accum[piece]``."""
+        """Average the gradient of buffer range ``region`` over ``axis``: all-reduce it, or reduce-scatter
+        it into buffer range ``piece``. The accumulator holds buffer range ``regions.accum``; past its end
+        (frozen parameters) the gradient is zero: an all-reduce leaves that out (every rank of the axis
+        holds the same range), a reduce-scatter, which needs the whole region, reads zeros there."""
         if axis.size == 1:
             return Handle()
-        src = accum[region[0]:region[1]]
-        wire = self._in_reduce_dtype(src)
+        base = self.regions.accum[0]
+        lo = max(region[0], base)
+        held = (lo, max(lo, min(region[1], base + accum.numel())))
+        src = accum[held[0] - base:held[1] - base]
         if piece is None:
+            if src.numel() == 0:
+                return Handle()
+            wire = self._in_reduce_dtype(src)
+
             def done_all():
                 if wire is not src:
                     src.copy_(wire)
                 self._scale(src, axis)
             return Handle(axis.all_reduce(wire, tag), then=done_all, keep=(wire,))
+        if held == tuple(region):
+            wire = self._in_reduce_dtype(src)
+        else:
+            wire = torch.zeros(region[1] - region[0], dtype=self.reduce_dtype, device=accum.device)
+            wire[held[0] - region[0]:held[1] - region[0]].copy_(src)
         out = torch.empty(piece[1] - piece[0], dtype=wire.dtype, device=wire.device)
 
         def done_scatter():
-            accum[piece[0]:piece[1]].copy_(self._scale(out, axis))
+            lo, hi = max(piece[0], base), min(piece[1], base + accum.numel())
+            if hi > lo:
+                accum[lo - base:hi - base].copy_(self._scale(out[lo - piece[0]:hi - piece[0]], axis))
         return Handle(axis.reduce_scatter(out, wire, tag), then=done_scatter, keep=(wire,))
 
     def zero_grads(self, set_to_none: bool = False) -> None:

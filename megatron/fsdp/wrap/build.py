@@ -120,10 +120,11 @@ def fully_shard(
     ``forward_prefetch`` / ``backward_prefetch`` (units gathered ahead) and
     ``reductions_in_flight`` (gradient reductions issued before the oldest is
     waited) set how far communication runs ahead of compute (``runtime.Overlap``).
-    A module on the ``meta`` device is materialised unit by unit on ``device``
-    (default: the current CUDA device, else CPU), each submodule initialised by
+    A module on the ``meta`` device is materialised on ``device`` (default: the
+    current CUDA device, else CPU) one submodule at a time, each initialised by
     ``init_weights(submodule)`` or its own ``reset_parameters()`` in
-    ``module.modules()`` order, keeping only this rank's shards (``meta_init.py``).
+    ``module.modules()`` order and copied straight into this rank's shards: the
+    build peaks at the persistent state plus at most one unit (``meta_init.py``).
     ``double_buffer=True`` gathers ZeRO-3 units into persistent buffers allocated once
     (two per section and nesting depth, or the prefetch depth + 1) instead of allocating
     at every gather (``gather_buffers.py``; Megatron-LM's ``--fsdp-double-buffer``).
@@ -190,8 +191,13 @@ def fully_shard(
         return _unit_storage(params_of[key], sections_by_name[key[1]], mp, no_weight_decay, device,
                              param_gather, quantized)
 
-    # A meta model is materialised (and every initialiser run) before the first collective.
-    storages = MetaMaterialiser(module, device, init_weights).run(groups, build) if on_meta else None
+    storages = None
+    if on_meta:
+        # Every unit's storage is laid out from the shapes first; then each submodule is initialised
+        # and its parameters copied in at once, before the first collective (meta_init.py).
+        storages = {key: build(key) for key, _ in groups}
+        adopt = {id(p): functools.partial(s.adopt, i) for s in storages.values() for i, p in enumerate(s.params)}
+        MetaMaterialiser(module, device, init_weights).run(lambda p: adopt[id(p)](p.detach()))
     for axis in (inner, outer) + ((expert.inner, expert.outer) if expert is not None else ()):
         check_same_module_on_all_ranks(axis, signature, device)
     if storages is None:
@@ -227,7 +233,8 @@ def fully_shard(
     track(runtime)  # shutdown() waits for what it leaves in flight
     for unit in units:
         if unit is not root:
-            unit.module.register_forward_pre_hook(lambda _m, _a, u=unit: runtime.pre_forward(u))
+            unit.module.register_forward_pre_hook(lambda _m, args, kwargs, u=unit: runtime.pre_forward(u, args, kwargs),
+                                                  with_kwargs=True)
             # always_call: a forward that raises still releases what its pre-hook gathered
             unit.module.register_forward_hook(lambda _m, _a, out, u=unit: runtime.post_forward(u, out),
                                               always_call=True)
