@@ -4,7 +4,7 @@ delayed scaling, megatron.fsdp against Megatron-Core DDP under the same recipe, 
 import pytest
 
 from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
-from megatron.fsdp_training.arguments.fp8 import fp8_start_up_line
+from megatron.fsdp_training.arguments.precision import fp8_start_up_line
 from megatron.fsdp_training.arguments.substitutions import substitution_line
 from megatron.fsdp_training.testing.fp8 import FP8_PARITY, delayed_scaling_case
 from megatron.fsdp_training.testing.job import assert_exact_resume, fsdp, pretrain
@@ -25,6 +25,13 @@ RECIPES = {"delayed": HYBRID_DELAYED, "mxfp8": ["--fp8-format", "hybrid", "--fp8
     (["--fp8-format", "hybrid", "--fp8-recipe", "blockwise"], "blockwise's 1x128 activation and gradient tiles"),
     (["--fp8-format", "hybrid", "--fp8-recipe", "custom"], "--fp8-quantizer-factory"),
     (["--fp8-format", "hybrid", "--fp8-amax-history-len", "0"], "--fp8-amax-history-len 0 must be at least 1"),
+    # margin and amax history are delayed scaling's alone (Megatron-Core hands them to TE's DelayedScaling only)
+    (["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8", "--fp8-margin", "3"],
+     "--fp8-margin 3 would do nothing under --fp8-recipe mxfp8, which scales from each 32-element block's amax"),
+    (["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--fp8-amax-history-len", "8", "--fp8-amax-compute-algo",
+      "max"], "--fp8-amax-history-len 8, --fp8-amax-compute-algo max would do nothing under --fp8-recipe tensorwise"),
+    (["--fp8-format", "hybrid", "--fp8-recipe", "blockwise", "--fp8-margin", "1"],
+     "--fp8-margin 1 would do nothing under --fp8-recipe blockwise"),
     (["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8", "--hidden-size", "80", "--num-attention-heads", "4"],
      "--hidden-size \\(80\\).* must be multiples of 32"),
 ])
@@ -95,13 +102,24 @@ def test_fp8_param_gather_computes_with_the_weights_quantized_from_fp32(recipe):
     assert gathered["valid"] == reference["valid"]
 
 
-def test_delayed_fp8_checkpoints_resume_exactly_and_at_another_dp_size(tmp_path):
+DELAYED_ZERO3 = FP8_PARITY + HYBRID_DELAYED + fsdp("optim_grads_params") + ["--fp8-param-gather"]
+
+
+@pytest.fixture(scope="module")
+def delayed_run(tmp_path_factory):
+    """A delayed-scaling ZeRO-3 run that saves at 5 and 10: its directory and history."""
+    root = tmp_path_factory.mktemp("fp8_delayed")
+    return root, pretrain(2, DELAYED_ZERO3 + ["--save", str(root), "--save-interval", "5"])
+
+
+def test_delayed_fp8_checkpoints_resume_exactly_and_at_another_dp_size(delayed_run):
     """fsdp_dtensor holds the amax histories (the layers' and, under --fp8-param-gather, the engine's of the
     weights): resumed on 2 ranks the run continues bitwise; on 4 ranks the loaded scales are the saved ones and the
     validation loss before any step is the saved run's."""
-    argv = FP8_PARITY + HYBRID_DELAYED + fsdp("optim_grads_params") + ["--fp8-param-gather"]
-    straight = pretrain(2, argv + ["--save", str(tmp_path), "--save-interval", "5"])
-    resumed = pretrain(2, argv + ["--load", str(tmp_path), "--ckpt-step", "5"])
+    tmp_path, straight = delayed_run
+    argv = DELAYED_ZERO3
+    resumed = pretrain(2, argv + ["--load", str(tmp_path), "--ckpt-step", "5"], capture_log=True)
+    assert "amax histories" not in resumed["log"]  # the same recipe: loaded, nothing to say
     assert_exact_resume(straight, resumed, 5)
     assert resumed["fp8_scales"] == straight["fp8_scales"]
     loaded = {ranks: pretrain(ranks, argv + ["--micro-batch-size", "2", "--load", str(tmp_path), "--ckpt-step", "5",
@@ -110,3 +128,88 @@ def test_delayed_fp8_checkpoints_resume_exactly_and_at_another_dp_size(tmp_path)
     assert loaded[2]["fp8_scales"] == loaded[4]["fp8_scales"] != straight["fp8_scales"]
     assert all(s != [1.0] * len(s) for s in loaded[4]["fp8_scales"].values())
     assert abs(loaded[4]["valid_at_load"] - straight["valid"][0]) <= 1e-6 * straight["valid"][0]
+
+
+def test_which_fp8_state_a_load_takes():
+    """The histories load only under the same recipe (format, recipe, window, algorithm, margin, where the weights'
+    histories live); otherwise one line says whether they are not loaded or start fresh."""
+    from argparse import Namespace
+
+    from megatron.fsdp_training.checkpointing.fp8_state import is_scaling_state, plan
+
+    delayed = dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4, fp8_amax_compute_algo="max",
+                   fp8_margin=0, fp8_param_gather=True, use_megatron_fsdp=True)
+    keys = ["model.decoder.layers.0.mlp.linear_fc1.weight", "model.decoder.layers.0.mlp.linear_fc1.fp8_forward_history",
+            "model.decoder.layers.0.mlp.linear_fc1.weight._fp8_amax_history"]
+    assert [is_scaling_state(k) for k in keys] == [False, True, True]
+    assert plan(delayed, keys, Namespace(**delayed), "C") == plan({}, [], Namespace(fp8=None), "C")
+    assert plan(delayed, keys, Namespace(**delayed), "C").load
+    for change, said in ((dict(fp8=None), "this run has FP8 off: its FP8 amax histories and scales are not loaded"),
+                         (dict(fp8_recipe="mxfp8"), "this run has --fp8-format hybrid --fp8-recipe mxfp8 "
+                                                    "--fp8-param-gather: its FP8 amax histories and scales are not"),
+                         (dict(fp8_amax_history_len=8), "--fp8-amax-history-len 8 --fp8-amax-compute-algo max "
+                                                        "--fp8-param-gather: the checkpoint's FP8 amax histories"),
+                         (dict(fp8_margin=1), "this run's start fresh"),
+                         (dict(use_megatron_fsdp=False), "this run's start fresh")):
+        got = plan(delayed, keys, Namespace(**dict(delayed, **change)), "C")
+        assert not got.load and said in got.line, (change, got)
+    fresh = plan(dict(fp8=None), keys[:1], Namespace(**delayed), "C")
+    assert not fresh.load and "start fresh (the checkpoint has none)" in fresh.line
+    converted = plan(delayed, keys[:1], Namespace(**delayed), "C")  # an FP8 run's weights, converted: no histories
+    assert not converted.load and "holds no FP8 amax histories (converted from a run with" in converted.line
+
+
+def test_an_fp8_checkpoint_never_locks_a_run_in(delayed_run, tmp_path):
+    """A delayed-scaling checkpoint resumes with FP8 off (weights and optimizer bitwise those of the same checkpoint
+    with its histories removed), its successor in bf16 resumes with FP8 on (histories fresh), it fine-tunes under
+    MXFP8, and converts to HuggingFace and torch_dist (the baseline loads that under FP8): one line each where
+    FP8 state is left."""
+    import torch
+
+    from megatron.fsdp_training.tools.checkpoint import convert, hf_convert, torch_dist_convert
+
+    saved, straight = delayed_run
+    load5 = ["--load", str(saved), "--ckpt-step", "5"]
+    off = pretrain(2, FP8_PARITY + fsdp("optim_grads_params") + load5 + ["--save", str(tmp_path / "bf16"),
+                                                                         "--save-interval", "8"], capture_log=True)
+    assert "this run has FP8 off: its FP8 amax histories and scales are not loaded (the weights are)" in off["log"]
+    assert off["start_iteration"] == 5 and len(off["losses"]) == 5
+    assert all(abs(a - b) < 0.02 * b for a, b in zip(off["losses"], straight["losses"][5:]))  # FP8 rounding apart
+    # the same checkpoint without its histories: bitwise the same run
+    convert.to_torch(str(saved), str(tmp_path / "full.pt"), iteration=5)
+    full = torch.load(tmp_path / "full.pt", weights_only=False)
+    full["model"] = {k: v for k, v in full["model"].items() if "fp8" not in k}
+    torch.save(full, tmp_path / "stripped.pt")
+    convert.from_torch(str(tmp_path / "stripped.pt"), str(tmp_path / "stripped"))
+    bare = pretrain(2, FP8_PARITY + fsdp("optim_grads_params") + ["--load", str(tmp_path / "stripped")])
+    assert (bare["losses"], bare["valid_at_load"]) == (off["losses"], off["valid_at_load"])
+
+    # bf16 -> FP8 delayed: the histories start fresh, and advance
+    on = pretrain(2, DELAYED_ZERO3 + ["--load", str(tmp_path / "bf16"), "--ckpt-step", "8"], capture_log=True)
+    assert "this run has --fp8-format hybrid --fp8-recipe delayed" in on["log"] and "start fresh" in on["log"]
+    assert on["start_iteration"] == 8 and len(on["losses"]) == 2
+    assert all(s != [1.0] * len(s) for s in on["fp8_scales"].values())
+
+    # --finetune under another recipe: the trained weights (the first loss is the saved run's, not a fresh model's)
+    tuned = pretrain(2, FP8_PARITY + RECIPES["mxfp8"] + fsdp("optim_grads_params") + load5 + [
+        "--finetune", "--train-iters", "3"], capture_log=True)
+    assert "--fp8-recipe mxfp8: its FP8 amax histories and scales are not loaded" in tuned["log"]
+    assert "for fine-tuning" in tuned["log"] and abs(tuned["losses"][0] - straight["losses"][5]) < 0.02 * 6
+
+    from tests.cases.generation import generate_in_pool
+
+    said = pool_of(2).run(generate_in_pool, timeout=120, argv=["--load", str(saved), "--ckpt-step", "5", "--prompt",
+                                                               "1 2", "--max-new-tokens", "3", "--greedy"])
+    assert len(said[0]["ids"]) == 3 and said[0]["ids"] == said[1]["ids"]
+
+    report = hf_convert.to_hf(str(saved), str(tmp_path / "hf"), iteration=5)
+    assert "not converted: 48 FP8 amax histories and scales" in report.note  # 2 layers x 4 linears x (4 + 2)
+    from safetensors import safe_open
+
+    with safe_open(str(next((tmp_path / "hf").glob("*.safetensors"))), "pt") as f:
+        assert f.keys() and not [k for k in f.keys() if "fp8" in k]
+    torch_dist_convert.to_torch_dist(str(saved), str(tmp_path / "td"), iteration=5)
+    baseline = pretrain(2, FP8_PARITY + HYBRID_DELAYED + ["--use-distributed-optimizer", "--load", str(tmp_path / "td")],
+                        capture_log=True)
+    assert "holds no FP8 amax histories (converted from a run with --fp8-format hybrid" in baseline["log"]
+    assert baseline["start_iteration"] == 5 and len(baseline["losses"]) == 5

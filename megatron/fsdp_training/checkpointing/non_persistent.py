@@ -27,7 +27,7 @@ non-persistent save, said at start-up (``check_newer``). A non-persistent direct
 owned like it: a lock while the job runs, and an owner file naming the job's ``--save``, so that a directory
 holding another job's checkpoints (another run's ``--save``, another job's local checkpoints) is refused
 (``paths.non_persistent_owner_problem``). The flags and their start-up rules are in
-``arguments/non_persistent.py``.
+``arguments/checkpointing.py``.
 """
 
 from __future__ import annotations
@@ -399,8 +399,10 @@ def _describe(value: Any) -> Any:
     return ("object", type(value).__name__)
 
 
-def _read_local(state: Dict[str, Any], directory: Path, prefixes: Tuple[str, ...], reader=None) -> None:
-    """Fill ``state`` from this rank's own files (each rank its own; the verdict on the keys is shared)."""
+def _read_local(state: Dict[str, Any], directory: Path, prefixes: Tuple[str, ...], reader=None,
+                unread=lambda key: False) -> None:
+    """Fill ``state`` from this rank's own files (each rank its own; the verdict on the keys is shared);
+    ``unread(key)``: saved keys this load leaves (``save_load.validate_keys``)."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.tensor import DTensor
@@ -413,7 +415,7 @@ def _read_local(state: Dict[str, Any], directory: Path, prefixes: Tuple[str, ...
         flat, mapping = flatten_state_dict(state)
         local = {k: (v._local_tensor if isinstance(v, DTensor) else v) for k, v in flat.items()}
         missing = sorted(set(local) - set(saved))
-        unexpected = sorted(k for k in saved if k.startswith(prefixes) and k not in local)
+        unexpected = sorted(k for k in saved if k.startswith(prefixes) and k not in local and not unread(k))
         wrong = sorted(k for k in set(local) & set(saved) if _describe(local[k]) != _describe(saved[k]))
         if missing or unexpected or wrong:
             problem = "; ".join(f"{what} {keys[:3]}" + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")

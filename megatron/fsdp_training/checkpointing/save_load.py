@@ -39,11 +39,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.fsdp.checkpoint.metadata import describe_checkpoint, describe_state_dict, key_mismatches, mismatch_error, show
+from megatron.fsdp.commands import CONVERT
 
 from . import files
 from . import manifest
 from . import ownership, paths
 from . import compatibility
+from . import fp8_state
 from .compatibility import KEY_LAYOUT_ARGS, MODEL_SHAPE_ARGS
 from .paths import find_checkpoint
 from .files import CheckpointError
@@ -53,7 +55,7 @@ from ..logs.lines import print_rank_0
 FORMAT = "fsdp_dtensor"
 # 2: TP-global keys and shapes; 1: keys per TP rank, read in TP-global terms (checkpointing/layout_v1.py). Both load at any TP, EP.
 VERSION = 2
-# The parallel layout a checkpoint was written with (common.json; tools/checkpoint/inspect.py shows it).
+# The parallel layout a checkpoint was written with (common.json; megatron-fsdp-inspect shows it).
 PARALLEL_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                  "virtual_pipeline_model_parallel_size", "sequence_parallel", "expert_model_parallel_size",
                  "expert_tensor_parallel_size", "data_parallel_sharding_strategy",
@@ -364,13 +366,15 @@ def release_save_directory(args) -> None:
 
 
 # ------------------------------------------------------------------------ load
-def validate_keys(state: Mapping[str, Any], directory: Path, prefixes: Tuple[str, ...], reader=None) -> None:
+def validate_keys(state: Mapping[str, Any], directory: Path, prefixes: Tuple[str, ...], reader=None,
+                  unread=lambda key: False) -> None:
     """Compare the union of every rank's state dict with the checkpoint (a collective; the same verdict everywhere).
 
     Checkpoint keys under ``prefixes`` must all be asked for, every asked key must
     exist with the same shape, dtype and kind (the engine's rule: ``megatron.fsdp.checkpoint.metadata``).
     ``reader``: the checkpoint's metadata as that storage reader gives it (a layout-1 checkpoint's,
-    translated). Raises ``CheckpointError`` naming them.
+    translated); ``unread(key)``: checkpoint keys this load leaves (FP8 scaling state of another recipe).
+    Raises ``CheckpointError`` naming them.
     """
     gathered: List[Optional[Dict[str, Tuple]]] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, describe_state_dict(state))
@@ -380,7 +384,7 @@ def validate_keys(state: Mapping[str, Any], directory: Path, prefixes: Tuple[str
         for key, d in desc.items():
             if wanted.setdefault(key, d) != d:
                 wrong.append(f"{key} (ranks disagree: {show(wanted[key])} vs {show(d)})")
-    saved = describe_checkpoint(directory, reader)
+    saved = {k: d for k, d in describe_checkpoint(directory, reader).items() if not unread(k)}
     missing, unexpected, mismatched = key_mismatches(wanted, saved, prefixes, label="model")
     error = mismatch_error(f"checkpoint {directory} does not fit this model", sorted(missing), sorted(unexpected),
                            wrong + sorted(mismatched))
@@ -440,7 +444,7 @@ def _check_not_torch_dist(directory: Path) -> None:
     if not (directory / files.COMMON).is_file() and torch_dist_checkpoint.is_torch_dist(directory):
         raise CheckpointError(
             f"checkpoint {directory} is a torch_dist checkpoint (the Megatron-Core DDP baseline's format); "
-            "--use-megatron-fsdp loads fsdp_dtensor: convert it with python tools/checkpoint/convert.py "
+            f"--use-megatron-fsdp loads fsdp_dtensor: convert it with {CONVERT} "
             f"from-torch-dist {directory.parent} FSDP_DIR and pass --load FSDP_DIR")
 
 
@@ -481,9 +485,10 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
     return load_directory(args, model, optimizer, scheduler, directory, start)
 
 
-def _read_pieces(state: Dict[str, Any], directory: Path, prefixes: Tuple[str, ...], reader=None) -> None:
+def _read_pieces(state: Dict[str, Any], directory: Path, prefixes: Tuple[str, ...], reader=None,
+                 unread=lambda key: False) -> None:
     """Fill ``state`` from a checkpoint all ranks wrote together (a collective: the keys are checked first)."""
-    validate_keys(state, directory, prefixes, reader)
+    validate_keys(state, directory, prefixes, reader, unread)
     dcp.load(state, storage_reader=reader or dcp.FileSystemReader(str(directory)))
 
 
@@ -523,10 +528,18 @@ def load_directory(args, model, optimizer, scheduler, directory: Path, start: fl
                         else "the added padding rows keep this model's initial values (optimizer state zero)"))
     for chunk in model:  # the keys and coordinates the checkpoint was written in
         chunk.use_checkpoint_layout(vocab_rows=rows)
+    dcp_keys = describe_checkpoint(directory, reader) if reader or (directory / ".metadata").is_file() else None
+    scaling = fp8_state.plan(common.get("args", {}), dcp_keys, args, directory)
+    if scaling.line:
+        print_rank_0(scaling.line)
     try:
         state, mains = _state_dict(model, optimizer, with_optimizer, with_rng)
         prefixes = ("model.",) + (("optimizer.",) if with_optimizer else ()) + (("rng.",) if with_rng else ())
-        read_pieces(state, directory, prefixes, reader)
+        kept = {} if scaling.load else {k: state["model"].pop(k) for k in list(state["model"])
+                                         if fp8_state.is_scaling_state(k)}  # this run's own values, loaded back
+        read_pieces(state, directory, prefixes, reader,
+                    **({} if scaling.load else {"unread": fp8_state.is_scaling_state}))
+        state["model"].update(kept)
         for chunk in model:
             keys = set(chunk.checkpoint_keys().to_global.values())
             chunk.load_state_dict({k: v for k, v in state["model"].items() if k in keys})

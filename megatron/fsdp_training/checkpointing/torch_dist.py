@@ -20,7 +20,7 @@ directory and published atomically with the same protocol as ``fsdp_dtensor``
 On CPU/gloo the ``torch_dist`` strategy works as shipped (the CPU mode maps its CUDA calls);
 the fully parallel save wrapper is not used (it exchanges shards with NCCL-sized buckets and
 buys nothing on one host). Checkpoints converted from ``fsdp_dtensor``
-(``tools/checkpoint/convert.py to-torch-dist``) hold the tensors but not the baseline
+(``megatron-fsdp-convert to-torch-dist``) hold the tensors but not the baseline
 optimizer's bookkeeping (its param-group structure): the load takes that from the live
 optimizer and the step count from ``converted.optimizer_step``.
 """
@@ -39,9 +39,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron.fsdp.commands import CONVERT
+
 from . import files
 from . import paths
 from . import compatibility
+from . import fp8_state
 from .compatibility import MODEL_SHAPE_ARGS
 from .paths import find_checkpoint
 from .files import CheckpointError
@@ -61,7 +64,6 @@ def sharded_metadata(args) -> Dict[str, Any]:
     """The metadata a save of this job writes (Megatron-LM's ``_build_sharded_state_dict_metadata``)."""
     layout = FULLY_RESHARDABLE if getattr(args, "dist_ckpt_optim_fully_reshardable", False) else DP_RESHARDABLE
     return {**SHARDED_METADATA, "distrib_optim_sharding_type": layout}
-CONVERTER = "tools/checkpoint/convert.py"
 
 
 def allow_args_in_common() -> None:
@@ -304,32 +306,44 @@ def _check_dp_reshardable(saved_args, args, directory: Path) -> None:
             "with --dist-ckpt-optim-fully-reshardable, or load the weights only with --no-load-optim")
 
 
-def _drop_absent_extra_state(state: Dict[str, Any], saved_keys) -> List[Tuple[str, ...]]:
-    """``_extra_state`` objects the checkpoint lacks (a converted one has none; they are None for local
-    layers): removed from the request; their paths are returned so that ``None`` is put back for
-    ``load_state_dict``."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
+def _drop_from_request(state: Dict[str, Any], leave) -> List[Tuple[Tuple[str, ...], Any]]:
+    """Remove from the request each sharded entry ``leave(entry)`` names; returns ``(path, value)`` pairs to put back
+    for ``load_state_dict``: None for an ``_extra_state`` object (None for local layers), this run's own tensor
+    for FP8 scaling state the load leaves (``fp8_state``)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    dropped: List[Tuple[str, ...]] = []
+    dropped: List[Tuple[Tuple[str, ...], Any]] = []
 
     def walk(d: dict, path: Tuple[str, ...]):
         for k in list(d):
             v = d[k]
             if isinstance(v, dict):
                 walk(v, path + (k,))
-            elif isinstance(v, ShardedObject) and v.key.endswith("_extra_state") and v.unique_key not in saved_keys:
-                dropped.append(path + (k,))
+            elif isinstance(v, (ShardedObject, ShardedTensor)) and leave(v):
+                dropped.append((path + (k,), v.data if isinstance(v, ShardedTensor) else None))
                 del d[k]
     walk(state, ())
     return dropped
 
 
-def _put_back(loaded: Dict[str, Any], paths: List[Tuple[str, ...]]) -> None:
-    for path in paths:
+def _left_by_this_load(saved_keys, scaling: fp8_state.ScalingStatePlan):
+    """What the load does not request: ``_extra_state`` objects the checkpoint lacks (a converted one has none),
+    and FP8 scaling state of another recipe."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    def leave(v) -> bool:
+        if isinstance(v, ShardedObject):
+            return v.key.endswith("_extra_state") and v.unique_key not in saved_keys
+        return not scaling.load and fp8_state.is_scaling_state(v.key)
+    return leave
+
+
+def _put_back(loaded: Dict[str, Any], dropped: List[Tuple[Tuple[str, ...], Any]]) -> None:
+    for path, value in dropped:
         d = loaded
         for k in path[:-1]:
             d = d.setdefault(k, {})
-        d[path[-1]] = None
+        d[path[-1]] = value
 
 
 def _live_common(value):
@@ -379,7 +393,7 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
     if not is_torch_dist(directory):
         raise CheckpointError(
             f"checkpoint {directory} is not a torch_dist checkpoint (no metadata.json naming torch_dist); an "
-            f"fsdp_dtensor checkpoint converts with: python {CONVERTER} to-torch-dist {args.load} OUT")
+            f"fsdp_dtensor checkpoint converts with: {CONVERT} to-torch-dist {args.load} OUT")
     common = read_common(directory)
     saved_args = common["args"]
     _check_model(saved_args, args, directory)
@@ -405,7 +419,10 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
     state = sharded_state_dict(model, optimizer, is_loading=True, content=content, with_optimizer=with_optimizer,
                                with_rng=with_rng)
     saved_keys = set(FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
-    dropped = _drop_absent_extra_state(state, saved_keys)
+    scaling = fp8_state.plan(vars(saved_args), saved_keys, args, directory)
+    if scaling.line:
+        print_rank_0(scaling.line)
+    dropped = _drop_from_request(state, _left_by_this_load(saved_keys, scaling))
     live = _live_common(state)
     try:
         loaded = torch_dist_load(state, directory)
