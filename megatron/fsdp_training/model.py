@@ -18,10 +18,9 @@ from .allocator import job_post_backward_hook
 def transformer_config(args, cpu: bool):
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    from .architecture import transformer_config_fields
-    from .arguments.megatron_lm import transformer_config_fields as compat_config_fields
-    from .arguments.fp8 import transformer_config_fields as fp8_config_fields
-    from .arguments.fsdp_recipe import gradient_accumulation_fusion
+    from .arguments.model import gradient_accumulation_fusion, transformer_config_fields as kernel_config_fields
+    from .arguments.precision import fp8_config_fields
+    from .model_shape import transformer_config_fields
 
     interleaved = args.virtual_pipeline_model_parallel_size is not None
     # Megatron-LM's core_transformer_config_from_args: multi-latent attention has a config class of its own.
@@ -42,11 +41,11 @@ def transformer_config(args, cpu: bool):
         recompute_method=args.recompute_method if args.recompute_granularity == "full" else None,
         recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
         # Fused CUDA kernels do not exist on CPU. Gradient-accumulation fusion (Megatron-LM's default, off
-        # with --no-gradient-accumulation-fusion) only where APEX's kernel exists (arguments/fsdp_recipe.py).
-        # The other fusion flags: arguments/megatron_lm.py.
+        # with --no-gradient-accumulation-fusion) only where APEX's kernel exists; the other fusion flags too:
+        # arguments/model.py.
         gradient_accumulation_fusion=gradient_accumulation_fusion(args),
         bias_dropout_fusion=not cpu, persist_layer_norm=not cpu,
-        deallocate_pipeline_outputs=True, **compat_config_fields(args, cpu),
+        deallocate_pipeline_outputs=True, **kernel_config_fields(args, cpu),
         overlap_p2p_comm=interleaved, batch_p2p_comm=not interleaved,
         add_bias_linear=args.add_bias_linear, **_moe_settings(args), **transformer_config_fields(args),
         **fp8_config_fields(args),  # Transformer Engine's FP8 only; the CPU FP8 layers take their recipe in the spec
@@ -68,10 +67,10 @@ def _moe_settings(args) -> dict:
 
 
 def _layer_spec(args, config, cpu: bool, vp_stage):
-    if cpu:  # FP8 without Transformer Engine: the CPU layers with the recipe's FP8 linears (arguments/fp8.py)
+    if cpu:  # FP8 without Transformer Engine: the CPU layers with the recipe's FP8 linears (arguments/precision.py)
         from megatron.fsdp.mcore.cpu_mode import cpu_layer_spec
 
-        from .arguments.fp8 import cpu_recipe
+        from .arguments.precision import cpu_recipe
 
         return cpu_layer_spec(config, vp_stage=vp_stage, fp8=cpu_recipe(args))
     # Megatron-LM's block spec: per-layer dense/MoE specs (--moe-layer-freq), qk-layernorm, MLA and the
@@ -134,8 +133,8 @@ def gpt_chunks(config, layer_spec_for, vocab_size: int, max_sequence_length: int
 def build_model_chunks(args, config, vocab_size: int, cpu: bool) -> List[torch.nn.Module]:
     """Megatron-LM's ``get_model`` without the wrap: on the device, or on meta with
     ``--init-model-with-meta-device`` (the adapter then materialises and initialises each unit)."""
-    from .architecture import gpt_model_fields
-    from .arguments.fp8 import cpu_recipe
+    from .arguments.precision import cpu_recipe
+    from .model_shape import gpt_model_fields
 
     def build():
         te = args.transformer_impl == "transformer_engine"
@@ -252,7 +251,7 @@ def baseline_ddp_config(args, num_parameters: int):
     """
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    from .arguments.fp8 import transformer_engine_used
+    from .arguments.precision import transformer_engine_used
 
     bucket_size = args.ddp_bucket_size
     if args.ddp_num_buckets is not None:
@@ -264,7 +263,7 @@ def baseline_ddp_config(args, num_parameters: int):
         overlap_param_gather=args.overlap_param_gather, align_param_gather=args.align_param_gather,
         bucket_size=bucket_size,
         # Megatron-Core's FP8 primary weights are Transformer Engine tensors; without TE the CPU FP8 layers
-        # quantize their bf16 weights (the substitution line of arguments/fp8.py says so)
+        # quantize their bf16 weights (the substitution line of arguments/precision.py says so)
         fp8_param_gather=args.fp8 is not None and args.fp8_param_gather and transformer_engine_used(args))
 
 

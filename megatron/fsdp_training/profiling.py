@@ -9,54 +9,18 @@ Perfetto (ui.perfetto.dev) or TensorBoard's profiler plugin. The engine's schedu
 as named ranges ``fsdp.all_gather <unit>``, ``fsdp.reduce <unit>``, ``fsdp.wait.<kind> <unit>``
 (megatron/fsdp/collectives/profiling.py). On CUDA, ``--profile`` alone starts and stops the CUDA
 profiler over the same window (``nsys profile --capture-range=cudaProfilerApi``), where the
-engine's ranges are NVTX ranges.
+engine's ranges are NVTX ranges. The flags and their rules are ``arguments/logging.py``'s.
 """
 
 from __future__ import annotations
 
-import argparse
-from typing import List, Optional
+from typing import Optional
 
 import torch
-
-from .errors import ArgumentError
-from .arguments.substitution_record import Substitution
-
-
-def add_profiling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("profiling (Megatron-LM's flags)")
-    g.add_argument("--profile", action="store_true",
-                   help="profile iterations --profile-step-start+1 .. --profile-step-end: the CUDA profiler range "
-                        "for nsys, or a torch.profiler trace with --use-pytorch-profiler (always on CPU)")
-    g.add_argument("--profile-step-start", type=int, default=10, help="iteration after which profiling starts")
-    g.add_argument("--profile-step-end", type=int, default=12, help="iteration at which profiling stops")
-    g.add_argument("--profile-ranks", nargs="+", type=int, default=[],
-                   help="global ranks to profile (default: all, as Megatron-LM)")
-    g.add_argument("--use-pytorch-profiler", action="store_true",
-                   help="record with torch.profiler; the trace goes to --tensorboard-dir")
 
 
 def uses_torch_profiler(args) -> bool:
     return args.profile and (args.use_pytorch_profiler or not torch.cuda.is_available())
-
-
-def validate_profiling(args) -> None:
-    if args.use_pytorch_profiler and not args.profile:
-        raise ArgumentError("--use-pytorch-profiler needs --profile")
-    if not args.profile:
-        return
-    if not 0 <= args.profile_step_start < args.profile_step_end:
-        raise ArgumentError(f"--profile-step-start {args.profile_step_start} must be at least 0 and below "
-                            f"--profile-step-end {args.profile_step_end}")
-    if uses_torch_profiler(args) and not args.tensorboard_dir:
-        raise ArgumentError("--profile with torch.profiler writes its trace to --tensorboard-dir: set it")
-
-
-def profiling_substitutions(args) -> List[Substitution]:
-    if args.profile and not args.use_pytorch_profiler and not torch.cuda.is_available():
-        return [Substitution("--profile", f"torch.profiler trace in {args.tensorboard_dir}",
-                             "no CUDA profiler without CUDA")]
-    return []
 
 
 class Profiler:

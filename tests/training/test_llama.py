@@ -10,8 +10,9 @@ layers mixed). Every case runs inside the long-lived 4-rank pools (no new proces
 
 import pytest
 
-from megatron.fsdp_training.architecture import moe_layer_freq_type, swiglu_ffn_hidden_size
 from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
+from megatron.fsdp_training.arguments.moe import moe_layer_freq_type
+from megatron.fsdp_training.model_shape import swiglu_ffn_hidden_size
 from megatron.fsdp.testing.common import LEVELS
 from megatron.fsdp_training.testing.job import fsdp
 from tests.cases.llama import local_spec_matches_cpu_spec
@@ -111,6 +112,12 @@ def test_architecture_defaults_follow_megatron_lm():
     (["--num-experts", "4", "--disable-bias-linear", "--moe-shared-expert-gate"],
      "--moe-shared-expert-gate gates the shared expert: it needs --moe-shared-expert-intermediate-size"),
     (["--moe-router-pre-softmax"], "need --num-experts"),
+    (["--num-experts", "4", "--disable-bias-linear", "--expert-model-parallel-size", "0"],
+     "--expert-model-parallel-size=0 must be at least 1"),
+    (["--num-experts", "4", "--disable-bias-linear", "--expert-tensor-parallel-size", "0"],
+     "--expert-tensor-parallel-size=0 must be at least 1"),
+    (["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "0"],
+     "--num-distributed-optimizer-instances=0 must be at least 1"),
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], "give one of them"),
     (["--lr-warmup-fraction", "1.5"], r"--lr-warmup-fraction=1.5 must be in \[0, 1\)"),
 ])

@@ -233,7 +233,7 @@ def test_megatron_lm_rules_stop_start_up_with_one_line(argv, pattern):
 
 
 def test_sample_based_length_and_the_fusion_fields():
-    from megatron.fsdp_training.arguments.megatron_lm import transformer_config_fields
+    from megatron.fsdp_training.arguments.model import transformer_config_fields
     from megatron.fsdp_training.schedule import scheduler_steps
 
     args = validate_args(parse_args(["--mock-data", "--train-samples", "100", "--global-batch-size", "8",

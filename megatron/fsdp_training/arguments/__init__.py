@@ -1,15 +1,18 @@
 """The job's command line: Megatron-LM's flag names, defaults and meanings, their checks and the start-up line.
 
-``parser`` builds the parser and runs ``validate_args`` (every inconsistency is one ``ArgumentError``
-before any process group exists); the flag groups live beside it (``megatron_lm``: Megatron-LM's
-everyday flags; ``fsdp_recipe``: the Megatron-FSDP user guide's; ``megatron_fsdp``: Megatron-LM
-0.19/0.20's Megatron-FSDP flags and what ``--use-megatron-fsdp`` implies there; ``non_persistent``:
-the non-persistent checkpoint flags), ``help`` formats ``--help``, and ``substitutions`` says in one start-up line what this
-machine ran instead of what a flag asked for (each provider returns ``substitution_record.Substitution``).
+One module per concern, each with its flags (``add_*_args``, one ``--help`` group), its rules and its
+substitutions: ``model`` (size, architecture, MLA/MTP, kernels), ``moe``, ``parallelism``,
+``megatron_fsdp``, ``precision`` (bf16, FP8, the precision-aware optimizer), ``optimizer`` (with the
+learning-rate schedule), ``data``, ``training`` (batches, length, recompute, memory and time),
+``checkpointing`` (with non-persistent checkpoints and fault tolerance), ``logging`` (with profiling).
+``parser`` assembles them and runs ``validate_args`` (every inconsistency is one ``ArgumentError``
+before any process group exists); ``help`` formats ``--help``, ``not_built`` answers the flags this
+job does not build, and ``substitutions`` says in one start-up line what this machine ran instead of
+what a flag asked for (docs/training.md, "Arguments" and "Coming from Megatron-LM").
 
-May import: the engine, errors, architecture, logs, and the job's modules whose flags it parses (the
-parser reads the schedule, profiling and MoE-dispatch groups); nothing heavy at module level, since it
-runs before any process group exists.
+May import: the engine, errors, model_shape, and the job's modules whose decisions a flag's rule or
+substitution reads (schedule, profiling, MoE dispatch, data and checkpoint checks); nothing heavy at
+module level, since it runs before any process group exists.
 """
 
 from ..errors import ArgumentError

@@ -1,19 +1,14 @@
-"""Megatron-LM 0.19/0.20's Megatron-FSDP flags and what ``--use-megatron-fsdp`` implies there.
+"""Megatron-FSDP's flags: ``--use-megatron-fsdp``, the data-parallel levels, meta-device initialisation, the
+Megatron-FSDP user guide's flags and Megatron-LM 0.19/0.20's, with what ``--use-megatron-fsdp`` implies there.
 
-Megatron-LM main (d98e8a64, Megatron-Core 0.20) makes ``--use-megatron-fsdp`` mean, on both
-Megatron-Core releases this job runs on:
-
-* ``--data-parallel-sharding-strategy optim_grads_params`` (ZeRO-3): its argparse default;
-* the distributed optimizer: ``--megatron-fsdp-version 1`` (its default) turns
-  ``--use-distributed-optimizer`` on, version 2 refuses it;
-* ``--ckpt-format fsdp_dtensor``: it refuses any other format (here the default there, and
-  ``torch_dist`` refused with the converter's command, ``parser._validate_ckpt_format``).
-
-``apply_megatron_fsdp_defaults`` resolves those before any check reads them; a flag the user wrote
-is kept as written. The other flags of this module are honoured (the version, the main-weights
-dtype, the max-pool double buffer, full sharding in HSDP), said in the start-up line of
-``substitutions.py`` (``megatron_fsdp_substitutions``: NCCL registration on gloo, fine-grained
-gathers) or refused with one line (``validate_megatron_fsdp``). docs/training.md ("Megatron-LM
+Megatron-LM main (Megatron-Core 0.20) makes ``--use-megatron-fsdp`` mean, on both Megatron-Core
+releases this job runs on: ``--data-parallel-sharding-strategy optim_grads_params`` (ZeRO-3), the
+distributed optimizer (``--megatron-fsdp-version 1``, its default; version 2 refuses it) and
+``--ckpt-format fsdp_dtensor`` (``checkpointing.py`` refuses another with the converter's command).
+``apply_megatron_fsdp_defaults`` resolves those before any check reads them; a flag the user wrote is
+kept as written. The user guide's required and recommended flags not defined elsewhere are here too.
+Each flag is honoured, said in the start-up line (NCCL registration on gloo, fine-grained gathers) or
+refused with one line. docs/training.md ("The Megatron-FSDP user guide's flags", "Megatron-LM
 0.19/0.20's Megatron-FSDP flags") says what each does here.
 """
 
@@ -24,8 +19,10 @@ from typing import List
 
 import torch
 
+import megatron.fsdp as mfsdp
+
 from ..errors import ArgumentError
-from .substitution_record import Substitution
+from .substitutions import Substitution
 
 ZERO3 = "optim_grads_params"
 DTYPE_CHOICES = ("fp32", "bf16", "fp16", "auto")
@@ -41,7 +38,48 @@ _FSDP_ONLY = (("--megatron-fsdp-version", "megatron_fsdp_version", None),
 
 
 def add_megatron_fsdp_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("Megatron-FSDP (Megatron-LM 0.19/0.20's flags; docs/training.md)")
+    g = parser.add_argument_group("Megatron-FSDP")
+    g.add_argument("--use-megatron-fsdp", action="store_true",
+                   help="data parallelism by megatron.fsdp (default: off, Megatron-Core's DDP). As in Megatron-LM "
+                        "main, it implies --data-parallel-sharding-strategy optim_grads_params (ZeRO-3), the "
+                        "distributed optimizer and --ckpt-format fsdp_dtensor; flags written explicitly win "
+                        "(--data-parallel-sharding-strategy no_shard: plain data parallel like DDP)")
+    g.add_argument("--data-parallel-sharding-strategy", default=None,
+                   help="level of the inner (dp_shard) axis with --use-megatron-fsdp: no_shard (DDP) | optim "
+                        "(ZeRO-1) | optim_grads (ZeRO-2) | optim_grads_params (ZeRO-3) (default: "
+                        "optim_grads_params with --use-megatron-fsdp, as Megatron-LM)")
+    g.add_argument("--outer-dp-sharding-strategy", default=None,
+                   help="level of the outer (dp_outer) axis: no_shard = HSDP, optim = HFSDP (needs "
+                        "--num-distributed-optimizer-instances > 1) (default: no_shard)")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                   help="size of the outer axis: the data-parallel ranks split into this many domains")
+    g.add_argument("--init-model-with-meta-device", action="store_true",
+                   help="build the model on the meta device; megatron.fsdp materialises and initialises it unit "
+                        "by unit, keeping only this rank's shards (needs --use-megatron-fsdp)")
+    _add_user_guide_args(g)
+    _add_megatron_lm_019_args(g)
+
+
+def _add_user_guide_args(g) -> None:
+    """The Megatron-FSDP user guide's recommended flags not defined elsewhere (--grad-reduce-in-bf16 is
+    ``precision.py``'s, --no-gradient-accumulation-fusion ``model.py``'s)."""
+    g.add_argument("--fsdp-double-buffer", action="store_true",
+                   help="ZeRO-3 units gather into persistent buffers allocated once and reused every step (two "
+                        "per section and nesting depth, or prefetch depth + 1) instead of allocating per gather")
+    g.add_argument("--megatron-fsdp-grad-comm-dtype", choices=("fp32", "fp16", "bf16", "auto"), default="auto",
+                   help="dtype gradients are reduced in (Megatron-LM's newer spelling; bf16 = --grad-reduce-in-bf16); "
+                        "auto: the main gradients' dtype")
+    g.add_argument("--megatron-fsdp-main-grads-dtype", choices=("fp32", "bf16", "fp16", "auto"), default="auto",
+                   help="dtype of the main-gradient accumulators (Megatron-LM's newer spelling of --main-grads-dtype "
+                        "under Megatron-FSDP; bf16 = --use-precision-aware-optimizer --main-grads-dtype bf16); auto: "
+                        "the main weights' dtype (fp32 unless --megatron-fsdp-main-params-dtype makes them bf16)")
+    g.add_argument("--use-nccl-ub", dest="nccl_ub", action="store_true",
+                   help="register the data-parallel buffers as NCCL user buffers; on gloo it has no effect (said "
+                        "at start-up), on CUDA it is refused until implemented")
+
+
+def _add_megatron_lm_019_args(g) -> None:
+    """Megatron-LM 0.19/0.20's Megatron-FSDP flags."""
     g.add_argument("--megatron-fsdp-version", type=int, choices=(1, 2), default=None,
                    help="Megatron-LM's two Megatron-FSDP implementations; both run megatron.fsdp, which is the "
                         "version-2 design (fully_shard per layer, an optimizer over the shards). 1 (default, as "
@@ -75,11 +113,13 @@ def _fail(message: str) -> None:
     raise ArgumentError(message)
 
 
+# ----------------------------------------------------------------------------- rules (parser.validate_args's order)
+
 def apply_megatron_fsdp_defaults(args: argparse.Namespace) -> None:
     """Megatron-LM main's implications of ``--use-megatron-fsdp``; flags the user wrote are kept.
 
     Without ``--use-megatron-fsdp`` the levels are the baseline's (``no_shard``); a level written
-    there is refused by ``validate_args``. Runs first in ``validate_args``.
+    there is refused by ``validate_levels``. Runs first in ``validate_args``.
     """
     given = [flag for flag, dest, unset in _FSDP_ONLY if getattr(args, dest) != unset]
     if given and not args.use_megatron_fsdp:
@@ -110,6 +150,30 @@ def apply_megatron_fsdp_defaults(args: argparse.Namespace) -> None:
         args.use_distributed_optimizer = True  # Megatron-LM: "Megatron-FSDP v1 ... Using DistributedOptimizer"
     if args.megatron_fsdp_max_pool_double_buffer:
         args.fsdp_double_buffer = True  # Megatron-LM: "MaxPoolAllocator is a type of FSDP double buffer"
+
+
+def validate_levels(args: argparse.Namespace) -> None:
+    """The inner and outer levels exist and compose, and the outer axis divides the data-parallel ranks."""
+    if args.use_megatron_fsdp:
+        try:
+            mfsdp.parse_strategy(args.data_parallel_sharding_strategy)
+            if args.num_distributed_optimizer_instances > 1:
+                mfsdp.parse_mesh_strategy(args.data_parallel_sharding_strategy, args.outer_dp_sharding_strategy, True)
+        except ValueError as exc:
+            _fail(f"--data-parallel-sharding-strategy / --outer-dp-sharding-strategy: {exc}")
+    elif args.data_parallel_sharding_strategy != "no_shard" or args.outer_dp_sharding_strategy != "no_shard":
+        _fail("--data-parallel-sharding-strategy and --outer-dp-sharding-strategy need --use-megatron-fsdp")
+    if args.outer_dp_sharding_strategy != "no_shard" and args.num_distributed_optimizer_instances < 2:
+        _fail("--outer-dp-sharding-strategy needs an outer axis: set --num-distributed-optimizer-instances > 1")
+    if args.num_distributed_optimizer_instances > 1 and args.data_parallel_size % args.num_distributed_optimizer_instances:
+        _fail(f"--num-distributed-optimizer-instances {args.num_distributed_optimizer_instances} does not divide "
+              f"the data-parallel size {args.data_parallel_size}")
+
+
+def validate_initialisation(args: argparse.Namespace) -> None:
+    if args.init_model_with_meta_device and not args.use_megatron_fsdp:
+        _fail("--init-model-with-meta-device needs --use-megatron-fsdp (Megatron-Core's own DDP cannot "
+              "materialise a meta-device model)")
 
 
 def validate_megatron_fsdp(args: argparse.Namespace) -> None:
@@ -146,6 +210,50 @@ def _validate_main_params_dtype(args: argparse.Namespace) -> None:
               "--megatron-fsdp-main-grads-dtype fp32")
 
 
+def map_megatron_fsdp_dtypes(args: argparse.Namespace) -> None:
+    """``--megatron-fsdp-grad-comm-dtype`` / ``--megatron-fsdp-main-grads-dtype`` (the DeepSeek-V3 script's newest
+    version) onto the flags that carry the same meaning here, so one rule and one code path serve both spellings."""
+    comm, main = args.megatron_fsdp_grad_comm_dtype, args.megatron_fsdp_main_grads_dtype
+    if (comm, main) == ("auto", "auto"):
+        return
+    if not args.use_megatron_fsdp:
+        _fail("--megatron-fsdp-grad-comm-dtype / --megatron-fsdp-main-grads-dtype configure "
+              "Megatron-FSDP: add --use-megatron-fsdp")
+    if "fp16" in (comm, main):
+        _fail("--megatron-fsdp-grad-comm-dtype / --megatron-fsdp-main-grads-dtype fp16: this job trains "
+              "in bf16 or fp32 (no fp16 loss scaling); use bf16")
+    if comm == "fp32" and args.grad_reduce_in_bf16:
+        _fail("--megatron-fsdp-grad-comm-dtype fp32 contradicts --grad-reduce-in-bf16: give one")
+    if comm == "bf16":
+        args.grad_reduce_in_bf16 = True
+    if main == "bf16":
+        if args.main_grads_dtype != "fp32" and args.main_grads_dtype != "bf16":
+            _fail(f"--megatron-fsdp-main-grads-dtype bf16 contradicts --main-grads-dtype "
+                  f"{args.main_grads_dtype}: give one")
+        if args.optimizer != "adam":
+            _fail("--megatron-fsdp-main-grads-dtype bf16 is the precision-aware optimizer's bf16 main "
+                  f"gradients, which need --optimizer adam (not {args.optimizer})")
+        args.use_precision_aware_optimizer, args.main_grads_dtype = True, "bf16"
+        if comm == "fp32":
+            _fail("--megatron-fsdp-grad-comm-dtype fp32 with --megatron-fsdp-main-grads-dtype bf16: "
+                  "bf16 main gradients are reduced in bf16 here; use auto or bf16")
+
+
+def validate_buffers(args: argparse.Namespace) -> None:
+    """The double buffer needs ZeRO-3 units; NCCL user buffers are not implemented on CUDA."""
+    if args.fsdp_double_buffer:
+        levels = {args.data_parallel_sharding_strategy, getattr(args, "expert_data_parallel_sharding_strategy", None)}
+        if not args.use_megatron_fsdp or ZERO3 not in levels:
+            _fail("--fsdp-double-buffer keeps persistent buffers for the units ZeRO-3 gathers: it needs "
+                  "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params")
+    if args.nccl_ub and torch.cuda.is_available():
+        _fail("--use-nccl-ub (NCCL user-buffer registration through torch.cuda.MemPool) is not "
+              "implemented by megatron.fsdp yet: drop it (--fsdp-double-buffer alone gives the "
+              "persistent gather buffers)")
+
+
+# ----------------------------------------------------------------------------- what the engine is given
+
 def main_params_dtype(args: argparse.Namespace) -> torch.dtype:
     """The engine's ``MixedPrecision.main_dtype`` for these arguments (fp32 without ``--use-megatron-fsdp``)."""
     name = getattr(args, "megatron_fsdp_main_params_dtype", None) or "fp32"
@@ -154,12 +262,16 @@ def main_params_dtype(args: argparse.Namespace) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
+# ----------------------------------------------------------------------------- substitutions (substitutions.py)
+
 def megatron_fsdp_substitutions(args: argparse.Namespace) -> List[Substitution]:
-    """A provider of ``substitutions.py``: the flags of this module that this machine does not honour as asked."""
-    if not getattr(args, "use_megatron_fsdp", False):
-        return []
+    """The flags of this module that this machine does not honour as asked."""
     gloo = not torch.cuda.is_available()
     out = []
+    if getattr(args, "nccl_ub", False) and gloo:
+        out.append(Substitution("--use-nccl-ub", "no effect", "gloo has no NCCL user buffers to register"))
+    if not getattr(args, "use_megatron_fsdp", False):
+        return out
     if args.fsdp_manual_registration and gloo:
         out.append(Substitution("--fsdp-manual-registration", "no effect", "gloo has no NCCL user buffers to register"))
     if args.fsdp_db_use_persist_buf_on_alloc_fail:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from typing import Dict
 
+from megatron.fsdp.commands import PRETRAIN
+
 _OFFLOAD = ("Megatron-LM's HybridDeviceOptimizer keeps optimizer state and steps in host memory; the engine "
             "shards the state over the data-parallel ranks instead and has no host offload (on a CPU-only machine "
             "every tensor is in host memory already): for less state per rank use a higher "
@@ -40,7 +42,7 @@ def parse_error_line(message: str) -> str:
         if known:
             reasons = "; ".join(f"{flag}: {NOT_BUILT[flag]}" for flag in known)
             return f"{', '.join(known)} {'is' if len(known) == 1 else 'are'} not built in this job ({reasons})"
-    return f"{message} (python pretrain_gpt.py --help lists every flag with its meaning and default)"
+    return f"{message} ({PRETRAIN} --help lists every flag with its meaning and default)"
 
 
 def not_built_table() -> str:

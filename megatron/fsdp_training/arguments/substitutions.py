@@ -8,38 +8,47 @@ on rank 0, in one line::
     > substituted on this machine: --use-flash-attn -> PyTorch SDPA (flash-attn not installed); ...
 
 A flag that would change the mathematics is not substituted: ``validate_args`` refuses it with
-one line instead. Each group of flags states its own substitutions (a provider: a function of the
-parsed arguments returning ``Substitution`` values); ``PROVIDERS`` lists them, so the one line is
-assembled in one place.
+one line instead. Each concern module of this package states its own substitutions (a provider: a
+function of the parsed arguments returning ``Substitution`` values); ``parser.py`` registers them in
+the order the line says them, so this module imports none of them and they all import
+``Substitution`` from here (docs/training.md, "Coming from Megatron-LM").
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Callable, List, Tuple
+import dataclasses
+from typing import Callable, List, Sequence
 
-from .fp8 import fp8_substitutions
-from .megatron_lm import compat_substitutions
-from .fsdp_recipe import fsdp_recipe_substitutions
-from .megatron_fsdp import megatron_fsdp_substitutions
-from ..moe_dispatch import moe_dispatcher_substitutions
-from ..profiling import profiling_substitutions
-from .substitution_record import Substitution
+
+@dataclasses.dataclass(frozen=True)
+class Substitution:
+    """``flag`` as the user wrote it, what runs ``instead``, and ``why`` (what this machine lacks)."""
+
+    flag: str
+    instead: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.flag} -> {self.instead} ({self.why})"
 
 
 Provider = Callable[[argparse.Namespace], List[Substitution]]
 
-
-PROVIDERS: Tuple[Provider, ...] = (compat_substitutions, profiling_substitutions, fsdp_recipe_substitutions,
-                                 megatron_fsdp_substitutions, moe_dispatcher_substitutions, fp8_substitutions)
+_PROVIDERS: List[Provider] = []
 
 
-def substitutions(args: argparse.Namespace, providers: Tuple[Provider, ...] = None) -> List[Substitution]:
+def register_providers(providers: Sequence[Provider]) -> None:
+    """The providers of the one line, in its order (``parser.py`` registers every concern's when imported)."""
+    _PROVIDERS[:] = providers
+
+
+def substitutions(args: argparse.Namespace, providers: Sequence[Provider] = None) -> List[Substitution]:
     """Every substitution the parsed arguments need on this machine, in the providers' order."""
-    return [s for provider in (PROVIDERS if providers is None else providers) for s in provider(args)]
+    return [s for provider in (_PROVIDERS if providers is None else providers) for s in provider(args)]
 
 
-def substitution_line(args: argparse.Namespace, providers: Tuple[Provider, ...] = None) -> str:
+def substitution_line(args: argparse.Namespace, providers: Sequence[Provider] = None) -> str:
     """The one start-up line (empty when nothing is substituted)."""
     found = substitutions(args, providers)
     return "> substituted on this machine: " + "; ".join(map(str, found)) if found else ""

@@ -3,5 +3,5 @@
 Owns ``lines`` (log lines, memory per rank, the start-up summary), ``writers`` (scalar writers),
 ``timers``, ``throughput`` (``--log-throughput``) and ``moe_losses`` (the routers' auxiliary losses).
 
-May import: Megatron-Core, ``megatron.fsdp_training.errors``, ``megatron.fsdp_training.architecture``.
+May import: Megatron-Core, ``megatron.fsdp_training.errors``, ``megatron.fsdp_training.model_shape``.
 """

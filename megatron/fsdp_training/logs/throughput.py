@@ -23,7 +23,7 @@ from typing import List, Optional, Tuple
 
 from dataclasses import dataclass
 
-from ..architecture import moe_layer_pattern
+from ..model_shape import moe_layer_pattern
 
 
 def num_floating_point_operations(args, batch_size: int) -> float:

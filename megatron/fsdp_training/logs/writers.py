@@ -4,9 +4,9 @@ Rank 0 writes them, under Megatron-LM's scalar names (``lm loss``, ``learning-ra
 ``grad-norm``, ``batch-size``, ``iteration-time``, ``throughput``,
 ``mem-max-allocated-bytes``, ``lm loss validation``, ``<timer>-time``), with the same
 values the iteration line prints. Both packages are optional: asking for a writer whose
-package is missing stops the job at start-up (``validate_writers``, called from
-``validate_args`` before any process group exists) with the ``pip install`` that fixes it,
-instead of a traceback after the model is built.
+package is missing stops the job at start-up (``arguments/logging.py``'s ``validate_writers``,
+before any process group exists) with the ``pip install`` that fixes it, instead of a traceback
+after the model is built.
 
 wandb logs offline, into ``--wandb-save-dir``, unless ``WANDB_API_KEY`` or ``WANDB_MODE``
 says otherwise (``wandb sync <dir>`` uploads an offline run later): a job on a machine
@@ -15,47 +15,10 @@ without network access must not wait for a login.
 
 from __future__ import annotations
 
-import argparse
-import importlib.util
 import os
 from typing import Dict, Optional
 
 import torch.distributed as dist
-
-from ..errors import ArgumentError
-
-
-def add_writer_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("throughput, TensorBoard and wandb")
-    g.add_argument("--log-throughput", action="store_true",
-                   help="add Megatron-LM's model TFLOP/s per GPU and tokens/s per rank to the iteration line")
-    g.add_argument("--log-timers-to-tensorboard", action="store_true",
-                   help="write forward-backward, optimizer and data-parallel sync times (ms) as scalars")
-    g.add_argument("--wandb-project", default=None, help="wandb project name (enables wandb; needs the wandb package)")
-    g.add_argument("--wandb-exp-name", default=None, help="wandb run name")
-    g.add_argument("--wandb-save-dir", default=None, help="directory of the wandb run (default: --save/wandb, else ./wandb)")
-
-
-def _missing(package: str) -> bool:
-    return importlib.util.find_spec(package) is None
-
-
-def validate_writers(args) -> None:
-    """Each requested writer's package is importable, and the flags that need a writer have one."""
-    if args.tensorboard_dir and _missing("tensorboard"):
-        raise ArgumentError("--tensorboard-dir needs the tensorboard package, which is not installed: "
-                            "pip install tensorboard (or drop --tensorboard-dir)")
-    if args.log_timers_to_tensorboard and not (args.tensorboard_dir or args.wandb_project):
-        raise ArgumentError("--log-timers-to-tensorboard needs --tensorboard-dir (or --wandb-project) to write to")
-    if args.wandb_project is None:
-        if args.wandb_exp_name or args.wandb_save_dir:
-            raise ArgumentError("--wandb-exp-name and --wandb-save-dir need --wandb-project")
-        return
-    if not args.wandb_project.strip():
-        raise ArgumentError("--wandb-project is empty; give a project name")
-    if _missing("wandb"):
-        raise ArgumentError("--wandb-project needs the wandb package, which is not installed: pip install wandb "
-                            "(or drop --wandb-project)")
 
 
 class ScalarWriters:

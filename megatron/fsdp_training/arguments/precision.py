@@ -1,17 +1,15 @@
-"""Megatron-LM's FP8 flags, with its names, defaults and meanings, their rules and what runs them here.
+"""Precision flags: bf16/fp16 compute, the gradient reduction's dtype, the precision-aware optimizer's dtypes, and
+FP8 training, with Megatron-LM's names, defaults and meanings, their rules and what runs them here.
 
-Megatron-LM generates these flags from ``TransformerConfig``'s fp8 fields (``--fp8-format`` is
-``fp8``, ``--no-fp8-wgrad`` clears ``fp8_wgrad``, ``--fp8-param-gather`` sets ``fp8_param``) and
-hands them to Transformer Engine (``megatron/core/fp8_utils.py``'s ``get_fp8_recipe``). Here:
-
-* with Transformer Engine importable (``--transformer-impl transformer_engine`` kept), the same
-  ``TransformerConfig`` fields go to Megatron-Core's TE layers (``transformer_config_fields``);
-* without it, the CPU layers of ``megatron.fsdp.mcore.fp8_layers`` run the recipe's GEMMs with
-  ``megatron.fsdp.precision.fp8``'s quantizers (``cpu_recipe`` is their value type), said in one
-  start-up line (``fp8_start_up_line``).
-
-``validate_fp8`` (called by ``validate_args``) holds Megatron-LM's rules and refuses, in one line
-each, what is not built. docs/training.md ("FP8") says what each flag does here.
+bf16 compute keeps fp32 main weights; fp16 is refused (no loss scaling). The precision-aware
+optimizer's dtypes below fp32 are the engine's optimizer's (Megatron-Core's needs Transformer Engine).
+Megatron-LM generates the FP8 flags from ``TransformerConfig``'s fp8 fields (``--fp8-format`` is
+``fp8``, ``--no-fp8-wgrad`` clears ``fp8_wgrad``, ``--fp8-param-gather`` sets ``fp8_param``) and hands
+them to Transformer Engine. Here, with Transformer Engine importable the same fields go to
+Megatron-Core's TE layers (``fp8_config_fields``); without it the CPU layers of
+``megatron.fsdp.mcore.fp8_layers`` run the recipe's GEMMs with ``megatron.fsdp.precision.fp8``'s
+quantizers (``cpu_recipe``), said in one start-up line (``fp8_start_up_line``). docs/training.md
+("Precision-aware optimizer", "FP8") says what each flag does here.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ import importlib.util
 from typing import List, Optional
 
 from ..errors import ArgumentError
-from .substitution_record import Substitution
+from .substitutions import Substitution
 
 FORMATS = ("e4m3", "hybrid")
 RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom")
@@ -29,8 +27,22 @@ BUILT_ON_CPU = ("tensorwise", "delayed", "mxfp8")
 MX_BLOCK = 32  # megatron.fsdp.precision.fp8.MX_BLOCK (not imported: the parser runs before torch is needed)
 
 
-def add_fp8_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("FP8 (Megatron-LM's flags; docs/training.md)")
+def add_precision_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("precision and FP8")
+    g.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 main weights")
+    g.add_argument("--fp16", action="store_true", help="fp16 (rejected: needs loss scaling)")
+    g.add_argument("--no-grad-reduce-in-fp32", dest="grad_reduce_in_fp32", action="store_false",
+                   help="reduce gradients in the compute dtype instead of fp32")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="reduce gradients in bf16 (half the reduce-scatter bytes; needs --bf16); the fp32 main "
+                        "gradients they are added into stay fp32")
+    g.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="allow Adam's moments and the main grads below fp32 (with --use-megatron-fsdp)")
+    for flag, what in (("--exp-avg-dtype", "Adam's first moment"), ("--exp-avg-sq-dtype", "Adam's second moment"),
+                       ("--main-grads-dtype", "the main gradients (bf16: accumulated and reduced in bf16)")):
+        g.add_argument(flag, choices=["fp32", "bf16"], default="fp32", help=f"dtype of {what}")
+    g.add_argument("--main-params-dtype", choices=["fp32"], default="fp32",
+                   help="dtype of the main weights (fp32 only: fp16 main params need Transformer Engine)")
     g.add_argument("--fp8-format", dest="fp8", choices=FORMATS, default=None,
                    help="FP8 GEMMs in the transformer layers: e4m3 everywhere, or hybrid (e4m3 inputs and weights, "
                         "e5m2 output gradients); Transformer Engine's layers where it is installed, the job's CPU "
@@ -48,7 +60,8 @@ def add_fp8_args(parser: argparse.ArgumentParser) -> None:
                    help="weight-gradient GEMMs in the compute dtype instead of FP8 (Megatron-LM's fp8_wgrad=False)")
     g.add_argument("--fp8-param-gather", action="store_true",
                    help="keep the compute weights in FP8 and gather them in FP8 (needs --use-megatron-fsdp or "
-                        "--use-distributed-optimizer)")
+                        "--use-distributed-optimizer; the latter without Transformer Engine gathers bf16 weights, "
+                        "said at start-up)")
     g.add_argument("--first-last-layers-bf16", action="store_true",
                    help="keep the first and last transformer layers out of FP8 (not with --fp8-recipe delayed)")
     g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1,
@@ -59,6 +72,46 @@ def add_fp8_args(parser: argparse.ArgumentParser) -> None:
 
 def _fail(message: str) -> None:
     raise ArgumentError(message)
+
+
+# ----------------------------------------------------------------------------- rules (parser.validate_args's order)
+
+def validate_fp16(args: argparse.Namespace) -> None:
+    if args.fp16:
+        _fail("--fp16 needs loss scaling, which is not implemented here; use --bf16")
+
+
+def validate_grad_reduce_in_bf16(args: argparse.Namespace) -> None:
+    if args.grad_reduce_in_bf16:
+        if not args.bf16:
+            _fail("--grad-reduce-in-bf16 needs --bf16 (an fp32 model's gradients are fp32)")
+        args.grad_reduce_in_fp32 = False  # Megatron-LM: accumulate_allreduce_grads_in_fp32 = False
+
+
+def validate_precision_aware_optimizer(args: argparse.Namespace) -> None:
+    """Megatron-LM's rules for ``--use-precision-aware-optimizer`` and the dtype flags.
+
+    The dtypes below fp32 need the flag and Adam; the engine's optimizer implements them
+    (Megatron-Core's needs Transformer Engine). bf16 main grads imply gradients accumulated
+    and reduced in bf16, as Megatron-LM does not turn on fp32 accumulation for them.
+    """
+    flags = {"--exp-avg-dtype": args.exp_avg_dtype, "--exp-avg-sq-dtype": args.exp_avg_sq_dtype,
+             "--main-grads-dtype": args.main_grads_dtype}
+    lowered = [f"{flag} {value}" for flag, value in flags.items() if value != "fp32"]
+    if not args.use_precision_aware_optimizer:
+        if lowered:
+            _fail(f"{', '.join(lowered)} needs --use-precision-aware-optimizer (Megatron-LM's rule: the dtypes "
+                  "can only be fp32 without it)")
+        return
+    if not args.use_megatron_fsdp:
+        _fail("--use-precision-aware-optimizer is implemented by the megatron.fsdp optimizer: add --use-megatron-fsdp "
+              "(Megatron-Core's own needs Transformer Engine's FusedAdam)")
+    if args.optimizer != "adam":
+        _fail(f"--use-precision-aware-optimizer only supports --optimizer adam, not {args.optimizer}")
+    if args.main_grads_dtype == "bf16":
+        if not args.bf16:
+            _fail("--main-grads-dtype bf16 needs --bf16 (an fp32 model's gradients are fp32)")
+        args.grad_reduce_in_fp32 = False
 
 
 def transformer_engine_used(args: argparse.Namespace) -> bool:
@@ -88,6 +141,7 @@ def validate_fp8(args: argparse.Namespace) -> None:
               "inference mode (Megatron-LM's rule): add --use-megatron-fsdp or --use-distributed-optimizer")
     if args.fp8_amax_history_len < 1:
         _fail(f"--fp8-amax-history-len {args.fp8_amax_history_len} must be at least 1")
+    _check_delayed_only(args)
     if args.first_last_layers_bf16:
         if args.fp8_recipe == "delayed":
             _fail("--first-last-layers-bf16: Delayed scaling does not support first / last layer in BF16 "
@@ -122,6 +176,23 @@ def validate_fp8(args: argparse.Namespace) -> None:
         _check_mx_blocks(args)
 
 
+def _check_delayed_only(args: argparse.Namespace) -> None:
+    """Margin and amax history belong to delayed scaling alone: Megatron-Core's ``get_fp8_recipe`` hands them to
+    Transformer Engine's ``DelayedScaling`` only (``Float8CurrentScaling``, ``MXFP8BlockScaling`` and
+    ``Float8BlockScaling`` take the format alone), so under another recipe they would change nothing."""
+    if args.fp8_recipe == "delayed":
+        return
+    given = [f"{flag} {value}" for flag, value, default in (
+        ("--fp8-margin", args.fp8_margin, 0), ("--fp8-amax-history-len", args.fp8_amax_history_len, 1),
+        ("--fp8-amax-compute-algo", args.fp8_amax_compute_algo, "most_recent")) if value != default]
+    if given:
+        scaling = {"tensorwise": "each tensor's current amax", "mxfp8": "each 32-element block's amax",
+                   "blockwise": "each tile's amax"}.get(args.fp8_recipe, "its own rule")
+        _fail(f"{', '.join(given)} would do nothing under --fp8-recipe {args.fp8_recipe}, which scales from "
+              f"{scaling} (margin and amax history belong to --fp8-recipe delayed, as in Transformer Engine): "
+              "drop them or use --fp8-recipe delayed")
+
+
 def _check_mx_blocks(args: argparse.Namespace) -> None:
     """MXFP8 blocks run along every GEMM's reduction dimension (forward, input gradient, weight gradient): the
     dense layers' widths per tensor-parallel rank must be multiples of 32 (the layers check the others when built)."""
@@ -140,7 +211,9 @@ def _check_mx_blocks(args: argparse.Namespace) -> None:
               f"{', '.join(bad)} must be multiples of {MX_BLOCK}")
 
 
-def transformer_config_fields(args: argparse.Namespace) -> dict:
+# ----------------------------------------------------------------------------- what the layers are given
+
+def fp8_config_fields(args: argparse.Namespace) -> dict:
     """``TransformerConfig``'s fp8 fields: set for Transformer Engine's layers only. The CPU FP8 layers take
     ``cpu_recipe`` instead, so Megatron-Core's TE-only FP8 branches (``te_checkpoint``, FP8 padding, ...) stay off."""
     if args.fp8 is None or not transformer_engine_used(args):
@@ -180,8 +253,10 @@ def fp8_start_up_line(args: argparse.Namespace) -> Optional[str]:
     return "> FP8 (no Transformer Engine): " + cpu_recipe(args).describe(args.num_layers)
 
 
+# ----------------------------------------------------------------------------- substitutions (substitutions.py)
+
 def fp8_substitutions(args: argparse.Namespace) -> List[Substitution]:
-    """A provider of ``substitutions.py``: --fp8-param-gather on Megatron-Core's DistributedOptimizer without TE."""
+    """--fp8-param-gather on Megatron-Core's DistributedOptimizer without Transformer Engine."""
     if args.fp8 is not None and args.fp8_param_gather and not args.use_megatron_fsdp and not transformer_engine_used(args):
         return [Substitution("--fp8-param-gather", "bf16 weights gathered, quantized by each layer every forward",
                              "Megatron-Core's DistributedOptimizer keeps FP8 weights only as Transformer Engine tensors")]
