@@ -6,13 +6,11 @@
 Without a GPU it runs on CPU with gloo (Megatron-Core CPU mode is switched on and said
 once in the log). Without ``--use-megatron-fsdp`` it trains with Megatron-Core's own
 DistributedDataParallel (and DistributedOptimizer with ``--use-distributed-optimizer``).
+An installed package runs the same job as ``megatron-fsdp-pretrain`` or
+``python -m megatron.fsdp_training``.
 """
 
-import os
-
-os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # CPU: a first compiled step would take seconds
-
-from megatron.fsdp_training.training import main  # noqa: E402
+from megatron.fsdp_training.__main__ import main
 
 if __name__ == "__main__":
     main()

@@ -16,12 +16,13 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-ENGINE = ("collectives", "precision", "warnings", "sharding", "schedule", "init", "checkpoint", "wrap", "optim",
-          "engine_api")
+ENGINE = ("collectives", "precision", "warnings", "commands", "sharding", "schedule", "init", "checkpoint", "wrap",
+          "optim", "engine_api")
 # Layer of a module: the longest matching prefix wins.
 LAYERS = {
     "megatron.fsdp": "engine_api",  # the package's __init__: the public API, re-exported
     "megatron.fsdp.library_warnings": "warnings",
+    "megatron.fsdp.commands": "commands",
     **{f"megatron.fsdp.{name}": name for name in
        ("collectives", "precision", "sharding", "schedule", "init", "checkpoint", "wrap", "optim")},
     "megatron.fsdp.testing": "engine_testing",
@@ -29,11 +30,12 @@ LAYERS = {
     "megatron.fsdp_training": "job",
     "megatron.fsdp_training.errors": "errors",
     "megatron.fsdp_training.compat": "job_compat",
-    "megatron.fsdp_training.architecture": "architecture",
+    "megatron.fsdp_training.model_shape": "architecture",  # the model's shape as Megatron-Core's config fields
     "megatron.fsdp_training.data": "data",
     "megatron.fsdp_training.logs": "logs",
     "megatron.fsdp_training.checkpointing": "checkpointing",
     "megatron.fsdp_training.testing": "job_testing",
+    "megatron.fsdp_training.tools": "job_tools",
     "megatron.core": "megatron_core",
     "tests": "tests",
     "tools": "tools",
@@ -44,6 +46,7 @@ MAY_IMPORT: Dict[str, Set[str]] = {
     "collectives": set(),
     "precision": set(),
     "warnings": set(),
+    "commands": set(),  # the installed commands' names, for any line that tells a user what to run
     "sharding": {"collectives", "precision"},
     "schedule": {"collectives", "sharding"},
     "init": {"collectives"},
@@ -58,13 +61,16 @@ MAY_IMPORT: Dict[str, Set[str]] = {
     "job_compat": {"adapter", "megatron_core"},
     "errors": set(),
     "architecture": {"errors"},
-    "data": {"errors", "job_compat", "megatron_core"},
+    "data": {"errors", "commands", "job_compat", "megatron_core"},
     "logs": {"errors", "architecture", "job_compat", "megatron_core"},
     "checkpointing": set(ENGINE) | {"adapter", "job_compat", "megatron_core", "errors", "logs"},
     "job": set(ENGINE) | {"adapter", "job_compat", "megatron_core", "errors", "architecture", "data", "logs",
                           "checkpointing"},
     "job_testing": set(ENGINE) | {"engine_testing", "adapter", "job_compat", "megatron_core", "errors",
                                   "architecture", "data", "logs", "checkpointing", "job"},
+    # the job's installed tools (checkpoint conversion, preprocessing, generation): the job and all below it
+    "job_tools": set(ENGINE) | {"adapter", "job_compat", "megatron_core", "errors", "architecture", "data", "logs",
+                                "checkpointing", "job"},
 }
 
 

@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python -m megatron.fsdp_training.training`: the job, as `-m megatron.fsdp_training`
+    from megatron.fsdp.commands import set_command_defaults  # before this file imports Megatron-Core
+
+    set_command_defaults()
+    from megatron.fsdp_training.training import main
+
+    raise SystemExit(main())
+
 import functools
 import time
 from typing import List, Optional
@@ -14,7 +22,7 @@ from .data import datasets as data
 from . import model as model_lib
 from .checkpointing.async_save import CheckpointSaver
 from .checkpointing.files import CheckpointError
-from .arguments.fp8 import fp8_start_up_line
+from .arguments.precision import fp8_start_up_line
 from .initialize import announce_substitutions, initialize, shutdown
 from .logs.lines import IntervalLog, end_of_run_line, format_fields, gather_per_rank, insert_field, memory_line, memory_mib, persistent_line, print_rank_0, reset_peak_memory, summary
 from .logs.moe_losses import moe_aux_losses, mtp_losses
@@ -314,7 +322,7 @@ def main(argv=None) -> None:
 
 def run_entry_point(body, args):
     """``body(args)`` as a command runs it: a user error is one line (rank 0) and exit code 2, and the
-    process groups are shut down however it ends (pretrain_gpt.py, tools/generate.py)."""
+    process groups are shut down however it ends (the training job, the generation tool)."""
     from .errors import ArgumentError
 
     try:

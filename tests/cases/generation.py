@@ -9,7 +9,7 @@ from typing import List
 def generate_in_pool(ctx, argv: List[str]) -> dict:
     """``tools/generate.py argv`` on the whole pool: the ids every rank generated and rank 0's streamed text."""
     from megatron.fsdp_training.testing.megatron_case import megatron_case
-    from tools import generate
+    from megatron.fsdp_training.tools import generate
 
     out = io.StringIO()
     with megatron_case():

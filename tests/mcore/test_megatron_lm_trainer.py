@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron.fsdp.commands import CONVERT as CONVERT_COMMAND
 from megatron.fsdp_training.testing.job import LINE
 from tests.mcore import trainer_runs
 from tests.mcore.trainer_runs import assert_close
@@ -161,7 +162,7 @@ def test_checkpoints_move_between_this_job_and_megatron_lm_trainer(runs):
 def test_each_trainer_names_the_converter_for_the_others_checkpoint(runs):
     for name, command in (("trainer_loads_job", "to-megatron-lm"), ("job_loads_trainer", "from-megatron-lm")):
         log = runs[name]["log"]
-        assert runs[name]["status"] != 0 and log.count(f"convert.py {command}") == 1, log[-3000:]
+        assert runs[name]["status"] != 0 and log.count(f"{CONVERT_COMMAND} {command}") == 1, log[-3000:]
 
 
 @pytest.mark.mcore_only("not HAS_MEGATRON_TRAINING", why="megatron-core before 0.17 ships no megatron.training")

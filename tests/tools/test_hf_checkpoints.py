@@ -30,8 +30,9 @@ import torch
 
 from tests.cases.hf import finetune_first_batch, megatron_logits
 from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
-from tools.checkpoint import convert, hf_convert
-from tools.checkpoint.hf_io import SafetensorsReader
+from megatron.fsdp.commands import PRETRAIN
+from megatron.fsdp_training.tools.checkpoint import convert, hf_convert
+from megatron.fsdp_training.tools.checkpoint.hf_io import SafetensorsReader
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -127,7 +128,7 @@ def finetune_from_hf(pool, hf, hf_dir, ckpt, capsys, iterations):
     convert.main(["from-hf", str(hf_dir), str(ckpt)])
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("train from it with: "))
     command = shlex.split(line[len("train from it with: "):])
-    assert command[:4] == ["pretrain_gpt.py", "--load", str(ckpt), "--finetune"]
+    assert command[:4] == [PRETRAIN, "--load", str(ckpt), "--finetune"]
     argv = command[1:] + ["--mock-data", "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters",
                           str(iterations), "--lr", "1e-2", "--eval-iters", "1", "--seed", "5"] + ZERO3
     got = pool.run(finetune_first_batch, timeout=300, argv=argv)[0]
@@ -157,7 +158,7 @@ def test_export_writes_the_job_tokenizer(tmp_path):
     it) and its eos as config.json's and generation_config.json's eos / bos / pad."""
     from transformers import AutoTokenizer
 
-    from tools.checkpoint import hf_tokenizer
+    from megatron.fsdp_training.tools.checkpoint import hf_tokenizer
 
     _byte_bpe(tmp_path / "bpe", tmp_path / "text")
     out = tmp_path / "out"

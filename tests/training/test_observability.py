@@ -1,9 +1,8 @@
 """What a user steers by: throughput (against a hand count), TensorBoard and offline wandb scalars
 (read back, equal to the log lines), timers, the writers' start-up checks, and a Hugging Face
-BPE tokenizer trained here from local text, through tools/preprocess_data.py into a training run."""
+BPE tokenizer trained here from local text, through the preprocessing tool into a training run."""
 
 import glob
-import importlib.util
 import json
 import math
 import re
@@ -20,7 +19,6 @@ from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
 from tools.train_hf_tokenizer import train_tokenizer
 
 
-ROOT = Path(__file__).resolve().parents[2]
 SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--normalization", "RMSNorm", "--swiglu",
          "--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups", "2",
@@ -155,9 +153,8 @@ def test_hf_tokenizer_preprocess_train_and_scalars(mcore_pool, tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
     tok_dir = train_tokenizer([str(corpus)], 384, str(tmp_path / "bpe"))
-    spec = importlib.util.spec_from_file_location("preprocess_data", ROOT / "tools" / "preprocess_data.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    from megatron.fsdp_training.tools import preprocess_data as tool
+
     prefix = str(tmp_path / "data" / "stdlib")
     assert tool.main(["--input", str(corpus), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
                       tok_dir, "--output-prefix", prefix, "--append-eod"]) == 0

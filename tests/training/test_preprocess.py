@@ -1,7 +1,6 @@
-"""Tokenizers (megatron/fsdp_training/data/tokenizer.py) and tools/preprocess_data.py round trips."""
+"""Tokenizers (megatron/fsdp_training/data/tokenizer.py) and preprocessing (tools/preprocess_data.py) round trips."""
 
 import glob
-import importlib.util
 import json
 import os
 import re
@@ -14,18 +13,9 @@ import pytest
 
 from megatron.fsdp_training.data import tokenizer as tk
 from megatron.fsdp_training.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+from megatron.fsdp_training.tools import preprocess_data
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load_tool():
-    name = "preprocess_data"
-    if name not in sys.modules:  # registered so that the worker pool can pickle _encode
-        spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / "preprocess_data.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def _run_tool(argv, capsys):
@@ -37,7 +27,7 @@ def _run_tool(argv, capsys):
         out = subprocess.run([sys.executable, str(ROOT / "tools" / "preprocess_data.py")] + argv,
                              capture_output=True, text=True, timeout=300)
         return out.returncode, out.stdout, out.stderr
-    status = _load_tool().cli(argv)
+    status = preprocess_data.cli(argv)
     out = capsys.readouterr()
     return status, out.out, out.err
 
@@ -283,7 +273,7 @@ def test_preprocess_json_keys_and_int32(tmp_path, capsys):
     rows = [{"text": "abc", "title": "T1"}, {"text": "naïve", "title": "T2"}]
     (tmp_path / "in.jsonl").write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
     prefix = str(tmp_path / "c")
-    _load_tool().main(["--input", str(tmp_path / "in.jsonl"), "--json-keys", "text", "title",
+    preprocess_data.main(["--input", str(tmp_path / "in.jsonl"), "--json-keys", "text", "title",
                        "--tokenizer-type", "ByteLevelTokenizer", "--vocab-size", "70000",
                        "--output-prefix", prefix, "--append-eod"])
     for key in ("text", "title"):
@@ -293,7 +283,7 @@ def test_preprocess_json_keys_and_int32(tmp_path, capsys):
 
 
 def test_preprocess_failure_leaves_no_partial_output(tmp_path, capsys):
-    tool = _load_tool()
+    tool = preprocess_data
     good = tmp_path / "good.jsonl"
     good.write_text('{"text": "first"}\n{"text": "second"}\n', encoding="utf-8")
     prefix = str(tmp_path / "out" / "c")
@@ -317,7 +307,7 @@ def test_preprocess_failure_leaves_no_partial_output(tmp_path, capsys):
 
 
 def test_preprocess_bad_arguments(tmp_path, capsys):
-    tool = _load_tool()
+    tool = preprocess_data
     with pytest.raises(FileNotFoundError, match="no file matches"):
         tool.main(["--input", str(tmp_path / "*.jsonl"), "--tokenizer-type",
                    "ByteLevelTokenizer", "--output-prefix", str(tmp_path / "c")])
@@ -327,7 +317,7 @@ def test_preprocess_bad_arguments(tmp_path, capsys):
 
 def test_preprocess_command_line_prints_the_message_only(tmp_path, capsys):
     """On the command line an input error is its message on one line (exit status 2), not a traceback."""
-    tool = _load_tool()
+    tool = preprocess_data
     status = tool.cli(["--input", str(tmp_path / "*.jsonl"), "--tokenizer-type", "ByteLevelTokenizer",
                        "--output-prefix", str(tmp_path / "c")])
     err = capsys.readouterr().err

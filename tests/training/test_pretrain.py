@@ -6,6 +6,7 @@ import pytest
 
 from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
 from megatron.fsdp.testing.common import LEVELS
+from megatron.fsdp.commands import PRETRAIN
 from megatron.fsdp_training.testing.job import LINE
 from megatron.fsdp_training.testing.job import PRETRAIN_MODEL as MODEL
 from megatron.fsdp_training.testing.job import fsdp, torchrun
@@ -173,7 +174,7 @@ def test_startup_error_from_the_command_line(capsys):
     (["--use-torch-fsdp2"], r"^error: --use-torch-fsdp2 is not built in this job \(.*--use-megatron-fsdp"),
     (["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"],
      r"^error: --optimizer-cpu-offload, --optimizer-offload-fraction are not built in this job \(.*host"),
-    (["--no-such-flag"], r"^error: unrecognized arguments: --no-such-flag \(python pretrain_gpt.py --help"),
+    (["--no-such-flag"], rf"^error: unrecognized arguments: --no-such-flag \({PRETRAIN} --help"),
     (["--num-layers", "four"], r"^error: argument --num-layers: invalid int value: 'four' \(.*--help"),
 ])
 def test_parse_error_is_one_line(capsys, argv, expected):

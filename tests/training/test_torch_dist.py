@@ -25,10 +25,11 @@ from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate
 from megatron.fsdp.testing.common import rel
 from megatron.fsdp_training.testing.job import B8, MODEL, assert_exact_resume, fsdp, pretrain, tree_hashes
 from megatron.fsdp.testing.pool import RankError
-from tools.checkpoint import convert
-from tools.checkpoint import inspect as ckpt_inspect
-from tools.checkpoint import torch_dist_convert, torch_dist_dp_layout
-from tools.checkpoint.torch_dist_dp_layout import DpReshardable
+from megatron.fsdp.commands import CONVERT
+from megatron.fsdp_training.tools.checkpoint import convert
+from megatron.fsdp_training.tools.checkpoint import inspect as ckpt_inspect
+from megatron.fsdp_training.tools.checkpoint import torch_dist_convert, torch_dist_dp_layout
+from megatron.fsdp_training.tools.checkpoint.torch_dist_dp_layout import DpReshardable
 
 ORIGINAL = DpReshardable._dense_params
 
@@ -122,9 +123,9 @@ def test_torch_dist_baseline_to_fsdp_and_back(tmp_path, monkeypatch, capsys, lay
 
 @pytest.mark.parametrize("argv, pattern", [
     (["--use-megatron-fsdp", "--ckpt-format", "torch_dist", "--save", "x"],
-     r"--use-megatron-fsdp saves and loads --ckpt-format fsdp_dtensor; convert .*convert.py from-torch-dist"),
+     rf"--use-megatron-fsdp saves and loads --ckpt-format fsdp_dtensor; convert .*{CONVERT} from-torch-dist"),
     (["--ckpt-format", "fsdp_dtensor", "--load", "x"],
-     r"fsdp_dtensor needs --use-megatron-fsdp.*convert.py to-torch-dist"),
+     rf"fsdp_dtensor needs --use-megatron-fsdp.*{CONVERT} to-torch-dist"),
     (["--save", "x", "--async-save"], "the baseline's torch_dist saves are synchronous"),
 ])
 def test_ckpt_format_errors_at_start_up(argv, pattern):

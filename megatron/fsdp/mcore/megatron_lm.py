@@ -23,6 +23,8 @@ from typing import List, Optional
 
 import torch
 
+from megatron.fsdp.commands import PRETRAIN
+
 from . import compat
 from .data_parallel import FullyShardedDataParallel
 from .patches import PATCHES, once, rebind, use_shipped_dataset_helpers
@@ -39,7 +41,7 @@ def require_megatron_training() -> None:
         raise TrainerUnavailable(
             f"megatron-core {compat.MCORE_VERSION_STRING} ships no megatron.training (Megatron-LM's trainer is in the "
             "wheel from 0.17, Python >= 3.12): install megatron-core==0.19.2 on Python 3.12, "
-            "or run this project's pretrain_gpt.py, which takes Megatron-LM's flags")
+            f"or run this project's job ({PRETRAIN}; pretrain_gpt.py in a clone), which takes Megatron-LM's flags")
 
 
 def use_this_backend() -> None:

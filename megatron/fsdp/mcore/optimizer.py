@@ -20,6 +20,7 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.optimizer.optimizer_config import OptimizerConfig
 
 import megatron.fsdp as mfsdp
+from megatron.fsdp.commands import CONVERT
 
 from .checkpoint_keys import optimizer_keys, rename_optimizer_key
 from .data_parallel import reject_fp16
@@ -122,7 +123,7 @@ class FullyShardedMegatronOptimizer(MegatronOptimizer):
         from the model, which those trainers load first. Megatron's ``torch_dist`` (ShardedTensor) form is refused."""
         if (metadata or {}).get("distrib_optim_sharding_type") != "fsdp_dtensor":
             raise ValueError("megatron.fsdp checkpoints through torch DCP in whole-parameter coordinates: save with "
-                             "--ckpt-format fsdp_dtensor (tools/checkpoint/convert.py converts to and from torch_dist)")
+                             f"--ckpt-format fsdp_dtensor ({CONVERT} converts to and from torch_dist)")
         return self.state_dict(main_weights=False)
 
 

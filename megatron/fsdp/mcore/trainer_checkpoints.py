@@ -3,7 +3,7 @@
 Both write the same tensors under the same keys through this adapter; Megatron-LM's trainer keeps ``args``,
 ``iteration`` and ``checkpoint_version`` as entries of its DCP files, this project's job keeps them in
 ``common.json`` beside them. Each trainer reading the other's gets one line naming the converter
-(``tools/checkpoint/convert.py from-megatron-lm`` / ``to-megatron-lm``, docs/trainers.md) instead of DCP's
+(``megatron-fsdp-convert from-megatron-lm`` / ``to-megatron-lm``, docs/trainers.md) instead of DCP's
 missing-key traceback.
 """
 
@@ -12,10 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Set
 
+from megatron.fsdp.commands import CONVERT
+
 MEGATRON_LM_ENTRIES = ("args", "iteration", "checkpoint_version")
 JOB_COMMON = "common.json"  # this project's job's (megatron/fsdp_training/checkpointing/files.py names it too)
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's name, both trainers'
-CONVERT = "python tools/checkpoint/convert.py"
 
 
 def dcp_keys(directory: Path) -> Set[str]:
@@ -55,6 +56,6 @@ def job_checkpoint_in_megatron_lm(load_dir: str, step: Optional[int] = None) -> 
     directory = root / f"iter_{step:07d}"
     if not is_job_checkpoint(directory):
         return None
-    return (f"{directory} was written by this project's pretrain_gpt.py ({JOB_COMMON} beside the DCP files), which "
+    return (f"{directory} was written by this project's training job ({JOB_COMMON} beside the DCP files), which "
             f"Megatron-LM's trainer does not read: convert it with `{CONVERT} to-megatron-lm {root} NEW_DIR`, then "
             "--load NEW_DIR")

@@ -23,12 +23,14 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from megatron.fsdp.commands import PREPROCESS
+
 _HEADER = b"MMIDIDX\x00\x00"
 _HEADER_BYTES = 34  # magic 9, version 8, dtype code 1, sequence count 8, document count 8
 # Megatron-Core's DType codes (megatron.core.datasets.indexed_dataset.DType).
 _DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
            8: np.uint16}
-_REBUILD = "rebuild it with tools/preprocess_data.py"
+_REBUILD = f"rebuild it with {PREPROCESS}"
 
 
 def _index_geometry(idx: str):

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from typing import List, Optional, Tuple
 
+from megatron.fsdp.commands import PREPROCESS
+
 SPLIT_NAMES = ("train", "validation", "test")
 
 
@@ -98,7 +100,7 @@ def check_splits(args) -> None:
         missing = [p for p in (prefix + ".idx", prefix + ".bin") if not os.path.isfile(p)]
         if missing:
             raise DataSplitError(f"--data-path {prefix}: no file {missing[0]} (give the prefix that "
-                                 "tools/preprocess_data.py printed, without .bin/.idx)")
+                                 f"{PREPROCESS} printed, without .bin/.idx)")
         problem = check_index_files(prefix)
         if problem:
             raise DataSplitError(f"--data-path {prefix}: {problem}")

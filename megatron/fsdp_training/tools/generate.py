@@ -1,8 +1,9 @@
 """Prompt a checkpoint this project wrote and print what the model says, token by token.
 
-    python tools/generate.py --load CKPT_DIR --prompt "def main(" [--max-new-tokens 64]
+    megatron-fsdp-generate --load CKPT_DIR --prompt "def main(" [--max-new-tokens 64]
         [--greedy | --temperature 0.8 --top-k 50 --top-p 0.9] [--seed 1234]
-    torchrun --nproc_per_node 2 tools/generate.py --load CKPT_DIR --tensor-model-parallel-size 2 ...
+    torchrun --nproc_per_node 2 -m megatron.fsdp_training.tools.generate --load CKPT_DIR \\
+        --tensor-model-parallel-size 2 ...
 
 The model is built and loaded by the training job itself (``megatron.fsdp_training.training.setup``
 and ``checkpointing.save_load.load_checkpoint``), so every checkpoint the job can resume from
@@ -24,31 +25,29 @@ tokenizer's end-of-document id.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Callable, List, Optional
 
-# Run as a script, tools/ would come first on sys.path: the repository root instead.
-if __name__ == "__main__":
-    _HERE = os.path.dirname(os.path.realpath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _HERE]
-    sys.path.insert(0, os.path.dirname(_HERE))
-    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+import torch
 
-import torch  # noqa: E402
+from megatron.fsdp.commands import GENERATE, set_command_defaults
 
 # Job arguments taken from the checkpoint when the command line does not give them: the model's
 # shape and the tokenizer (the parallel layout, data, schedule and checkpoint flags stay this launch's).
-_SAVED_GROUPS = ("model", "model architecture", "mixture of experts")
-_NOT_SAVED = {"expert_model_parallel_size", "expert_tensor_parallel_size", "expert_data_parallel_sharding_strategy",
-              "expert_outer_dp_sharding_strategy", "expert_num_distributed_optimizer_instances",
-              "moe_token_dispatcher_type", "recompute_granularity", "transformer_impl"}
+_SHAPE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length",
+          "max_position_embeddings", "init_method_std", "untie_embeddings_and_output_weights", "recompute_method",
+          "recompute_num_layers", "add_bias_linear", "normalization", "norm_epsilon", "swiglu",
+          "position_embedding_type", "rotary_base", "rotary_percent", "group_query_attention", "num_query_groups",
+          "kv_channels", "qk_layernorm", "add_qkv_bias", "hidden_dropout", "attention_dropout",
+          "calculate_per_token_loss", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+          "moe_router_pre_softmax", "moe_layer_freq", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+          "moe_grouped_gemm", "moe_aux_loss_coeff", "moe_router_load_balancing_type")
 _TOKENIZER = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size",
               "make_vocab_size_divisible_by")
 
 
 def add_generation_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("generation (tools/generate.py)")
+    g = parser.add_argument_group(f"generation ({GENERATE})")
     g.add_argument("--prompt", default="", help="text the model continues (default: none, start from nothing)")
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
     g.add_argument("--greedy", action="store_true", help="argmax decoding (same as --temperature 0)")
@@ -210,8 +209,7 @@ def _saved_defaults(parser: argparse.ArgumentParser, load: str, step: Optional[i
         return {}  # the job's own loader says what is wrong with this directory
     common = json.loads(common_path.read_text())
     saved = dict(common.get("args", {}))
-    wanted = {a.dest for g in parser._action_groups if (g.title or "").startswith(_SAVED_GROUPS) for a in g._group_actions}
-    defaults = {k: saved[k] for k in (wanted - _NOT_SAVED) | set(_TOKENIZER) if k in saved}
+    defaults = {k: saved[k] for k in _SHAPE + _TOKENIZER if k in saved}
     defaults["use_megatron_fsdp"] = common.get("format") == "fsdp_dtensor"
     model_args = common.get("model_args", {})
     if "make_vocab_size_divisible_by" not in saved and model_args.get("padded_vocab_size") and \
@@ -265,6 +263,7 @@ def run(args: argparse.Namespace, out=None) -> List[int]:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    set_command_defaults()
     from megatron.fsdp_training.training import run_entry_point
 
     run_entry_point(lambda command_line: run(parse_args(command_line)), argv)

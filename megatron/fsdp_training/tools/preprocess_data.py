@@ -1,9 +1,8 @@
-#!/usr/bin/env python
 """Tokenise a corpus into Megatron-Core indexed datasets (``.bin`` + ``.idx``).
 
 Megatron-LM's ``tools/preprocess_data.py`` shape, for the training job's ``--data-path``::
 
-    python tools/preprocess_data.py --input corpus.jsonl --json-keys text \\
+    megatron-fsdp-preprocess --input corpus.jsonl --json-keys text \\
         --output-prefix data/corpus --tokenizer-type GPT2BPETokenizer \\
         --vocab-file vocab.json --merge-file merges.txt --append-eod --workers 4
 
@@ -34,11 +33,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy
 
-try:
-    from megatron.fsdp_training.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
-except ImportError:  # run from a checkout without the editable install
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from megatron.fsdp_training.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+from megatron.fsdp_training.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 
 
 def get_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

@@ -1,13 +1,13 @@
 """Convert a checkpoint to one torch file of full tensors, a HuggingFace model or Megatron's torch_dist, and back.
 
-    python tools/checkpoint/convert.py to-torch CKPT OUT.pt [--model-only]
-    python tools/checkpoint/convert.py from-torch IN.pt SAVE_DIR
-    python tools/checkpoint/convert.py to-hf CKPT HF_DIR [--model-type gpt2|llama|qwen2|qwen2_moe|mixtral|qwen3|qwen3_moe|deepseek_v3]
-    python tools/checkpoint/convert.py from-hf HF_DIR SAVE_DIR
-    python tools/checkpoint/convert.py from-torch-dist TORCH_DIST_DIR SAVE_DIR   # baseline -> --use-megatron-fsdp
-    python tools/checkpoint/convert.py to-torch-dist CKPT TORCH_DIST_DIR         # --use-megatron-fsdp -> baseline
-    python tools/checkpoint/convert.py to-megatron-lm CKPT SAVE_DIR    # -> Megatron-LM's trainer (docs/trainers.md)
-    python tools/checkpoint/convert.py from-megatron-lm CKPT SAVE_DIR  # Megatron-LM's trainer -> this job
+    megatron-fsdp-convert to-torch CKPT OUT.pt [--model-only]
+    megatron-fsdp-convert from-torch IN.pt SAVE_DIR
+    megatron-fsdp-convert to-hf CKPT HF_DIR [--model-type gpt2|llama|qwen2|qwen2_moe|mixtral|qwen3|qwen3_moe|deepseek_v3]
+    megatron-fsdp-convert from-hf HF_DIR SAVE_DIR
+    megatron-fsdp-convert from-torch-dist TORCH_DIST_DIR SAVE_DIR   # baseline -> --use-megatron-fsdp
+    megatron-fsdp-convert to-torch-dist CKPT TORCH_DIST_DIR         # --use-megatron-fsdp -> baseline
+    megatron-fsdp-convert to-megatron-lm CKPT SAVE_DIR    # -> Megatron-LM's trainer (docs/trainers.md)
+    megatron-fsdp-convert from-megatron-lm CKPT SAVE_DIR  # Megatron-LM's trainer -> this job
 
 ``to-torch`` reads a ``--save`` directory's latest checkpoint (or an
 ``iter_XXXXXXX`` directory) into full, unsharded tensors, in one process without
@@ -28,19 +28,12 @@ at a time (``hf_convert.py``; docs/checkpoints.md, "HuggingFace").
 """
 
 import argparse
-import os
-import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-# Run as a script, this file's directory would come first on sys.path, and its
-# sibling inspect.py would shadow the standard library's ``inspect``.
-if __name__ == "__main__":
-    _HERE = os.path.dirname(os.path.realpath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _HERE]
-    sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))
+from megatron.fsdp.commands import PRETRAIN
 
 
 def read_checkpoint(directory: Path) -> Dict[str, Any]:
@@ -59,8 +52,8 @@ def to_torch(checkpoint: str, out: str, model_only: bool = False, iteration: Opt
     import torch
 
     from megatron.fsdp_training.checkpointing import files
-    from tools.checkpoint import source
-    from tools.checkpoint.inspect import resolve
+    from . import source
+    from .inspect import resolve
 
     directory = resolve(checkpoint, iteration)
     source.check_fsdp_dtensor(directory)
@@ -82,9 +75,10 @@ def model_state(state: Dict[str, Any]) -> Dict[str, Any]:
 
     from megatron.fsdp_training.checkpointing.save_load import tp_global
 
+    from . import source
+
     if not tp_global(state["common"]):
-        raise SystemExit("this checkpoint has layout version 1 (keys per tensor-parallel rank): load it with "
-                         "pretrain_gpt.py at the TP size it was saved with and save it again, then convert that")
+        raise SystemExit(source.LAYOUT_V1)
     # ``from-hf`` writes flat ``model.<name>`` keys (no nested state dict to unflatten).
     model = state["model"] if "model" in state else {k[len("model."):]: v for k, v in state.items()
                                                       if k.startswith("model.")}
@@ -98,7 +92,7 @@ def from_torch(path: str, save_dir: str, overwrite: bool = False) -> Path:
     import torch.distributed.checkpoint as dcp
 
     from megatron.fsdp_training.checkpointing import files
-    from tools.checkpoint import output, source
+    from . import output, source
 
     state = torch.load(path, weights_only=False)
     # (a checkpoint from-hf wrote holds flat ``model.<name>`` keys instead of a nested ``model``)
@@ -133,14 +127,15 @@ def main(argv=None) -> None:
                        ("to-megatron-lm", "this job's checkpoint -> one Megatron-LM's trainer loads with megatron.fsdp")):
         c = sub.add_parser(name, help=what)
         c.add_argument("checkpoint", help="a --save directory (its latest checkpoint) or one iter_* directory")
-        c.add_argument("save_dir", help="written as SAVE_DIR/iter_XXXXXXX with the tracker (pretrain_gpt.py --load)")
+        c.add_argument("save_dir", help=f"written as SAVE_DIR/iter_XXXXXXX with the tracker ({PRETRAIN} "
+                                           "--load)")
         c.add_argument("--iteration", type=int, default=None)
         _add_overwrite(c)
     _add_hf_commands(sub)
     args = p.parse_args(argv)
     from torch.distributed.checkpoint.api import CheckpointException  # DCP's: a BaseException
 
-    from tools.checkpoint import output, source
+    from . import output, source
 
     try:
         _run(args)
@@ -156,7 +151,7 @@ def main(argv=None) -> None:
         raise
 
 
-# command -> (module of tools/checkpoint, its function (source, save_dir, iteration, overwrite), how it reads)
+# command -> (module beside this one, its function (source, save_dir, iteration, overwrite), how it reads)
 CONVERTERS = {
     "from-torch-dist": ("torch_dist_convert", "from_torch_dist", "one tensor at a time"),
     "to-torch-dist": ("torch_dist_convert", "to_torch_dist", "one tensor at a time"),
@@ -173,13 +168,13 @@ def _run(args) -> None:
         import importlib
 
         module, function, how = CONVERTERS[args.command]
-        convert = getattr(importlib.import_module(f"tools.checkpoint.{module}"), function)
+        convert = getattr(importlib.import_module(f".{module}", __package__), function)
         print(f"> converting {args.checkpoint} ({args.command}, {how}) ...", flush=True)
         written = convert(args.checkpoint, args.save_dir, args.iteration, args.overwrite)
         print(f"wrote {written}{_rate(written, start)}")
     elif args.command == "to-torch":
         print(f"> reading {args.checkpoint} (full tensors, one process) ...", flush=True)
-        from tools.checkpoint import output
+        from . import output
 
         output.check_empty(args.out, args.overwrite)
         directory = to_torch(args.checkpoint, args.out, args.model_only, args.iteration)
@@ -191,7 +186,7 @@ def _run(args) -> None:
 
 
 def _add_hf_commands(sub) -> None:
-    from tools.checkpoint.hf_models import MODEL_TYPES
+    from .hf_models import MODEL_TYPES
 
     a = sub.add_parser("to-hf", help="checkpoint -> HuggingFace directory (safetensors shards, index, config.json)")
     a.add_argument("checkpoint")
@@ -214,13 +209,13 @@ def _add_overwrite(*parsers) -> None:
     for parser in parsers:
         parser.add_argument("--overwrite", action="store_true",
                             help="write into a directory (or file) that is not empty, replacing the iteration "
-                                 "converted; a tracker is never moved backwards (tools/checkpoint/output.py)")
+                                 "converted; a tracker is never moved backwards (docs/checkpoints.md)")
 
 
 def _run_hf_command(args, start: float) -> None:
-    from tools.checkpoint import hf_tokenizer
-    from tools.checkpoint.hf_convert import from_hf, to_hf
-    from tools.checkpoint.hf_layouts import ConversionError
+    from . import hf_tokenizer
+    from .hf_convert import from_hf, to_hf
+    from .hf_layouts import ConversionError
 
     try:
         if args.command == "to-hf":

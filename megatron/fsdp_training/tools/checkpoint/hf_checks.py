@@ -31,9 +31,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from tools.checkpoint.hf_layouts import Arch, ConversionError, Rule
-from tools.checkpoint.hf_layouts_deepseek import DeepseekArch
-from tools.checkpoint.hf_models import arch_from_hf, rules_for
+from .hf_layouts import Arch, ConversionError, Rule
+from .hf_layouts_deepseek import DeepseekArch
+from .hf_models import arch_from_hf, rules_for
 
 # HuggingFace tensors that are not weights (old GPT-2 files keep their attention masks).
 _NOT_WEIGHTS = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|\.rotary_emb\.inv_freq)$")

@@ -23,10 +23,11 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from tools.checkpoint import hf_checks, hf_io, hf_tokenizer, output
-from tools.checkpoint.hf_layouts import Arch, ConversionError, Rule
-from tools.checkpoint.hf_models import (arch_from_args, arch_from_hf, check_exportable, default_model_type, hf_config,
+from . import hf_checks, hf_io, hf_tokenizer, output
+from .hf_layouts import Arch, ConversionError, Rule
+from .hf_models import (arch_from_args, arch_from_hf, check_exportable, default_model_type, hf_config,
                                         note, rules_for)
+from .source import LAYOUT_V1
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -71,17 +72,16 @@ def _apply(rule: Rule, tensors: Dict[str, torch.Tensor], to_hf: bool) -> List[Tu
 def to_hf(checkpoint: str, out: str, model_type: Optional[str] = None, iteration: Optional[int] = None,
           dtype: Optional[str] = None, max_shard_bytes: int = 5 * 2 ** 30, overwrite: bool = False) -> ConversionReport:
     """Write ``checkpoint``'s model as a HuggingFace directory ``out`` (config.json, shards, index)."""
-    from megatron.fsdp_training.checkpointing import files
+    from megatron.fsdp_training.checkpointing import files, fp8_state
     from megatron.fsdp_training.checkpointing.save_load import tp_global
-    from tools.checkpoint.inspect import resolve
+    from .inspect import resolve
 
     hf_io.return_large_buffers_to_the_os()
     rss_before = hf_io.current_rss_bytes()
     directory = resolve(checkpoint, iteration)
     common = files.read_common(directory)
     if not tp_global(common):
-        raise ConversionError("this checkpoint has layout version 1 (keys per tensor-parallel rank): load it with "
-                              "pretrain_gpt.py at the TP size it was saved with and save it again, then convert that")
+        raise ConversionError(LAYOUT_V1)
     arch = arch_from_args(common["args"])
     model_type = model_type or default_model_type(common, arch)
     saved_hf = common.get("hf", {})
@@ -89,6 +89,8 @@ def to_hf(checkpoint: str, out: str, model_type: Optional[str] = None, iteration
     check_exportable(model_type, arch)
     reader = hf_io.DcpTensors(directory)
     stored = {k[len("model."):]: v for k, v in reader.meta.items() if k.startswith("model.")}
+    fp8_note = fp8_state.conversion_note(stored, "a HuggingFace model has none")
+    stored = {k: v for k, v in stored.items() if not fp8_state.is_scaling_state(k)}
     rules = rules_for(model_type, arch)
     needed = {k for r in rules for k in r.megatron}
     unknown, missing = sorted(set(stored) - needed), sorted(needed - set(stored))
@@ -123,7 +125,8 @@ def to_hf(checkpoint: str, out: str, model_type: Optional[str] = None, iteration
     config = hf_tokenizer.write_generation_files(root, config, common)
     (root / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     model_bytes = sum(p.stat().st_size for p in written if p.suffix == ".safetensors")
-    return ConversionReport(root, model_bytes, rss_before, hf_io.peak_rss_bytes(), note(arch, exporting=True))
+    notes = "\n".join(n for n in (note(arch, exporting=True), fp8_note) if n)
+    return ConversionReport(root, model_bytes, rss_before, hf_io.peak_rss_bytes(), notes)
 
 
 # ---------------------------------------------------------------------- from HF

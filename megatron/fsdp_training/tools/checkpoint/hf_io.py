@@ -196,7 +196,7 @@ class SafetensorsReader:
 
 def _header(path: Path) -> Tuple[int, Dict[str, dict]]:
     """A safetensors file's header length and header, checked against the file's size (one line if not)."""
-    from tools.checkpoint.hf_layouts import ConversionError
+    from .hf_layouts import ConversionError
 
     size = path.stat().st_size
     fix = "download or save the model again"

@@ -76,7 +76,7 @@ class Arch:
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> "Arch":
         """From ``common.json``'s ``args`` (every argument of the saving run)."""
-        from megatron.fsdp_training.architecture import moe_layer_pattern
+        from megatron.fsdp_training.model_shape import moe_layer_pattern
 
         groups = args["num_query_groups"] if args.get("group_query_attention") else args["num_attention_heads"]
         experts = args.get("num_experts")
@@ -84,7 +84,7 @@ class Arch:
         if experts:
             freq = args.get("moe_layer_freq", 1)
             if isinstance(freq, str):
-                from megatron.fsdp_training.architecture import moe_layer_freq_type
+                from megatron.fsdp_training.arguments.moe import moe_layer_freq_type
 
                 freq = moe_layer_freq_type(freq)
             pattern = tuple(moe_layer_pattern(_Args(num_layers=args["num_layers"], moe_layer_freq=freq)))

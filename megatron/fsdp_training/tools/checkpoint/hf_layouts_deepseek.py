@@ -42,7 +42,7 @@ from typing import Any, Collection, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from tools.checkpoint.hf_layouts import (Arch, ConversionError, Rule, _copy, _swiglu_mlp_rules, _vocab,
+from .hf_layouts import (Arch, ConversionError, Rule, _copy, _swiglu_mlp_rules, _vocab,
                                          routed_expert_rules)
 
 MODEL_TYPES = ("deepseek_v3",)

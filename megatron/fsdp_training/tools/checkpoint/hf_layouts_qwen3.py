@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, List, Mapping, Tuple
 
-from tools.checkpoint.hf_layouts import Arch, ConversionError, Rule, _copy, _rope_theta, llama_rules
+from .hf_layouts import Arch, ConversionError, Rule, _copy, _rope_theta, llama_rules
 
 MODEL_TYPES = ("qwen3", "qwen3_moe")
 

@@ -13,9 +13,9 @@ from typing import Any, Callable, Collection, Dict, List, Mapping, Tuple
 
 import torch
 
-from tools.checkpoint import hf_layouts, hf_layouts_deepseek, hf_layouts_qwen3
-from tools.checkpoint.hf_layouts import Arch, ConversionError, Rule
-from tools.checkpoint.hf_layouts_deepseek import DeepseekArch
+from . import hf_layouts, hf_layouts_deepseek, hf_layouts_qwen3
+from .hf_layouts import Arch, ConversionError, Rule
+from .hf_layouts_deepseek import DeepseekArch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
+from megatron.fsdp.commands import PRETRAIN
+
 SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
 
@@ -89,7 +91,7 @@ def training_flags(arch, hf_dir: str, seq_length_cap: int = 4096) -> List[str]:
 
 
 def training_command(arch, hf_dir: str, save_dir: str) -> str:
-    return shlex.join(["pretrain_gpt.py", "--load", save_dir, "--finetune"] + training_flags(arch, hf_dir))
+    return shlex.join([PRETRAIN, "--load", save_dir, "--finetune"] + training_flags(arch, hf_dir))
 
 
 def tokenizer_note(arch, hf_dir: str) -> Optional[str]:

@@ -1,28 +1,18 @@
 """Print what a checkpoint holds: iteration, arguments, and every key with its shape and dtype.
 
-    python tools/checkpoint/inspect.py CKPT [--keys REGEX] [--json]
-    python tools/checkpoint/inspect.py CKPT --verify     # every file against manifest.json
+    megatron-fsdp-inspect CKPT [--keys REGEX] [--json]
+    megatron-fsdp-inspect CKPT --verify     # every file against manifest.json
 
 ``CKPT`` is a ``--save`` directory (its latest checkpoint, or ``--iteration N``)
 or one ``iter_XXXXXXX`` directory. Reads the DCP metadata and ``common.json``
 only: no process group, no tensor data, no model.
 """
 
-import os
-import sys
-
-# Run as a script, this file's directory comes first on sys.path and its name
-# would shadow the standard library's ``inspect`` (imported by torch itself).
-if __name__ == "__main__":
-    _HERE = os.path.dirname(os.path.realpath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != _HERE]
-    sys.path.insert(0, os.path.dirname(os.path.dirname(_HERE)))
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Optional  # noqa: E402
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Optional
 
 
 def resolve(path: str, iteration: Optional[int] = None) -> Path:

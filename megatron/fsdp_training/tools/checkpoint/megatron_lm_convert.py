@@ -1,7 +1,7 @@
 """Between this project's job's checkpoints and Megatron-LM's trainer's, both ``fsdp_dtensor`` with megatron.fsdp.
 
-    python tools/checkpoint/convert.py to-megatron-lm CKPT SAVE_DIR     # pretrain_gpt.py -> Megatron-LM's trainer
-    python tools/checkpoint/convert.py from-megatron-lm CKPT SAVE_DIR   # Megatron-LM's trainer -> pretrain_gpt.py
+    megatron-fsdp-convert to-megatron-lm CKPT SAVE_DIR     # pretrain_gpt.py -> Megatron-LM's trainer
+    megatron-fsdp-convert from-megatron-lm CKPT SAVE_DIR   # Megatron-LM's trainer -> pretrain_gpt.py
 
 The two hold the same tensors under the same keys (``model.<global key>``, ``optimizer.state.<key>.<moment>``,
 ``optimizer.param_groups.<g>.*``, ``optimizer.state_initialized``: the adapter writes both). They differ in where the
@@ -89,9 +89,9 @@ def _save(state: Dict[str, Any], tmp: Path) -> None:
 
 def to_megatron_lm(source: str, out: str, iteration: Optional[int] = None, overwrite: bool = False) -> Path:
     """This job's checkpoint as one Megatron-LM's trainer loads (``--load SAVE_DIR`` with ``--use-megatron-fsdp``)."""
-    from tools.checkpoint import output
-    from tools.checkpoint import source as checked
-    from tools.checkpoint.convert import read_checkpoint
+    from . import output
+    from . import source as checked
+    from .convert import read_checkpoint
 
     directory, common = checked.tp_global_fsdp_dtensor(source, iteration)
     state = read_checkpoint(directory)
@@ -130,10 +130,10 @@ def from_megatron_lm(source: str, out: str, iteration: Optional[int] = None, ove
     """A checkpoint of Megatron-LM's trainer with this backend as one this project's ``pretrain_gpt.py --load`` takes."""
     from megatron.fsdp_training.checkpointing import files
     from megatron.fsdp_training.checkpointing import save_load as checkpointing
-    from tools.checkpoint import output
-    from tools.checkpoint import source as checked
-    from tools.checkpoint.convert import read_checkpoint
-    from tools.checkpoint.inspect import resolve
+    from . import output
+    from . import source as checked
+    from .convert import read_checkpoint
+    from .inspect import resolve
 
     from megatron.fsdp.mcore.trainer_checkpoints import MEGATRON_LM_ENTRIES, is_megatron_lm_checkpoint
 

@@ -147,7 +147,7 @@ def _hf_source(tmp: Path) -> Dict[str, object]:
     import json
 
     from megatron.fsdp_training.checkpointing import files, manifest
-    from tools.checkpoint.source import NO_CHECKSUMS
+    from .source import NO_CHECKSUMS
 
     try:
         path = json.loads((tmp / files.COMMON).read_text())["hf"]["source"]

@@ -15,6 +15,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List
 
+from megatron.fsdp.commands import PRETRAIN
+
+# What a converter says of a layout-1 checkpoint written at TP > 1 (its keys per tensor-parallel rank).
+LAYOUT_V1 = (f"this checkpoint has layout version 1 (keys per tensor-parallel rank): load it with {PRETRAIN} at the "
+             "TP size it was saved with and save it again, then convert that")
+
 NO_CHECKSUMS = "carries no checksums"
 
 
@@ -116,12 +122,11 @@ def tp_global_fsdp_dtensor(source: str, iteration=None):
     verified, refusing layout version 1 (keys per tensor-parallel rank), which the converters do not merge."""
     from megatron.fsdp_training.checkpointing import files
     from megatron.fsdp_training.checkpointing.save_load import tp_global
-    from tools.checkpoint.inspect import resolve
+    from .inspect import resolve
 
     directory = resolve(source, iteration)
     check_fsdp_dtensor(directory)
     common = files.read_common(directory)
     if not tp_global(common):
-        raise SystemExit("this checkpoint has layout version 1 (keys per tensor-parallel rank): load it at its TP "
-                         "size with pretrain_gpt.py, save it again, then convert that")
+        raise SystemExit(LAYOUT_V1)
     return directory, common

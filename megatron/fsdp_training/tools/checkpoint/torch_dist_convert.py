@@ -1,7 +1,7 @@
 """torch_dist (Megatron-Core dist_checkpointing, the baseline's format) <-> fsdp_dtensor (``--use-megatron-fsdp``).
 
-    python tools/checkpoint/convert.py from-torch-dist TORCH_DIST_DIR FSDP_DIR   # then --use-megatron-fsdp --load FSDP_DIR
-    python tools/checkpoint/convert.py to-torch-dist FSDP_DIR TORCH_DIST_DIR     # then the baseline --load TORCH_DIST_DIR
+    megatron-fsdp-convert from-torch-dist TORCH_DIST_DIR FSDP_DIR   # then --use-megatron-fsdp --load FSDP_DIR
+    megatron-fsdp-convert to-torch-dist FSDP_DIR TORCH_DIST_DIR     # then the baseline --load TORCH_DIST_DIR
 
 Both formats are torch DCP files underneath with TP-global tensors, so a conversion is a
 renaming and a reshape, in one process without a process group:
@@ -45,14 +45,10 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from tools.checkpoint import output
-from tools.checkpoint.torch_dist_dp_layout import DpReshardable, WeightsOnly, is_dp_reshardable
+from . import output
+from .torch_dist_dp_layout import EXPERTS, STACKED, DpReshardable, WeightsOnly, is_dp_reshardable
 
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-STACKED = re.compile(r"^decoder\.layers\.(.+)$")
-# Megatron-Core's SequentialMLP in torch_dist: the layers and the (global) experts both stacked,
-# [layers, experts, ...]; fsdp_dtensor: one tensor per layer and expert, global expert numbers.
-EXPERTS = re.compile(r"^decoder\.layers\.mlp\.experts\.experts\.(.+)$")
 ADAM = ("exp_avg", "exp_avg_sq")
 # Megatron-Core's checkpoint names for the local spec's separate norms (its sharded_state_dict_keys_map: the
 # Transformer Engine layout, where the norm is fused into the next linear) <-> the module names.
@@ -200,7 +196,7 @@ def _rng_objects(directory: Path, metadata, args, world: int) -> Dict[str, bytes
     import pickle
 
     from megatron.fsdp_training.compat import portable
-    from tools.checkpoint.torch_dist_dp_layout import read_objects
+    from .torch_dist_dp_layout import read_objects
 
     keys = {tuple(int(x) for x in m.groups()[:2]): k for k in metadata.state_dict_metadata if (m := RNG.match(k))}
     tp, pp = int(args.tensor_model_parallel_size), int(args.pipeline_model_parallel_size)
@@ -222,8 +218,8 @@ def from_torch_dist(source: str, out: str, iteration: Optional[int] = None, over
     from megatron.fsdp_training.checkpointing import files
     from megatron.fsdp_training.checkpointing import save_load as checkpointing
     from megatron.fsdp_training.checkpointing.torch_dist import is_torch_dist
-    from tools.checkpoint import source as checked
-    from tools.checkpoint.inspect import resolve
+    from . import source as checked
+    from .inspect import resolve
 
     directory = resolve(source, iteration)
     if not is_torch_dist(directory):
@@ -331,13 +327,19 @@ def to_torch_dist(source: str, out: str, iteration: Optional[int] = None, overwr
     """An fsdp_dtensor checkpoint as a torch_dist one under ``out`` (the baseline loads it with its optimizer)."""
     from megatron.fsdp.mcore.checkpoint_keys import tp1_shape
 
+    from megatron.fsdp_training.checkpointing import fp8_state
     from megatron.fsdp_training.checkpointing.torch_dist import CHECKPOINT_VERSION, SHARDED_METADATA
-    from tools.checkpoint import source as checked
+    from . import source as checked
 
     directory, common = checked.tp_global_fsdp_dtensor(source, iteration)
     args = argparse.Namespace(**common["args"])
     _refuse_moe(args)
     saved = _tensor_keys(_metadata(directory))
+    note = fp8_state.conversion_note([k for k in saved if k.startswith("model.")],
+                                     "a run that loads this checkpoint with FP8 delayed scaling starts its own")
+    if note:
+        print(note)
+    saved = {k: v for k, v in saved.items() if not fp8_state.is_scaling_state(k)}
     layers = int(args.num_layers)
     with_optimizer = any(k.startswith("optimizer.state.") for k in saved)
     plan: Dict[str, list] = {}  # torch_dist key -> the fsdp keys it stacks (one per layer) or its one key

@@ -30,6 +30,10 @@ BUCKET = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_
 OBJECT = re.compile(r"^(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.(\w+)/shard_0_1$")
 ALIGN = 64  # _ParamAndGradBuffer._pad_start_of_param_if_needed with the distributed optimizer
 STATES = ("param", "exp_avg", "exp_avg_sq")
+STACKED = re.compile(r"^decoder\.layers\.(.+)$")
+# Megatron-Core's SequentialMLP in torch_dist: the layers and the (global) experts both stacked,
+# [layers, experts, ...]; fsdp_dtensor: one tensor per layer and expert, global expert numbers.
+EXPERTS = re.compile(r"^decoder\.layers\.mlp\.experts\.experts\.(.+)$")
 RESAVE = ("load it with the baseline at its own sizes and save it with --dist-ckpt-optim-fully-reshardable, "
           "then convert that")
 
@@ -118,8 +122,6 @@ class DpReshardable:
         return out
 
     def _dense_params(self, model) -> List[Tuple[str, tuple]]:
-        from tools.checkpoint.torch_dist_convert import EXPERTS, STACKED
-
         stacked = [k for k in model if STACKED.match(k) and not EXPERTS.match(k)]
         pre = [k for k in model if not STACKED.match(k) and k.startswith("embedding.")]
         post = [k for k in model if not STACKED.match(k) and not k.startswith("embedding.")]
@@ -127,8 +129,6 @@ class DpReshardable:
                 + [(k, ()) for k in post])
 
     def _expert_params(self, model, group: str, ep: int) -> List[Tuple[str, tuple]]:
-        from tools.checkpoint.torch_dist_convert import EXPERTS
-
         keys = [k for k in model if EXPERTS.match(k)]
         experts = self.saved[keys[0]][0][1]
         local = experts // ep
