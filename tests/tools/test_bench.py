@@ -14,6 +14,8 @@ import pytest
 from tools.bench import bf16_support, nv_fsdp, report, run
 from tools.bench.spec import FLOOR, NV_FSDP, OURS_FP8, OURS_OPTIONS, SIZES, SYSTEMS
 
+ZERO3 = "ours:optim_grads_params"
+
 
 def test_quick_torch_two_ranks(tmp_path, monkeypatch, capsys):
     out = tmp_path / "results.json"
@@ -64,7 +66,7 @@ def test_quick_torch_two_ranks(tmp_path, monkeypatch, capsys):
     assert zero3["counted_bytes"]["all_gather"]["world"] == zero3["ledger_bytes"]["all_gather"]["dp_shard"] > 0
     assert rows["ours:optim_grads_params"]["bytes_source"] == "ledger" and rows["fsdp2"]["bytes_source"] != "ledger"
     assert set(rows["ours:no_shard"]["ratios"]) == {"fsdp2"}
-    # The job's two flags as engine options (issue 28): --grad-reduce-in-bf16 halves the
+    # The job's two flags as engine options: --grad-reduce-in-bf16 halves the
     # reduce-scatter bytes and nothing else; --fsdp-double-buffer keeps its gather buffers,
     # which the persistent theory counts; both meet theory.
     base, bf16_reduce, double = (every[s] for s in ("ours:optim_grads_params",) + OURS_OPTIONS)
@@ -82,7 +84,7 @@ def test_quick_torch_two_ranks(tmp_path, monkeypatch, capsys):
 
 
 def _check_fp8_gather_rows(base, rows, targets):
-    """Issue 39: the FP8 and MXFP8 gather rows (bf16 compute, ZeRO-3, tiny, 2 ranks) against the bf16 row.
+    """The FP8 and MXFP8 gather rows (bf16 compute, ZeRO-3, tiny, 2 ranks) against the bf16 row.
 
     Theory: quantized weights at 1 byte (MXFP8 1 + 1/32), the rest at 2; the measured all-gather exceeds it
     only by the wire's padding: every piece of a unit's wire is as long as its longest, and on tiny the
@@ -108,10 +110,49 @@ def _check_fp8_gather_rows(base, rows, targets):
         amax = row["bytes_theory"].get("all_reduce", 0)
         assert amax == (32 if system == OURS_FP8[0] else 0) and sum(row["bytes"]["all_reduce"].values()) == amax + norm
         assert abs(row["persistent_bytes"] / row["persistent_theory"] - 1) < 0.01, row
-    for system, target in zip(OURS_FP8, ("0.50x", "0.52x")):
+    # The targets come from the shape: tiny's minimum (0.508x, 0.524x) plus at most the wire's padding, which
+    # on tiny is most of the measured excess: the verdicts hold at --quick's size as at the full shapes.
+    for system, minimum in zip(OURS_FP8, ("0.508x", "0.524x")):
         [found] = [t for t in targets if t["target"].startswith(report.LABELS[system] + ":")]
-        assert f"all-gather bytes {target}" in found["target"]
-        assert found["details"][0].startswith("tiny 2 ranks: blocks"), found
+        assert "the shape's minimum" in found["target"] and found["status"] == "pass", found
+        assert found["details"][0].startswith("tiny 2 ranks: blocks 0.5") and f"(this shape: {minimum} +" in \
+            found["details"][0], found
+    assert _by_name(targets, "collective bytes within 1% of theory")["status"] == "pass"
+
+
+def _fp8_run(system, ranks, all_gather, reduce_scatter):
+    """A run record of the torch workload on tiny with the given ledger bytes (what aggregate reads)."""
+    per_rank = {"times": [0.1, 0.1, 0.1], "persistent_bytes": 1, "peak_bytes": 1, "params": 118528,
+                "root_params": 18560, "last_unit_params": 49984, "tokens_per_step": 256, "quantized_params": 98304,
+                "last_unit_quantized": 49152, "quantized_tensors": 8,
+                "ledger_bytes": {"all_gather": {"dp_shard": all_gather},
+                                 "reduce_scatter": {"dp_shard": reduce_scatter}}}
+    return {"workload": "torch", "size": "tiny", "ranks": ranks, "system": system, "dtype": "bf16", "round": 0,
+            "status": "ok", "reason": None, "per_rank": [per_rank] * ranks}
+
+
+def test_fp8_gather_targets_follow_the_shape_and_the_wire_padding():
+    """The FP8 gather verdicts at tiny on 4 ranks, from the ledger bytes a --quick run records there: the blocks'
+    minimum is 0.508x (0.524x) of bf16's, the wire pads each gather by up to 3 x 832 compute-dtype elements' extra
+    byte (+0.026x), and the measured 0.533x (0.551x) passes; a wire carrying bf16 weights (1.0x) or more padding
+    than the shape allows fails. The same padding widens the 1% theory target for those rows alone."""
+    bf16 = _fp8_run(ZERO3, 4, 337024, 474112)
+    fp8, mxfp8 = _fp8_run(OURS_FP8[0], 4, 197056, 474112), _fp8_run(OURS_FP8[1], 4, 202432, 474624)
+    rows = report.aggregate([bf16, fp8, mxfp8])
+    by = {r["system"]: r for r in rows}
+    assert by[OURS_FP8[0]]["wire_padding"] == 3 * (3 * 832 * 1 + 4 * 15) and by[ZERO3]["wire_padding"] == 0
+    assert by[OURS_FP8[1]]["wire_padding"] == 3 * (3 * 832 * (2 - 1 - 1 / 32) + 4 * 15)
+    targets = report.targets(rows)
+    for system, detail in zip(OURS_FP8, ("blocks 0.533x (this shape: 0.508x + wire padding up to 0.026x)",
+                                         "blocks 0.551x (this shape: 0.524x + wire padding up to 0.025x)")):
+        found = _by_name(targets, report.LABELS[system] + ":")
+        assert found["status"] == "pass" and found["details"][0].startswith(f"tiny 4 ranks: {detail}"), found
+    assert _by_name(targets, "collective bytes within 1% of theory")["status"] == "pass"
+    too_much = 197056 + 2 * 3 * 2496  # each block gather padded twice as much as its shape allows
+    for all_gather in (337024, too_much):
+        rows = report.aggregate([bf16, _fp8_run(OURS_FP8[0], 4, all_gather, 474112)])
+        assert _by_name(report.targets(rows), report.LABELS[OURS_FP8[0]] + ":")["status"] == "fail", all_gather
+    assert _by_name(report.targets(rows), "collective bytes within 1% of theory")["status"] == "fail"
 
 
 def test_fp8_gather_rows_refuse_fp32_and_select_the_blocks_linear_weights():
@@ -134,7 +175,7 @@ def test_fp8_gather_rows_refuse_fp32_and_select_the_blocks_linear_weights():
 
 
 def test_quick_mcore_floor_is_the_unwrapped_gptmodel_with_no_collectives(tmp_path):
-    """The Megatron-Core workload has the floor too (issue 28): the GPTModel unwrapped on every rank,
+    """The Megatron-Core workload has the floor too: the GPTModel unwrapped on every rank,
     nothing sent, Megatron's bf16 recipe kept (the bf16 model, fp32 main weights, Adam), and every row
     gets its fraction of it."""
     out = tmp_path / "mcore.json"
@@ -205,13 +246,13 @@ def test_floor_targets_every_shape_and_not_runnable_rows(monkeypatch):
     [row] = report.aggregate([record])
     assert row["rounds_ok"] == 0 and row["rounds_crashed"] == 0 and not row["crash_reasons"]
     assert report.format_row(row).endswith("not runnable: megatron-fsdp not installed (pip install -e .[bench])")
-    # The shapes beyond 5M/50M exist as the issue defines them.
+    # The shapes beyond 5M/50M exist as docs/performance.md defines them.
     assert SIZES["root-heavy"].vocab >= 8192 and SIZES["root-heavy"].layers <= 4
     assert SIZES["deep-narrow"].layers >= 24 and SIZES["deep-narrow"].hidden <= 256
 
 
 def test_bf16_support_prints_its_verdict(capsys):
-    """``python tools/bench/bf16_support.py`` says native or emulated, why, and the benchmarks' default (issue 27)."""
+    """``python tools/bench/bf16_support.py`` says native or emulated, why, and the benchmarks' default."""
     native, reason = bf16_support.native_bf16()
     assert bf16_support.main() == 0
     printed = capsys.readouterr().out

@@ -7,7 +7,7 @@ Trains the same model for a fixed number of steps under each system and prints o
 step time (median and spread after warm-up), tokens per second, the ratio against each
 peer and the fraction of the floor (the unwrapped model on every rank, no collectives),
 persistent and peak memory per rank, and bytes per collective kind per step
-against the theoretical minimum; then the issue's targets with a verdict each. Systems
+against the theoretical minimum; then the targets (docs/performance.md) with a verdict each. Systems
 run round-robin (the starting system rotates every round) for several rounds, so slow
 drift of the machine lands on every system alike. Each (workload, ranks) pair gets one
 pool of gloo worker processes (``megatron/fsdp/testing/pool.py``) reused by every size, system
