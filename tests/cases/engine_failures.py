@@ -1,4 +1,4 @@
-"""Cases for issue 18 (run inside the worker pool): replicas, collective timeouts, misuse."""
+"""Failure cases (run inside the worker pool): replicas, collective timeouts, misuse."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Worker side of issue 18's checkpoint cases: damaged checkpoints and a full disk, inside a gloo pool."""
+"""Worker side of the checkpoint failure cases: damaged checkpoints and a full disk, inside a gloo pool."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Worker side of issue 29's cases: the free-space estimate against what a save writes, inside a gloo pool."""
+"""Worker side of the resume cases: the free-space estimate against what a save writes, inside a gloo pool."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Many 2-rank gloo runs that each train one step and exit as a user script does; count bad exits.
 
-Why a script of its own: the defect it guards against (issue 18 item 4: ``terminate
+Why a script of its own: the defect it guards against (``terminate
 called without an active exception``, or a hang in ``destroy_process_group()``) shows
 only when a process really ends, so every run must be a fresh process pair that
 finalizes the interpreter. Importing torch costs seconds, so this parent imports it

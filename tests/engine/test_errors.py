@@ -52,7 +52,7 @@ def test_rewrapping_is_rejected():
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim"])
 def test_replicas_built_with_different_seeds_become_rank0s(pool, strategy):
-    """Issue 18.1: DDP's rule. A rank-dependent build used to train diverging replicas forever."""
+    """DDP's rule. A rank-dependent build is refused, not trained as diverging replicas."""
     results = pool.run(replicas_built_differently, size=2, timeout=HANG_TIMEOUT,
                        strategy=strategy)
     for r in results:
@@ -62,7 +62,7 @@ def test_replicas_built_with_different_seeds_become_rank0s(pool, strategy):
 
 
 def test_collective_called_on_one_rank_names_itself_instead_of_hanging():
-    """Issue 18.2: ``full_state_dict`` on rank 0 alone waited gloo's 30 minutes, silently."""
+    """``full_state_dict`` on rank 0 alone raises, naming the collective, instead of waiting gloo's 30 minutes."""
     from megatron.fsdp_training.testing.pools import pool_of
 
     message = pool_of(2).run(collective_on_one_rank, timeout=HANG_TIMEOUT)[0]
@@ -71,7 +71,7 @@ def test_collective_called_on_one_rank_names_itself_instead_of_hanging():
 
 
 def test_state_dict_pieces_pickle():
-    """Issue 18.8: torch.save(model.state_dict()) works."""
+    """torch.save(model.state_dict()) works."""
     import io
 
     from megatron.fsdp.testing.models import Block, TinyLM

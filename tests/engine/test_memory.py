@@ -105,7 +105,7 @@ def poisoned_flat_gradients(ctx, strategy: str, recompute: bool):
 @pytest.mark.parametrize("strategy, recompute", [("optim_grads_params", True), ("optim_grads", False)])
 def test_flat_gradient_needs_no_zero_fill(pool, strategy, recompute):
     """Why: zero-filling a unit's whole flat gradient when its backward begins made all its
-    pages resident at once (issue 28); gradients are now written into it as they arrive and
+    pages resident at once; gradients are written into it as they arrive and
     only what none reached is zeroed. Recomputation delivers gradients in a second backward."""
     for result in pool.run(poisoned_flat_gradients, size=2, strategy=strategy, recompute=recompute):
         assert result["units"] > 1 and all(result["equal"]), result

@@ -73,8 +73,8 @@ def test_a_case_starts_from_the_environment_the_pool_started_with():
 
 
 def test_a_closed_pool_leaves_the_temp_folder_as_it_found_it(tmp_path):
-    """A fresh process that starts a pool, runs a case and closes it leaves nothing in its TMPDIR (issue 27:
-    every run of the suite left ``mfsdp-pool-*`` folders behind)."""
+    """A fresh process that starts a pool, runs a case and closes it leaves nothing in its TMPDIR
+    (no ``mfsdp-pool-*`` folders behind)."""
     script = ("from megatron.fsdp.testing.pool import WorkerPool\n"
               "from tests.cases.harness import environment_after_setting, pid_after_starting_threads\n"
               "pool = WorkerPool(1)\n"

@@ -1,4 +1,4 @@
-"""Issue 18 item 4: a run that trains and exits ends cleanly, every time.
+"""A run that trains and exits ends cleanly, every time.
 
 Each of the 50 runs is a fresh 2-rank gloo process pair (forked from one parent that
 imported torch once, see ``teardown_loop.py``) that takes one step at ``optim`` or

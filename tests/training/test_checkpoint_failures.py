@@ -1,4 +1,4 @@
-"""Checkpoints under failure (issue 18): damaged files, a full disk, stale temporaries, bad paths,
+"""Checkpoints under failure: damaged files, a full disk, stale temporaries, bad paths,
 fault-injection specs and the exit signal handler. Each case gets one line a user can act on."""
 
 import os
@@ -120,7 +120,7 @@ def test_fault_injection_spec_is_checked_at_start_up(monkeypatch, spec, pattern)
 
 
 def test_exit_signal_handler_saves_at_the_next_iteration_on_every_rank(tmp_path):
-    """Issue 18.7: SIGTERM on one rank during iteration 2 of 10: every rank saves iteration 2 and stops."""
+    """SIGTERM on one rank during iteration 2 of 10: every rank saves iteration 2 and stops."""
     save = str(tmp_path / "ckpt")
     argv = MODEL + B8 + fsdp("optim_grads_params") + ["--save", save, "--exit-signal-handler", "--eval-interval", "10"]
     results = pool_of(2).run(sigterm_mid_training, timeout=300, argv=argv,

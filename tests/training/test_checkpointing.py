@@ -27,8 +27,8 @@ from tests.cases.job_checkpoint import (failing_background_write, fresh_then_loa
                                         loaded_vs_unsharded, rng_round_trip, trainer_preload_copy)
 from megatron.fsdp.testing.matrix import full_matrix
 from megatron.fsdp_training.testing.pools import pool_of
-from tools.checkpoint import convert
-from tools.checkpoint import inspect as ckpt_inspect
+from megatron.fsdp_training.tools.checkpoint import convert
+from megatron.fsdp_training.tools.checkpoint import inspect as ckpt_inspect
 
 
 def _leftovers(directory):
@@ -551,7 +551,7 @@ def test_checkpoint_argument_errors(argv, pattern):
         validate_args(parse_args(["--mock-data"] + argv), 2)
 
 
-# ------------------------------------------------------------ issue 18: damage, full disk, paths
+# ------------------------------------------------------------ damage, full disk, paths
 
 
 def test_a_trainers_pre_load_copy_keeps_every_adam_moment(tmp_path):

@@ -1,4 +1,4 @@
-"""Data inputs that trained wrongly or failed late (issue 40), each now one line at start-up, before any process group.
+"""Data inputs that would train wrongly or fail late: each is one line at start-up, before any process group.
 
 - an int32 ``.bin`` with the uint16 ``.idx`` of the same documents trained on tokens interleaved with
   zeros: the ``.bin``'s size must be exactly what the index describes (and the reverse, extra bytes, a

@@ -39,7 +39,7 @@ def _close(got, base, what):
 def test_pretrain_muon_dp4_zero3_matches_no_shard(mcore_pool):
     base = _pretrain(mcore_pool, fsdp("no_shard"), capture_log=True)
     assert base["losses"][-1] < base["losses"][0]
-    # the log says Muon is on, with its settings (issue 27)
+    # the log says Muon is on, with its settings
     assert "> optimizer: Muon on the 2-D weight matrices (momentum 0.9, Nesterov on, 5 Newton-Schulz steps " \
            "(quintic coefficients), scale spectral x 0.2, TP mode blockwise); Adam on the embedding" in base["log"], \
         base["log"][:3000]

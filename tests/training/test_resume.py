@@ -1,4 +1,4 @@
-"""Issue 29: a resume does what the command line says, nobody clobbers a checkpoint, the free-space check scales.
+"""A resume does what the command line says, nobody clobbers a checkpoint, the free-space check scales.
 
 One checkpoint directory (``six``: 6 iterations on 2 ranks, saved at 2, 4 and 6) serves most cases; each
 case that changes files works on a copy. The jobs run in the Megatron pool (the job's own ``pretrain`` on a
@@ -6,7 +6,6 @@ parsed command line); the two jobs at once and the killed job run as real launch
 """
 
 import json
-import os
 import re
 import shutil
 import signal
@@ -19,11 +18,12 @@ import pytest
 
 from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
 from megatron.fsdp_training.checkpointing import files, ownership
-from megatron.fsdp_training.testing.job import B8, MODEL, ROOT, fork_launch, fsdp, pretrain, tree_hashes
+from megatron.fsdp.commands import CONVERT
+from megatron.fsdp_training.testing.job import B8, MODEL, fork_launch, fsdp, pretrain, tree_hashes
 from megatron.fsdp_training.testing.pools import pool_of
 from tests.cases.job_checkpoint import load_error
 from tests.cases.job_resume import save_size_estimate, start_error
-from tools.checkpoint import inspect as ckpt_inspect
+from megatron.fsdp_training.tools.checkpoint import inspect as ckpt_inspect
 
 SIX = MODEL + B8 + fsdp("optim") + ["--train-iters", "6", "--eval-interval", "6"]
 LR = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| learning rate: ([0-9.E+-]+) \|")
@@ -139,7 +139,7 @@ def test_no_tracker_loads_the_newest_verified_checkpoint_and_never_overwrites_a_
 
 
 def _overwrite_floats(directory: Path) -> None:
-    """Same size, finite floats: only a checksum can tell (as issue 29 damaged them)."""
+    """Same size, finite floats: only a checksum can tell (as a damaged copy looks)."""
     import struct
 
     distcp = sorted(directory.glob("*.distcp"))[0]
@@ -173,7 +173,7 @@ def test_torch_dist_directory_under_fsdp_names_the_converter(tmp_path):
     (directory / ".metadata").write_bytes(b"x")
     (tmp_path / "td" / files.TRACKER).write_text("2\n")
     error = _load_error(SIX + ["--load", str(tmp_path / "td")])["error"]
-    assert "is a torch_dist checkpoint" in error and "convert.py from-torch-dist" in error, error
+    assert "is a torch_dist checkpoint" in error and f"{CONVERT} from-torch-dist" in error, error
 
 
 def test_set_aside_copies_are_reported_at_start_up(tmp_path, capsys):
@@ -249,12 +249,8 @@ def test_bad_data_files_stop_at_start_up_with_one_line(tmp_path):
 
 
 def test_empty_input_to_preprocess_exits_non_zero(tmp_path, capsys):
-    import importlib.util
+    from megatron.fsdp_training.tools import preprocess_data as tool
 
-    spec = importlib.util.spec_from_file_location("preprocess_data_29", os.path.join(ROOT, "tools",
-                                                                                     "preprocess_data.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     (tmp_path / "empty.jsonl").write_text("")
     status = tool.cli(["--input", str(tmp_path / "empty.jsonl"), "--tokenizer-type", "ByteLevelTokenizer",
                        "--output-prefix", str(tmp_path / "c")])

@@ -41,7 +41,7 @@ def _args(system: str, bf16: bool):
     from megatron.fsdp_training.arguments.megatron_fsdp import apply_megatron_fsdp_defaults
 
     ours = system.startswith("ours:")
-    option = option_of(system)  # the job's flag of each option row, as validate_fsdp_recipe maps it
+    option = option_of(system)  # the job's flag of each option row, as validate_args maps it
     args = build_parser().parse_args([])
     vars(args).update(
         use_megatron_fsdp=ours, data_parallel_sharding_strategy=LEVEL_OF[system] if ours else "no_shard",

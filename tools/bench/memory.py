@@ -65,7 +65,7 @@ LABELS = {"fsdp2": "FSDP2", "ours:optim_grads_params": "ours ZeRO-3, fp32 state"
           **{system: "ours ZeRO-3, " + system.partition("+")[2].replace("_", " ") for system in OURS_OPTIONS}}
 # glibc settings of the ranks: as launched by the training job (megatron.fsdp_training.allocator: its
 # fixed mmap threshold and the heap trimmed after each unit's backward); the job's threshold
-# without the trim (its setting before issue 28); glibc's defaults; one arena (MALLOC_ARENA_MAX=1); a fixed 64 KiB
+# without the trim; glibc's defaults; one arena (MALLOC_ARENA_MAX=1); a fixed 64 KiB
 # mmap threshold from the environment (MALLOC_MMAP_THRESHOLD_, which also stops glibc raising it
 # after large frees), so every large block is mapped on allocation and unmapped on free and the
 # resident set follows the live tensors rather than heap fragmentation (diagnoses)
@@ -93,7 +93,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="bf16 linears and attention through fp32 kernels with bf16 saved tensors "
                         "(bf16_support.upcast_bf16_kernels); auto: where bf16 is emulated")
     p.add_argument("--shared-pool", dest="fresh_pool", action="store_false",
-                   help="measure every system in one pool per setting (before issue 28's second round); default: "
+                   help="measure every system in one pool per setting; default: "
                         "fresh ranks for every run, since what a big run leaves in a process moved the next "
                         "run's peak by up to 85 MiB at 70M (docs/performance.md)")
     p.add_argument("--out", default=None, help="JSON of every run")

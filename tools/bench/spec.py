@@ -45,7 +45,7 @@ SYSTEMS = {
 }
 PEERS = {"torch": ("fsdp2", "unwrapped"), "mcore": ("mcore_ddp", "mcore_distopt", "mfsdp_v1")}
 FLOOR = "floor"
-PEAK_TARGET = 0.92  # issue 28: ours ZeRO-3 (fp32 state) / FSDP2 peak memory at 70M, every world size
+PEAK_TARGET = 0.92  # ours ZeRO-3 (fp32 state) / FSDP2 peak memory at 70M, every world size
 LABELS = {"unwrapped": "unwrapped", "floor": "floor (no comm)", "fsdp2": "FSDP2", "mcore_ddp": "MCore DDP",
           "mcore_distopt": "MCore DistOpt", "mfsdp_v1": "M-FSDP v1",
           "nv_fsdp:optim_grads_params": "megatron-fsdp ZeRO-3", "nv_fsdp:optim_grads": "megatron-fsdp ZeRO-2",

@@ -15,7 +15,7 @@ group's rings one after another in issue order (waits and adds release the GIL),
 ``reduce_scatter`` returns at once and the caller's compute overlaps it, as with a
 native async collective. ``RingWork.wait()`` waits for that ring only. Not a thread
 per call: every new thread gets its own malloc arena, and resident memory grew with
-them (issue 12). Not point-to-point driven from the waits: ranks wait in their own
+them. Not point-to-point driven from the waits: ranks wait in their own
 order, so a ring advanced only by its waiter would stall while a peer waits on
 another one.
 

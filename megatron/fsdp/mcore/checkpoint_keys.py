@@ -37,7 +37,7 @@ has the parameter, i.e. the shards concatenated along the partition dimension
 - fused QKV (``linear_qkv``, dim 0): Megatron's own order, interleaved per query
   group (``[q of group 0, k 0, v 0, q of group 1, ...]``); TP ranks hold whole
   groups, so a shard is one block of rows (converting to separate Q, K, V
-  matrices is a reshape per group: issue 17);
+  matrices is a reshape per group);
 - fused gate/up of SwiGLU (``linear_fc1`` with ``partition_stride`` 2, weight
   and bias): stored as ``[2, ffn, ...]`` (``[0]`` gate, ``[1]`` up, the TP-1
   tensor's rows in order): each TP rank's ``[gate_r; up_r]`` is one box;

@@ -40,7 +40,7 @@ INPUT, WEIGHT, GRAD = "input", "weight", "grad"
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Recipe:
-    """Megatron-LM's FP8 settings as the CPU layers run them (``megatron/fsdp_training/arguments/fp8.py``)."""
+    """Megatron-LM's FP8 settings as the CPU layers run them (``megatron/fsdp_training/arguments/precision.py``)."""
 
     format: str = "hybrid"  # --fp8-format: e4m3 everywhere, or hybrid (gradients in e5m2)
     recipe: str = "delayed"  # --fp8-recipe: tensorwise | delayed | mxfp8

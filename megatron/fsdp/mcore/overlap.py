@@ -8,7 +8,7 @@ in units (``megatron.fsdp.Overlap``), so ``S`` maps to ``(S // 2) // unit`` unit
 prefetch in each direction and ``S // unit`` reductions in flight, ``unit`` being the
 mean element count of the model's unit modules. Unset, the engine's defaults apply:
 one unit prefetched each way, as Megatron's default gives, and one reduction in flight
-where Megatron's default queues two (the engine's default since issue 28: a second
+where Megatron's default queues two (the engine's default: a second
 reduction in flight keeps one more unit's gradient alive through the backward's peak;
 pass ``suggested_communication_unit_size`` for Megatron's queue).
 """

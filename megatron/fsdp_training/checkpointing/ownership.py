@@ -57,7 +57,7 @@ def is_stale(tmp: Path, now: Optional[float] = None) -> bool:
 
 
 # ------------------------------------------------------------------ the --save lock
-# Why: two jobs given one --save both "saved" every checkpoint, each replacing the other's iter_* (issue 29.3).
+# Why: two jobs given one --save both "saved" every checkpoint, each replacing the other's iter_*.
 # Rank 0 of a job holds ``LOCK`` in its --save directory for the job's life: an flock (the kernel drops it when
 # the holder dies, however it dies, on local file systems and NFS) on a file naming the holder. Where the file
 # system has no flock, the holder's pid decides (alive on this host: held; dead: taken over). A clean exit
