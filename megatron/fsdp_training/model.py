@@ -18,8 +18,8 @@ from .allocator import job_post_backward_hook
 def transformer_config(args, cpu: bool):
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    from .arguments.model import gradient_accumulation_fusion, transformer_config_fields as kernel_config_fields
-    from .arguments.precision import fp8_config_fields
+    from .arguments.model_flags import gradient_accumulation_fusion, transformer_config_fields as kernel_config_fields
+    from .arguments.precision_flags import fp8_config_fields
     from .model_shape import transformer_config_fields
 
     interleaved = args.virtual_pipeline_model_parallel_size is not None
@@ -42,7 +42,7 @@ def transformer_config(args, cpu: bool):
         recompute_num_layers=args.recompute_num_layers if args.recompute_granularity == "full" else None,
         # Fused CUDA kernels do not exist on CPU. Gradient-accumulation fusion (Megatron-LM's default, off
         # with --no-gradient-accumulation-fusion) only where APEX's kernel exists; the other fusion flags too:
-        # arguments/model.py.
+        # arguments/model_flags.py.
         gradient_accumulation_fusion=gradient_accumulation_fusion(args),
         bias_dropout_fusion=not cpu, persist_layer_norm=not cpu,
         deallocate_pipeline_outputs=True, **kernel_config_fields(args, cpu),
@@ -67,10 +67,10 @@ def _moe_settings(args) -> dict:
 
 
 def _layer_spec(args, config, cpu: bool, vp_stage):
-    if cpu:  # FP8 without Transformer Engine: the CPU layers with the recipe's FP8 linears (arguments/precision.py)
-        from megatron.fsdp.mcore.cpu_mode import cpu_layer_spec
+    if cpu:  # FP8 without Transformer Engine: the CPU layers with the recipe's FP8 linears (arguments/precision_flags.py)
+        from megatron.fsdp.mcore_cpu.cuda_standins import cpu_layer_spec
 
-        from .arguments.precision import cpu_recipe
+        from .arguments.precision_flags import cpu_recipe
 
         return cpu_layer_spec(config, vp_stage=vp_stage, fp8=cpu_recipe(args))
     # Megatron-LM's block spec: per-layer dense/MoE specs (--moe-layer-freq), qk-layernorm, MLA and the
@@ -87,7 +87,7 @@ def mtp_block_spec(config, block_spec, cpu: bool, use_transformer_engine: bool =
     if not getattr(config, "mtp_num_layers", None):
         return None
     if cpu:
-        from megatron.fsdp.mcore.cpu_mode import cpu_mtp_block_spec
+        from megatron.fsdp.mcore_cpu.cuda_standins import cpu_mtp_block_spec
 
         return cpu_mtp_block_spec(config, block_spec, vp_stage=vp_stage, fp8=fp8)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
@@ -133,7 +133,7 @@ def gpt_chunks(config, layer_spec_for, vocab_size: int, max_sequence_length: int
 def build_model_chunks(args, config, vocab_size: int, cpu: bool) -> List[torch.nn.Module]:
     """Megatron-LM's ``get_model`` without the wrap: on the device, or on meta with
     ``--init-model-with-meta-device`` (the adapter then materialises and initialises each unit)."""
-    from .arguments.precision import cpu_recipe
+    from .arguments.precision_flags import cpu_recipe
     from .model_shape import gpt_model_fields
 
     def build():
@@ -143,7 +143,7 @@ def build_model_chunks(args, config, vocab_size: int, cpu: bool) -> List[torch.n
                           mtp_spec_for=lambda c, spec, vp: mtp_block_spec(c, spec, cpu, te, vp, cpu_recipe(args)),
                           **gpt_model_fields(args))
     if config.init_model_with_meta_device:
-        from megatron.fsdp.mcore.meta_init import build_on_meta_device
+        from megatron.fsdp.mcore.meta_build import build_on_meta_device
 
         return build_on_meta_device(build)
     chunks = build()
@@ -153,36 +153,10 @@ def build_model_chunks(args, config, vocab_size: int, cpu: bool) -> List[torch.n
     return chunks
 
 
-def expert_biases(model) -> dict:
-    """Every router's expert bias on this rank (``--moe-router-enable-expert-bias``), by chunk and module name."""
-    from megatron.core.utils import get_attr_wrapped_model
-
-    found = {}
-    for index, chunk in enumerate(model):
-        gpt = get_attr_wrapped_model(chunk, "pre_process", return_model_obj=True)
-        for name, buffer in gpt.named_buffers():
-            if name.endswith("expert_bias"):
-                found[f"{index}/{name}"] = buffer.detach().cpu().tolist()
-    return found
-
-
-def fp8_scales(model) -> dict:
-    """Every delayed-scaling FP8 layer's current scales on this rank (``--fp8-recipe delayed``), by chunk and name."""
-    from megatron.core.utils import get_attr_wrapped_model
-
-    found = {}
-    for index, chunk in enumerate(model):
-        gpt = get_attr_wrapped_model(chunk, "pre_process", return_model_obj=True)
-        for name, buffer in gpt.named_buffers():
-            if name.rsplit(".", 1)[-1] in ("fp8_forward_scale", "fp8_backward_scale"):
-                found[f"{index}/{name}"] = buffer.detach().cpu().tolist()
-    return found
-
-
 def optimizer_config(args):
     from megatron.core.optimizer import OptimizerConfig
 
-    from .compat import MUON_COEFFICIENT_TYPE_IS_FIELD
+    from megatron.fsdp.mcore_releases import MUON_COEFFICIENT_TYPE_IS_FIELD
 
     config = OptimizerConfig(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
@@ -190,16 +164,16 @@ def optimizer_config(args):
                            params_dtype=torch.float32, use_distributed_optimizer=args.use_distributed_optimizer,
                            decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
                            log_num_zeros_in_grad=args.log_num_zeros_in_grad, **_muon_config(args))
-    if not MUON_COEFFICIENT_TYPE_IS_FIELD:  # before Megatron-Core 0.17 an attribute, read by compat.muon_coefficient_type
+    if not MUON_COEFFICIENT_TYPE_IS_FIELD:  # before Megatron-Core 0.17 an attribute, read by mcore_releases.muon_coefficient_type
         config.muon_coefficient_type = args.muon_coefficient_type
     return config
 
 
 def _muon_config(args) -> dict:
     """Megatron-LM's Muon fields of OptimizerConfig (read by megatron.fsdp.mcore's --optimizer muon); the
-    Nesterov field under this release's name (``compat.MUON_NESTEROV_FIELD``), the coefficient set where the
-    release has its field (``compat.MUON_COEFFICIENT_TYPE_IS_FIELD``)."""
-    from .compat import MUON_COEFFICIENT_TYPE_IS_FIELD, MUON_NESTEROV_FIELD
+    Nesterov field under this release's name (``mcore_releases.MUON_NESTEROV_FIELD``), the coefficient set where the
+    release has its field (``mcore_releases.MUON_COEFFICIENT_TYPE_IS_FIELD``)."""
+    from megatron.fsdp.mcore_releases import MUON_COEFFICIENT_TYPE_IS_FIELD, MUON_NESTEROV_FIELD
 
     fields = {f"muon_{k}": getattr(args, f"muon_{k}") for k in
               ("momentum", "num_ns_steps", "scale_mode", "extra_scale_factor", "tp_mode")}
@@ -225,7 +199,7 @@ def fsdp_ddp_config(args):
     """``FullyShardedDataParallelConfig`` of ``--use-megatron-fsdp`` (Megatron-LM's get_megatron_ddp_config)."""
     from megatron.fsdp.mcore import FullyShardedDataParallelConfig
 
-    from .arguments.megatron_fsdp import main_params_dtype
+    from .arguments.megatron_fsdp_flags import main_params_dtype
 
     return FullyShardedDataParallelConfig(
         use_megatron_fsdp=True, data_parallel_sharding_strategy=args.data_parallel_sharding_strategy,
@@ -251,7 +225,7 @@ def baseline_ddp_config(args, num_parameters: int):
     """
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    from .arguments.precision import transformer_engine_used
+    from .arguments.precision_flags import transformer_engine_used
 
     bucket_size = args.ddp_bucket_size
     if args.ddp_num_buckets is not None:
@@ -263,7 +237,7 @@ def baseline_ddp_config(args, num_parameters: int):
         overlap_param_gather=args.overlap_param_gather, align_param_gather=args.align_param_gather,
         bucket_size=bucket_size,
         # Megatron-Core's FP8 primary weights are Transformer Engine tensors; without TE the CPU FP8 layers
-        # quantize their bf16 weights (the substitution line of arguments/precision.py says so)
+        # quantize their bf16 weights (the substitution line of arguments/precision_flags.py says so)
         fp8_param_gather=args.fp8 is not None and args.fp8_param_gather and transformer_engine_used(args))
 
 
@@ -283,7 +257,7 @@ def wrap_and_optimize(args, config, chunks):
 
     def wire():
         wire_data_parallel()
-        from megatron.fsdp.mcore.fp8_layers import install_step_end
+        from megatron.fsdp.mcore_cpu.fp8_linears import install_step_end
 
         install_step_end(config, model)
     return model, optimizer, wire
@@ -331,11 +305,11 @@ def _wrap_and_optimize(args, config, chunks):
 
 
 def scheduler(args, optimizer):
-    """Megatron-LM's ``get_optimizer_param_scheduler``: lengths in samples (schedule.py), warm-up from
+    """Megatron-LM's ``get_optimizer_param_scheduler``: lengths in samples (batch_rampup.py), warm-up from
     ``--lr-warmup-init``; the decoupled groups carry their own max/min lr."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from .schedule import scheduler_steps
+    from .batch_rampup import scheduler_steps
 
     return OptimizerParamScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,

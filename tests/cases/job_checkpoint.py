@@ -28,7 +28,7 @@ def load_error(ctx, argv: List[str]) -> Dict[str, object]:
     """Build the model of ``argv``, try ``--load``: the error, and whether anything changed."""
     from megatron.fsdp_training.checkpointing import save_load as checkpointing
     from megatron.fsdp_training.arguments import parse_args
-    from megatron.fsdp_training.training import setup
+    from megatron.fsdp_training.job_setup import setup
 
     args = parse_args(argv)
     with megatron_case():
@@ -74,7 +74,7 @@ def loaded_vs_unsharded(ctx, argv: List[str], model_file: str) -> Dict[str, obje
     from megatron.fsdp_training.checkpointing import save_load as checkpointing
     from megatron.fsdp_training import model as model_lib
     from megatron.fsdp_training.arguments import parse_args
-    from megatron.fsdp_training.training import setup
+    from megatron.fsdp_training.job_setup import setup
 
     args = parse_args(argv)
     with megatron_case():
@@ -107,7 +107,7 @@ def rng_round_trip(ctx, argv: List[str], directory: str) -> Dict[str, bool]:
     from megatron.core import tensor_parallel
     from megatron.fsdp_training.checkpointing import save_load as checkpointing
     from megatron.fsdp_training.arguments import parse_args
-    from megatron.fsdp_training.training import setup
+    from megatron.fsdp_training.job_setup import setup
 
     def draws():
         with tensor_parallel.get_cuda_rng_tracker().fork():
@@ -166,7 +166,7 @@ def fresh_then_loaded(ctx, argv: List[str], fresh, loaded: str) -> None:
     save it to ``loaded``."""
     from megatron.fsdp_training.checkpointing import save_load as checkpointing
     from megatron.fsdp_training.arguments import parse_args
-    from megatron.fsdp_training.training import setup
+    from megatron.fsdp_training.job_setup import setup
 
     args = parse_args(argv)
     with megatron_case():
@@ -244,7 +244,7 @@ def trainer_preload_copy(ctx, argv: List[str], directory: str) -> Dict[str, obje
     import torch.distributed.checkpoint as dcp
 
     from megatron.fsdp_training.arguments import parse_args
-    from megatron.fsdp_training.training import setup
+    from megatron.fsdp_training.job_setup import setup
 
     args = parse_args(argv)
     metadata = {"distrib_optim_sharding_type": "fsdp_dtensor"}

@@ -32,7 +32,7 @@ def damaged_loads(ctx, argv: List[str], directory: str, damages: List[str]) -> D
     """For each kind of damage: apply it to the newest checkpoint (a pristine copy restored first), try --load."""
     from megatron.fsdp_training.checkpointing import save_load as checkpointing
     from megatron.fsdp_training.arguments import parse_args
-    from megatron.fsdp_training.training import setup
+    from megatron.fsdp_training.job_setup import setup
 
     root = Path(directory)
     newest = root / f"iter_{int((root / 'latest_checkpointed_iteration.txt').read_text()):07d}"
@@ -68,7 +68,7 @@ def full_disk_saves(ctx, argv: List[str], directory: str, local: bool = False) -
     from megatron.fsdp_training.checkpointing import non_persistent, save_load as checkpointing
     from megatron.fsdp_training.checkpointing import paths as checkpoint_paths
     from megatron.fsdp_training.arguments import parse_args
-    from megatron.fsdp_training.training import setup
+    from megatron.fsdp_training.job_setup import setup
 
     args = parse_args(argv if local else argv + ["--save", directory])
     save = non_persistent.save if local else checkpointing.save_checkpoint
@@ -97,11 +97,11 @@ def sigterm_mid_training(ctx, argv: List[str], at_iteration: int) -> Dict[str, o
     import os
     import signal
 
-    from megatron.fsdp_training import training
+    from megatron.fsdp_training import forward_step
     from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
 
     calls = {"n": 0}
-    original = training._mean_loss
+    original = forward_step.mean_loss
 
     def mean_loss(reduced):
         calls["n"] += 1
@@ -109,9 +109,9 @@ def sigterm_mid_training(ctx, argv: List[str], at_iteration: int) -> Dict[str, o
             os.kill(os.getpid(), signal.SIGTERM)  # the handler only records it
         return original(reduced)
 
-    training._mean_loss = mean_loss
+    forward_step.mean_loss = mean_loss
     try:
         history = pretrain_in_pool(ctx, argv)
     finally:
-        training._mean_loss = original
+        forward_step.mean_loss = original
     return {"iterations": len(history["losses"]), "handler_restored": signal.getsignal(signal.SIGTERM)}

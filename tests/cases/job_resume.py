@@ -44,13 +44,15 @@ def start_error(ctx, argv: List[str], capture_log: bool = False) -> Dict[str, ob
     from megatron.fsdp_training.arguments import parse_args
     from megatron.fsdp_training.checkpointing.files import CheckpointError
     from megatron.fsdp_training.errors import ArgumentError
+    from megatron.fsdp_training.testing.pretrain import HistoryRecorder
     from megatron.fsdp_training.training import pretrain
 
-    log = io.StringIO()
+    log, recorder = io.StringIO(), HistoryRecorder()
     out: Dict[str, object] = {"error": None, "history": None}
     with megatron_case(), (contextlib.redirect_stdout(log) if capture_log else contextlib.nullcontext()):
         try:
-            out["history"] = pretrain(parse_args(argv))
+            pretrain(parse_args(argv), observers=[recorder])
+            out["history"] = recorder.history
         except (ArgumentError, CheckpointError) as exc:
             out["error"] = str(exc)
     out["log"] = log.getvalue()

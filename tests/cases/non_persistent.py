@@ -14,11 +14,11 @@ class Crash(RuntimeError):
 def crashed_after(ctx, argv: List[str], iteration: int) -> Dict[str, object]:
     """``pretrain`` on ``argv``, stopped at the start of iteration ``iteration + 1`` (after iteration ``iteration``
     and its saves): whether it crashed there, and rank 0's log."""
-    from megatron.fsdp_training import training
+    from megatron.fsdp_training import trainer, training
     from megatron.fsdp_training.arguments import parse_args
     from megatron.fsdp_training.testing.megatron_case import megatron_case
 
-    original = training.global_batch_at
+    original = trainer.global_batch_at  # what the loop asks for each iteration's batch
 
     def crashing(args, consumed):
         if consumed >= iteration * args.global_batch_size:
@@ -27,14 +27,14 @@ def crashed_after(ctx, argv: List[str], iteration: int) -> Dict[str, object]:
 
     log = io.StringIO()
     crashed = False
-    training.global_batch_at = crashing
+    trainer.global_batch_at = crashing
     try:
         with megatron_case(), contextlib.redirect_stdout(log):
             training.pretrain(parse_args(argv))
     except Crash:
         crashed = True
     finally:
-        training.global_batch_at = original
+        trainer.global_batch_at = original
     return {"crashed": crashed, "log": log.getvalue()}
 
 
