@@ -2,7 +2,7 @@
 
 See docs/engine.md for the design. Public API::
 
-    model = fully_shard(module, strategy="optim_grads_params", unit_modules=(Block,))
+    model = fully_shard(module, strategy="optim_grads_params", unit_modules=(Block,), overlap=Overlap())
     optimizer = FullyShardedOptimizer(model, torch.optim.AdamW, lr=1e-3, clip_grad=1.0)
 
 FP8 parameter gathers (``precision/fp8.py`` is the math)::
@@ -11,32 +11,36 @@ FP8 parameter gathers (``precision/fp8.py`` is the math)::
     quantized_weight(param)  # -> QuantizedWeight (FP8 bytes + scales) while its unit is gathered, else None
 """
 
-from .checkpoint.state_dict import load_model_state_dict, load_optimizer_state_dict, model_state_dict, optimizer_state_dict
 from .checkpoint.metadata import check_checkpoint_keys
-from .collectives.comm import CollectiveError, Ledger, LedgerEvent
-from .sharding.experts import ExpertSharding
-from .sharding.layout import FlatLayout, ParamSpec, build_layout
-from .optim.matrix_optimizer import TensorShards
-from .sharding.mesh import DataParallelMesh, build_mesh
-from .precision.mixed_precision import MixedPrecision
-from .precision.param_gather import QuantizedParamGather
+from .checkpoint.state_dict import load_model_state_dict, load_optimizer_state_dict, model_state_dict, optimizer_state_dict
+from .collectives.comm import CollectiveError, Ledger
+from .collectives.teardown import shutdown
+from .optim.optimizer import FullyShardedOptimizer
 from .precision.fp8 import QuantizedWeight
+from .precision.mixed_precision import MixedPrecision
+from .precision.optimizer_state import OptimizerPrecision
+from .precision.param_gather import QuantizedParamGather
+from .schedule.runtime import Overlap
+from .sharding.experts import ExpertSharding
+from .sharding.mesh import DataParallelMesh, build_mesh
 from .sharding.quantized_gather import quantized_weight
 from .wrap.build import fully_shard, megatron_no_weight_decay
 from .wrap.module import FullyShardedModule, PersistentMemory
-from .optim.optimizer import FullyShardedOptimizer
-from .precision.optimizer_state import OptimizerPrecision
-from .schedule.runtime import Overlap
-from .sharding.strategy import STRATEGIES, MeshStrategy, ShardingStrategy, parse_mesh_strategy, parse_strategy, valid_pairs
-from .collectives.teardown import shutdown
-from .schedule.unit import FSDPUnit, UnitState
 
+# The user's API. Internals (units, layouts, levels' parsers, the per-matrix shards) are imported from
+# their modules: megatron.fsdp.schedule.unit, .sharding.layout, .sharding.strategy, .optim.matrix_optimizer.
 __all__ = [
-    "CollectiveError", "DataParallelMesh", "ExpertSharding", "MeshStrategy", "build_mesh", "parse_mesh_strategy", "valid_pairs",
-    "FSDPUnit", "FlatLayout", "FullyShardedModule", "FullyShardedOptimizer", "Ledger", "LedgerEvent",
-    "MixedPrecision", "Overlap", "ParamSpec", "PersistentMemory", "STRATEGIES", "ShardingStrategy", "UnitState",
-    "build_layout", "fully_shard", "megatron_no_weight_decay", "parse_strategy",
-    "check_checkpoint_keys", "load_model_state_dict", "load_optimizer_state_dict", "model_state_dict",
-    "optimizer_state_dict", "OptimizerPrecision", "TensorShards", "shutdown",
-    "QuantizedParamGather", "QuantizedWeight", "quantized_weight",
+    # wrap and train
+    "fully_shard", "FullyShardedModule", "FullyShardedOptimizer", "megatron_no_weight_decay",
+    # policies
+    "MixedPrecision", "QuantizedParamGather", "OptimizerPrecision", "Overlap", "ExpertSharding",
+    # the mesh
+    "DataParallelMesh", "build_mesh",
+    # state dicts and checkpoints
+    "model_state_dict", "optimizer_state_dict", "load_model_state_dict", "load_optimizer_state_dict",
+    "check_checkpoint_keys",
+    # FP8 weights
+    "quantized_weight", "QuantizedWeight",
+    # what a model reports, errors, teardown
+    "PersistentMemory", "Ledger", "CollectiveError", "shutdown",
 ]

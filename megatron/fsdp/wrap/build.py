@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 import weakref
 from typing import Callable, Dict, Iterable, List, Optional, Tuple, Type
 
@@ -89,6 +90,29 @@ def _assign_params(module: torch.nn.Module, unit_names: List[str]):
     return by_unit
 
 
+_OVERLAP_KEYWORDS = ("forward_prefetch", "backward_prefetch", "reductions_in_flight")
+_warned_overlap_keywords = False
+
+
+def _overlap_of(overlap: Optional[Overlap], deprecated: dict) -> Overlap:
+    """``overlap``, or one built from the deprecated keywords (warned once per process)."""
+    global _warned_overlap_keywords
+    unknown = sorted(set(deprecated) - set(_OVERLAP_KEYWORDS))
+    if unknown:
+        raise TypeError(f"fully_shard() got an unexpected keyword argument {unknown[0]!r}")
+    if overlap is not None and not isinstance(overlap, Overlap):
+        raise TypeError(f"overlap must be a megatron.fsdp.Overlap, got {type(overlap).__name__}")
+    if not deprecated:
+        return overlap if overlap is not None else Overlap()
+    if overlap is not None:
+        raise ValueError(f"pass overlap=Overlap(...) or {', '.join(sorted(deprecated))}, not both")
+    if not _warned_overlap_keywords:
+        _warned_overlap_keywords = True
+        warnings.warn(f"fully_shard({', '.join(f'{k}=' for k in sorted(deprecated))}...) is deprecated: "
+                      "pass overlap=Overlap(...)", DeprecationWarning, stacklevel=3)
+    return Overlap(**deprecated)
+
+
 @collective("fully_shard")
 def fully_shard(
     module: torch.nn.Module,
@@ -101,13 +125,12 @@ def fully_shard(
     outer_strategy=None,
     average_grads: bool = True,
     experts: Optional[ExpertSharding] = None,
-    forward_prefetch: int = 1,
-    backward_prefetch: int = 1,
-    reductions_in_flight: Optional[int] = None,
+    overlap: Optional[Overlap] = None,
     device: Optional[torch.device] = None,
     init_weights: Optional[Callable[[torch.nn.Module], None]] = None,
     double_buffer: bool = False,
     param_gather: Optional[QuantizedParamGather] = None,
+    **deprecated,
 ) -> FullyShardedModule:
     """Shard ``module``'s parameters, gradients and optimizer state over the data-parallel ranks.
 
@@ -117,9 +140,11 @@ def fully_shard(
     (for per-token loss normalisation, scaled later by ``scale_gradients``).
     ``experts`` puts expert parameters in their own section: own mesh, own
     levels, own gradient scale (see ``experts.py``).
-    ``forward_prefetch`` / ``backward_prefetch`` (units gathered ahead) and
-    ``reductions_in_flight`` (gradient reductions issued before the oldest is
-    waited) set how far communication runs ahead of compute (``runtime.Overlap``).
+    ``overlap=Overlap(forward_prefetch, backward_prefetch, reductions_in_flight)``
+    (units gathered ahead; gradient reductions issued before the oldest is waited)
+    sets how far communication runs ahead of compute (default ``Overlap()``). The
+    three as keyword arguments of ``fully_shard`` still work for one release, with a
+    ``DeprecationWarning``.
     A module on the ``meta`` device is materialised on ``device`` (default: the
     current CUDA device, else CPU) one submodule at a time, each initialised by
     ``init_weights(submodule)`` or its own ``reset_parameters()`` in
@@ -140,7 +165,7 @@ def fully_shard(
     if mesh is not None and process_group is not None:
         raise ValueError("pass either process_group (a flat mesh) or mesh (two axes), not both")
     levels = parse_mesh_strategy(strategy, outer_strategy, mesh is not None and mesh.has_outer)
-    overlap = Overlap(forward_prefetch, backward_prefetch, reductions_in_flight)
+    overlap = _overlap_of(overlap, deprecated)
     mp = mixed_precision if mixed_precision is not None else MixedPrecision()
     if not isinstance(mp, MixedPrecision):
         raise TypeError(f"mixed_precision must be a megatron.fsdp.MixedPrecision, got {type(mp).__name__}")
