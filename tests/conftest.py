@@ -38,20 +38,20 @@ def _uses(item, fixture: str) -> bool:
 
 
 # A test of something one supported Megatron-Core release has and another lacks carries
-# ``@pytest.mark.mcore_only(FEATURE, why=...)``, FEATURE a constant of megatron.fsdp_training.compat (or
+# ``@pytest.mark.mcore_only(FEATURE, why=...)``, FEATURE a constant of megatron.fsdp.mcore_releases (or
 # ``"not " + constant``), and is not collected where it is false: deselected here, never skipped (a machine
 # that runs the suite runs every test it collects). docs/testing.md lists each such test and why.
 MCORE_ONLY = "mcore_only"
 
 
 def release_has(feature: str) -> bool:
-    """Whether the installed Megatron-Core has ``feature`` (``"NAME"`` or ``"not NAME"``, NAME of compat)."""
-    from megatron.fsdp_training import compat  # imported only when a collected test asks (it imports Megatron-Core)
+    """Whether the installed Megatron-Core has ``feature`` (``"NAME"`` or ``"not NAME"``, NAME of mcore_releases)."""
+    from megatron.fsdp import mcore_releases as compat  # imported only when a collected test asks (it imports Megatron-Core)
 
     negated = feature.startswith("not ")
     name = feature[4:] if negated else feature
     if not isinstance(getattr(compat, name, None), bool):
-        raise pytest.UsageError(f"@pytest.mark.{MCORE_ONLY}({feature!r}): megatron.fsdp_training.compat has no "
+        raise pytest.UsageError(f"@pytest.mark.{MCORE_ONLY}({feature!r}): megatron.fsdp.mcore_releases has no "
                                 f"boolean {name}")
     return getattr(compat, name) != negated
 

@@ -1,7 +1,7 @@
 """The per-release collection rule (tests/conftest.py) and its list in docs/testing.md agree.
 
 A test of something one Megatron-Core release lacks carries ``@pytest.mark.mcore_only(NAME, why=...)`` and is
-deselected where ``megatron.fsdp_training.compat.NAME`` is false. docs/testing.md ("Two Megatron-Core
+deselected where ``megatron.fsdp.mcore_releases.NAME`` is false. docs/testing.md ("Two Megatron-Core
 releases") lists every such test, the release it runs under and why; this keeps both in step, and checks
 that every marker names a boolean of the compatibility module (a misspelt one would silently deselect).
 """
@@ -45,7 +45,7 @@ def test_every_release_only_test_is_listed_with_its_feature_and_a_reason():
 
 
 def test_the_rule_reads_the_compatibility_module():
-    from megatron.fsdp_training import compat
+    from megatron.fsdp import mcore_releases as compat
 
     assert release_has("HAS_LEGACY_GROUPED_MLP") is compat.HAS_LEGACY_GROUPED_MLP
     assert release_has("not HAS_LEGACY_GROUPED_MLP") is not compat.HAS_LEGACY_GROUPED_MLP

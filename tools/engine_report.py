@@ -25,7 +25,7 @@ def _rel(xs, ys):
 
 
 def main() -> None:
-    import megatron.fsdp as mfsdp
+    from megatron.fsdp.sharding.strategy import STRATEGIES, valid_pairs
     from megatron.fsdp.testing.engine import grad_traffic, memory
     from megatron.fsdp.testing.engine_training import RunConfig, reference_run, sharded_run
     from megatron.fsdp.testing import WorkerPool
@@ -35,8 +35,8 @@ def main() -> None:
         ref_cfg = RunConfig(strategy="no_shard", micro_batches=3)
         ref = reference_run(ref_cfg)
         rows = []
-        setups = [(lvl, "-", None, n) for lvl in mfsdp.STRATEGIES for n in (2, 3, 4)]
-        setups += [(i, o, (3, 2), 6) for i, o in mfsdp.valid_pairs()]
+        setups = [(lvl, "-", None, n) for lvl in STRATEGIES for n in (2, 3, 4)]
+        setups += [(i, o, (3, 2), 6) for i, o in valid_pairs()]
         print(f"{'inner':>18} {'outer':>18} {'mesh':>5} | {'loss rel err':>12} {'gnorm rel err':>13} | "
               f"{'inner grad B':>12} {'vs theory':>9} {'outer grad B':>12} {'vs theory':>9} | "
               f"{'bytes/rank fp32':>15} {'vs theory':>9} {'bytes/rank bf16':>15} {'vs theory':>9}")

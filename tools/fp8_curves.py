@@ -5,7 +5,7 @@
 
 The corpus of ``examples/train_gpt_on_stdlib.sh`` (the Python standard library's sources, byte-level tokens) and
 the smallest GPT that learns it in a few minutes on 2 CPU cores (2 layers, hidden 64, sequence 128, global
-batch 32; validation on 8 batches), megatron.fsdp ZeRO-3 with ``--bf16``; the FP8 runs add Megatron-LM's flags (docs/training.md, "FP8"),
+batch 32; validation on 8 batches), megatron.fsdp ZeRO-3 with ``--bf16``; the FP8 runs add Megatron-LM's flags (docs/precision.md, "FP8"),
 and ``--fp8-param-gather`` if asked (the engine then gathers the weights in FP8). Each run is one torchrun launch
 of pretrain_gpt.py; the validation losses are read from its log, each curve printed as its run ends. The last line
 says how far each FP8 run ends from the bf16 run, against the 2% the FP8 recipes are held to.

@@ -83,7 +83,8 @@ def profile_case(ctx, model_size: str, level: str, outer: Optional[str], mesh, b
     mp = mfsdp.MixedPrecision(param_dtype=torch.bfloat16, main_dtype=torch.float32,
                               grad_reduce_dtype=torch.float32) if bf16 else None
     where = dict(mesh=ctx.meshes[mesh], outer_strategy=outer) if mesh else dict(process_group=ctx.group)
-    fsdp = mfsdp.fully_shard(model, strategy=level, unit_modules=(Block,), mixed_precision=mp, **where, **overlap)
+    fsdp = mfsdp.fully_shard(model, strategy=level, unit_modules=(Block,), mixed_precision=mp, **where,
+                             overlap=mfsdp.Overlap(**overlap))
     optimizer = mfsdp.FullyShardedOptimizer(fsdp, torch.optim.AdamW, lr=1e-4, clip_grad=1.0)
     shape = SIZES[model_size]
     gen = torch.Generator().manual_seed(SEED + ctx.rank)

@@ -128,9 +128,16 @@ def tools_listing() -> str:
 
 LAYOUT = (
     ("megatron/fsdp/", "the engine: `fully_shard`, `FullyShardedOptimizer`, `MixedPrecision` (torch only)"),
-    ("megatron/fsdp/mcore/", "the Megatron-Core adapter: `FullyShardedDataParallel`, its optimizer, CPU mode "
+    ("megatron/fsdp/commands.py", "the installed commands' names (`megatron-fsdp-pretrain`, `-convert`, `-inspect`, "
+                                  "`-preprocess`, `-generate`) that every message tells a user to run"),
+    ("megatron/fsdp/mcore/", "the Megatron-Core adapter: `FullyShardedDataParallel`, its optimizer "
                              "([docs/adapter.md](docs/adapter.md))"),
-    ("megatron/fsdp_training/", "the training job behind `pretrain_gpt.py` ([docs/training.md](docs/training.md))"),
+    ("megatron/fsdp/mcore_cpu/", "the CPU emulation of Megatron-Core and Transformer Engine (gloo, CPU FP8 layers), "
+                                 "kept apart from the adapter"),
+    ("megatron/fsdp_training/", "the training job behind `pretrain_gpt.py` ([docs/training.md](docs/training.md), "
+                                "[docs/arguments.md](docs/arguments.md))"),
+    ("megatron/fsdp_training/tools/", "the installed tools: checkpoint conversion and inspection, preprocessing, "
+                                      "generation ([tools/README.md](tools/README.md))"),
     ("pretrain_gpt.py", "Megatron-LM's entry point: `torchrun ... pretrain_gpt.py --use-megatron-fsdp ...`"),
     ("tests/", "pytest suite: single-process and multi-process (gloo) tests, `slow` parity matrix "
                "([docs/testing.md](docs/testing.md))"),
@@ -203,8 +210,8 @@ def not_built_table() -> str:
 
 
 BLOCKS = (
-    Block("arguments", "docs/training.md", arguments_reference),
-    Block("not-built", "docs/training.md", not_built_table),
+    Block("arguments", "docs/arguments.md", arguments_reference),
+    Block("not-built", "docs/arguments.md", not_built_table),
     Block("memory-report-fields", "README.md", memory_report_fields),
     Block("tools", "tools/README.md", tools_listing),
     Block("layout", "README.md", layout_table),

@@ -4,7 +4,7 @@ Megatron-LM's ``OptimizerParamScheduler`` counts samples: each iteration advance
 global batch size, so lengths in iterations are multiplied by it (``scheduler_steps``). The global
 batch grows under ``--rampup-batch-size`` or ``--step-batch-size-schedule`` (``global_batch_at``,
 which the loop and the start-up checks both read). The flags and their rules are
-``arguments/training.py``'s and ``arguments/optimizer.py``'s (docs/training.md, "Arguments").
+``arguments/training_flags.py``'s and ``arguments/optimizer_flags.py``'s (docs/arguments.md, "Arguments").
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def initialize(args):
         return torch.device("cuda", torch.cuda.current_device())
     import warnings
 
-    from megatron.fsdp.mcore.cpu_mode import CpuModeWarning, enable_cpu_mode
+    from megatron.fsdp.mcore_cpu.cuda_standins import CpuModeWarning, enable_cpu_mode
 
     with warnings.catch_warnings():  # said once below, by rank 0, instead of once per process
         warnings.simplefilter("ignore", CpuModeWarning)

@@ -4,7 +4,7 @@ Llama-, Qwen-, Mistral- and DeepSeek-shaped models (RMSNorm, SwiGLU, rotary embe
 grouped-query attention, qk-layernorm, shared experts, dense and MoE layers mixed, multi-latent
 attention, multi-token prediction, sigmoid routing) map one to one onto Megatron-Core's fields:
 the model code is Megatron-Core's, nothing here builds layers. The flags and their rules are
-``arguments/model.py`` and ``arguments/moe.py``; the logs and the checkpoint tools read the MoE
+``arguments/model_flags.py`` and ``arguments/moe_flags.py``; the logs and the checkpoint tools read the MoE
 layer pattern from here (docs/training.md, "Llama-class models: the architecture flags").
 """
 

@@ -3,7 +3,7 @@
 DeepSeek-V3's script asks for the flex dispatcher (DeepEP / HybridEP kernels) and Transformer Engine's
 fused permutation. Both only choose kernels: the same tokens reach the same experts with the same
 weights. Where the kernels are absent the job runs the alltoall dispatcher and the unfused
-permutation, says so in the start-up substitution line (``arguments/moe.py``'s
+permutation, says so in the start-up substitution line (``arguments/moe_flags.py``'s
 ``dispatcher_substitutions``, which asks the functions below), and builds the TransformerConfig from
 the same decision (``dispatcher_settings``), so what is said and what runs cannot differ.
 ``--moe-grouped-gemm`` on Megatron-Core 0.17+ without Transformer Engine builds Megatron-Core's
@@ -42,10 +42,10 @@ def permute_fusion_runs_here() -> bool:
 
 def local_spec_without_grouped_gemm(args) -> bool:
     """Megatron-Core 0.17+ builds ``SequentialMLP`` for ``moe_grouped_gemm`` in its local spec (the CPU spec, or
-    ``--transformer-impl local``); 0.16.1's local spec has ``GroupedMLP`` (compat.HAS_LEGACY_GROUPED_MLP)."""
+    ``--transformer-impl local``); 0.16.1's local spec has ``GroupedMLP`` (mcore_releases.HAS_LEGACY_GROUPED_MLP)."""
     import torch
 
-    from .compat import HAS_LEGACY_GROUPED_MLP  # Megatron-Core itself: not at import (the parser imports this)
+    from megatron.fsdp.mcore_releases import HAS_LEGACY_GROUPED_MLP  # Megatron-Core itself: not at import (the parser imports this)
 
     return not HAS_LEGACY_GROUPED_MLP and (not torch.cuda.is_available()
                                            or getattr(args, "transformer_impl", "transformer_engine") == "local")

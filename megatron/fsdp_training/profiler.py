@@ -9,7 +9,7 @@ Perfetto (ui.perfetto.dev) or TensorBoard's profiler plugin. The engine's schedu
 as named ranges ``fsdp.all_gather <unit>``, ``fsdp.reduce <unit>``, ``fsdp.wait.<kind> <unit>``
 (megatron/fsdp/collectives/profiling.py). On CUDA, ``--profile`` alone starts and stops the CUDA
 profiler over the same window (``nsys profile --capture-range=cudaProfilerApi``), where the
-engine's ranges are NVTX ranges. The flags and their rules are ``arguments/logging.py``'s.
+engine's ranges are NVTX ranges. The flags and their rules are ``arguments/logging_flags.py``'s.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The job's context-parallel split of a batch, on every rank of a CP 2 x DP 2 pool.
 
 Megatron-Core 0.18 changed ``get_batch_on_this_cp_rank`` so that a call without a group splits
-over the whole world (``megatron/fsdp_training/compat.py``); this case returns what each rank's
+over the whole world (``megatron/fsdp/mcore_releases.py``); this case returns what each rank's
 ``get_batch`` (the training job's, ``megatron/fsdp_training/data/datasets.py``) got, next to the
 unsplit batch of its data-parallel rank, and the test checks the slices.
 """

@@ -39,14 +39,14 @@ def meta_build_equals_eager(ctx, argv) -> list:
     every unit storage or buffer that differs (bitwise) on this rank: empty when the builds are equal."""
     import torch
 
-    from megatron.fsdp_training import training
+    from megatron.fsdp_training.job_setup import setup
     from megatron.fsdp_training.arguments import parse_args
     from megatron.fsdp_training.testing.megatron_case import megatron_case
 
     built = []
     for extra in ([], ["--init-model-with-meta-device"]):
         with megatron_case():
-            _device, _tokenizer, model, _optimizer, _scheduler = training.setup(parse_args(argv + extra))
+            _device, _tokenizer, model, _optimizer, _scheduler = setup(parse_args(argv + extra))
             state = {}
             for k, chunk in enumerate(model):
                 state.update({f"{k}/{u.name}": u.storage.main.clone() for u in chunk.fsdp.units})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import megatron.fsdp as mfsdp
 from megatron.fsdp.testing.engine_training import RunConfig, make_batches, train_step, wrap, GLOBAL_MICRO_BATCH
 
 
@@ -36,5 +37,5 @@ def _train(ctx, cfg: RunConfig, **fully_shard_kwargs) -> dict:
 def with_and_without(ctx, prefetch: int = 1, **cfg_fields) -> dict:
     """The run without double buffering, then with it (same model, batches, seed)."""
     cfg = dataclasses.replace(RunConfig(), **cfg_fields)
-    overlap = dict(forward_prefetch=prefetch, backward_prefetch=prefetch)
+    overlap = dict(overlap=mfsdp.Overlap(forward_prefetch=prefetch, backward_prefetch=prefetch))
     return {"plain": _train(ctx, cfg, **overlap), "double": _train(ctx, cfg, double_buffer=True, **overlap)}

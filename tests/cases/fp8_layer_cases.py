@@ -23,9 +23,9 @@ def delayed_scaling_case(ctx, history_len: int, algo: str) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron.fsdp.mcore.cpu_mode import enable_cpu_mode
-    from megatron.fsdp.mcore.fp8_gemm import Fp8Recipe
-    from megatron.fsdp.mcore.fp8_layers import Fp8ColumnParallelLinear, Fp8StepEnd
+    from megatron.fsdp.mcore_cpu.cuda_standins import enable_cpu_mode
+    from megatron.fsdp.mcore_cpu.fp8_matmul import Fp8Recipe
+    from megatron.fsdp.mcore_cpu.fp8_linears import Fp8ColumnParallelLinear, Fp8StepEnd
     from megatron.fsdp.precision import fp8
     from megatron.fsdp_training.testing.megatron_case import megatron_case
 

@@ -14,7 +14,7 @@ def megatron_logits(ctx, argv: List[str], model_file: str, tokens: torch.Tensor)
     Every rank builds the same model by itself (data parallel only: no collective in the forward).
     """
     from megatron.core import parallel_state as ps
-    from megatron.fsdp.mcore.cpu_mode import enable_cpu_mode
+    from megatron.fsdp.mcore_cpu.cuda_standins import enable_cpu_mode
     from megatron.fsdp_training import model as model_lib
     from megatron.fsdp_training.arguments import parse_args, validate_args
     from megatron.fsdp_training.testing.megatron_case import megatron_case

@@ -10,8 +10,7 @@ over the last full axis. Every value of a rotated axis then meets many values of
 full axis, and two rotated axes of coprime lengths meet in every combination once there
 are enough cases.
 
-``MFSDP_FULL_MATRIX=1`` gives the whole product instead (CI or before a release;
-``tools/engine_report.py`` and ``tools/adapter_report.py`` print it as a table too).
+``MFSDP_FULL_MATRIX=1`` gives the whole product instead (before a release).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ def local_spec_matches_cpu_spec(ctx, argv: List[str]) -> dict:
     import torch
 
     from megatron.core import parallel_state as ps
-    from megatron.fsdp.mcore.cpu_mode import enable_cpu_mode
+    from megatron.fsdp.mcore_cpu.cuda_standins import enable_cpu_mode
     from megatron.fsdp_training import model as model_lib
     from megatron.fsdp_training.model_shape import gpt_model_fields
     from megatron.fsdp_training.arguments import parse_args, validate_args

@@ -106,7 +106,7 @@ def schedule_timelines(ctx, configs: List[Tuple[str, Optional[str], int]]):
     """The timeline of the second step of ``Stack`` on the 2 x 2 mesh, per (inner, outer, reductions in flight)."""
     out = []
     for inner, outer, in_flight in configs:
-        fsdp, opt = _stack(ctx, (2, 2), inner, outer, reductions_in_flight=in_flight)
+        fsdp, opt = _stack(ctx, (2, 2), inner, outer, overlap=mfsdp.Overlap(reductions_in_flight=in_flight))
         out.append({"rows": _rows(_train(ctx, fsdp, opt, steps=2)), "units": [u.name for u in fsdp.units]})
     return out
 

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from megatron.fsdp import Ledger
+from megatron.fsdp.collectives.comm import Ledger
 from megatron.fsdp.collectives import gloo_ring
 from megatron.fsdp.collectives.comm import GLOO_REDUCE_SCATTER_ENV, CommAxis
 

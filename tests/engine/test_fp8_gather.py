@@ -8,13 +8,14 @@ from typing import Tuple
 import pytest
 import torch
 
+import megatron.fsdp as mfsdp
 from megatron.fsdp.precision.fp8 import MX_BLOCK
 from megatron.fsdp.sharding.layout import ParamSpec, build_layout
 from megatron.fsdp.sharding.quantized_gather import wire_plan
-from megatron.fsdp.testing import fp8 as cases
+from tests.cases import fp8_gather_cases as cases
 from megatron.fsdp.testing.common import rel
 from megatron.fsdp.testing.engine_training import RunConfig
-from megatron.fsdp.testing.matrix import covering
+from tests.cases.level_matrix import covering
 from tests.cases.parity import assert_params_close
 
 RECIPES = ["tensorwise", "delayed", "mxfp8"]
@@ -99,7 +100,8 @@ MESHES = [
     ("zero1x1-bf16", "mxfp8", False, dict(strategy="optim", mesh=(2, 2), outer_strategy="optim", bf16=True)),
     ("ep2-bf16", "delayed", False, dict(ep2=True, bf16=True, micro_batches=2)),
     ("double-buffer-bf16", "tensorwise", False, dict(bf16=True, micro_batches=2,
-                                                     shard_kwargs=dict(double_buffer=True, forward_prefetch=2))),
+                                                     shard_kwargs=dict(double_buffer=True,
+                                                                       overlap=mfsdp.Overlap(forward_prefetch=2)))),
 ]
 
 

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from megatron.fsdp import ParamSpec, build_layout
+from megatron.fsdp.sharding.layout import ParamSpec, build_layout
 from megatron.fsdp.sharding.regions import unit_regions
 from megatron.fsdp.sharding.strategy import parse_mesh_strategy
 

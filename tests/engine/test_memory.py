@@ -6,7 +6,7 @@ import torch
 from megatron.fsdp.testing import engine as cases
 from megatron.fsdp.testing.common import LEVELS
 from tests.cases.parity import assert_memory_matches_theory
-from megatron.fsdp.testing.matrix import covering
+from tests.cases.level_matrix import covering
 
 
 # Every level on 2 and 4 ranks; fp32 and bf16 alternate so each level and world size meets both.

@@ -6,13 +6,14 @@ import pytest
 
 import megatron.fsdp as mfsdp
 from megatron.fsdp.testing import engine as cases
+from megatron.fsdp.sharding.strategy import parse_mesh_strategy, valid_pairs
 from megatron.fsdp.testing.engine_training import RunConfig
 from tests.cases.parity import FP32_RTOL, assert_memory_matches_theory, assert_parity, reference, run
-from megatron.fsdp.testing.matrix import covering
+from tests.cases.level_matrix import covering
 
 
 SHAPES = [(2, 2), (3, 2), (2, 3)]
-PAIRS = mfsdp.valid_pairs()  # every (inner, outer) pair where the outer level shards no more than the inner
+PAIRS = valid_pairs()  # every (inner, outer) pair where the outer level shards no more than the inner
 
 
 def test_ten_pairs_are_valid():
@@ -89,7 +90,7 @@ def test_forgotten_no_sync_still_reduces_across_domains(pool, outer):
 def test_outer_level_finer_than_inner_is_rejected():
     with pytest.raises(ValueError, match=r"outer level 'optim_grads' shards more than inner level 'optim'; "
                                          r"valid \(inner, outer\) pairs are: .*\(optim_grads_params, optim\)"):
-        mfsdp.parse_mesh_strategy("optim", "optim_grads", has_outer_axis=True)
+        parse_mesh_strategy("optim", "optim_grads", has_outer_axis=True)
 
 
 def test_outer_level_without_outer_axis_is_rejected():

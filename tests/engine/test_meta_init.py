@@ -7,7 +7,7 @@ and every level appears on every topology somewhere.
 
 import pytest
 
-from megatron.fsdp import STRATEGIES
+from megatron.fsdp.sharding.strategy import STRATEGIES
 from tests.cases import meta_init as cases
 from megatron.fsdp_training.testing.pools import pool_of
 

@@ -28,8 +28,8 @@ ZERO3 = "optim_grads_params"
 
 
 def test_prefetch_depths_first_pass_and_memory(pool):
-    configs = [(1, {}), (1, dict(forward_prefetch=0, backward_prefetch=0)),
-               (2, dict(forward_prefetch=2, backward_prefetch=2))]
+    configs = [(1, {}), (1, dict(overlap=mfsdp.Overlap(forward_prefetch=0, backward_prefetch=0))),
+               (2, dict(overlap=mfsdp.Overlap(forward_prefetch=2, backward_prefetch=2)))]
     default, none, deep = pool.run(cases.prefetch_stats, size=2, configs=configs)[0]
     non_root = len(default["units"]) - 1
     assert default["overlap"] == mfsdp.Overlap(forward_prefetch=1, backward_prefetch=1, reductions_in_flight=None)
@@ -204,7 +204,7 @@ def test_profiler_ranges_name_every_kind_and_unit(pool):
 def test_overlap_arguments_are_checked(kwargs):
     name = next(iter(kwargs))
     with pytest.raises(ValueError, match=f"{name} must be an integer >= 0"):
-        mfsdp.fully_shard(torch.nn.Linear(2, 2), **kwargs)
+        mfsdp.fully_shard(torch.nn.Linear(2, 2), overlap=mfsdp.Overlap(**kwargs))
 
 
 def test_megatron_communication_unit_size_maps_to_units():

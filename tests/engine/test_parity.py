@@ -8,7 +8,7 @@ import torch
 from megatron.fsdp.testing.common import LEVELS, rel
 from megatron.fsdp.testing.engine_training import RunConfig
 from tests.cases.parity import FP32_RTOL, assert_parity, reference, run
-from megatron.fsdp.testing.matrix import covering
+from tests.cases.level_matrix import covering
 
 
 @pytest.mark.slow

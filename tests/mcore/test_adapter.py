@@ -11,7 +11,7 @@ from megatron.fsdp_training.testing.adapter import eval_leaves_nothing_gathered,
 from tests.cases.baselines import megatron_ddp
 from megatron.fsdp.testing.common import LEVELS, rel
 from megatron.fsdp_training.testing.gpt import STEPS, TOPOLOGIES, Topology
-from megatron.fsdp.testing.matrix import covering
+from tests.cases.level_matrix import covering
 
 
 RTOL = 1e-5

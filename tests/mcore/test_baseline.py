@@ -77,7 +77,7 @@ def check_context_parallel_attention(ctx):
 
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.enums import AttnMaskType
-    from megatron.fsdp.mcore.cpu_mode import SDPACoreAttention, _load_balanced_positions
+    from megatron.fsdp.mcore_cpu.cuda_standins import SDPACoreAttention, _load_balanced_positions
     from megatron.fsdp_training.testing.gpt import parallel, tiny_gpt_config
 
     topology = Topology(cp=2)
@@ -112,7 +112,7 @@ def check_cpu_mode_switches(ctx):
     """Inside ``parallel`` CUDA requests land on the CPU; after it, nothing is left patched."""
     import torch
 
-    from megatron.fsdp.mcore.cpu_mode import cpu_mode_enabled
+    from megatron.fsdp.mcore_cpu.cuda_standins import cpu_mode_enabled
     from megatron.fsdp_training.testing.gpt import parallel
 
     seen = {}

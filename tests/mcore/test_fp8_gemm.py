@@ -1,4 +1,4 @@
-"""The CPU FP8 GEMMs (megatron/fsdp/mcore/fp8_gemm.py): each GEMM's operands quantized as the recipe says, and the
+"""The CPU FP8 GEMMs (megatron/fsdp/mcore_cpu/fp8_matmul.py): each GEMM's operands quantized as the recipe says, and the
 layer spec that puts the FP8 linears where Megatron-Core's local linears were."""
 
 import functools
@@ -6,7 +6,7 @@ import functools
 import pytest
 import torch
 
-from megatron.fsdp.mcore.fp8_gemm import Fp8Recipe, fp8_linear
+from megatron.fsdp.mcore_cpu.fp8_matmul import Fp8Recipe, fp8_linear
 from megatron.fsdp.precision import fp8
 
 
@@ -107,7 +107,7 @@ def test_the_fp8_spec_replaces_every_local_linear_and_keeps_the_first_and_last_l
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from megatron.fsdp.mcore.fp8_layers import Fp8ColumnParallelLinear, Fp8RowParallelLinear, fp8_layer_spec
+    from megatron.fsdp.mcore_cpu.fp8_linears import Fp8ColumnParallelLinear, Fp8RowParallelLinear, fp8_layer_spec
 
     recipe = Fp8Recipe(recipe="mxfp8", layers_at_start_in_bf16=1, layers_at_end_in_bf16=2)
     found = []

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron.fsdp_training.checkpointing import files
-from megatron.fsdp_training.tools.checkpoint import convert, inspect as ckpt_inspect
+from megatron.fsdp_training.tools.checkpoint_tools import convert, inspect as ckpt_inspect
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -140,8 +140,9 @@ def engine_ledger(ctx, micro_batches: int, hidden: int = 64, units: int = 3):
     import torch
 
     import megatron.fsdp as mfsdp
+    from megatron.fsdp.sharding.strategy import valid_pairs
 
-    configs = [(level, None) for level in LEVELS] + list(mfsdp.valid_pairs())
+    configs = [(level, None) for level in LEVELS] + list(valid_pairs())
     out = {"params": units * (hidden * hidden + hidden)}
     for inner, outer in configs:
         torch.manual_seed(0)

@@ -16,7 +16,7 @@ import torch
 
 from tests.cases.generation import generate_in_pool
 from megatron.fsdp_training.tools import generate
-from megatron.fsdp_training.tools.checkpoint import hf_convert
+from megatron.fsdp_training.tools.checkpoint_tools import hf_convert
 
 
 def _hf_llama(path, vocab_size=257):

@@ -31,8 +31,8 @@ import torch
 from tests.cases.hf import finetune_first_batch, megatron_logits
 from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
 from megatron.fsdp.commands import PRETRAIN
-from megatron.fsdp_training.tools.checkpoint import convert, hf_convert
-from megatron.fsdp_training.tools.checkpoint.hf_io import SafetensorsReader
+from megatron.fsdp_training.tools.checkpoint_tools import convert, hf_convert
+from megatron.fsdp_training.tools.checkpoint_tools.hf_io import SafetensorsReader
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -158,7 +158,7 @@ def test_export_writes_the_job_tokenizer(tmp_path):
     it) and its eos as config.json's and generation_config.json's eos / bos / pad."""
     from transformers import AutoTokenizer
 
-    from megatron.fsdp_training.tools.checkpoint import hf_tokenizer
+    from megatron.fsdp_training.tools.checkpoint_tools import hf_tokenizer
 
     _byte_bpe(tmp_path / "bpe", tmp_path / "text")
     out = tmp_path / "out"

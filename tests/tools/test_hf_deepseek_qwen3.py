@@ -21,12 +21,12 @@ import json
 import pytest
 import torch
 
-from megatron.fsdp_training.testing.deepseek import DEEPSEEK_MODEL
+from tests.cases.deepseek_cases import DEEPSEEK_MODEL
 from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
 from tests.cases.hf import megatron_logits
 from tests.tools.test_hf_checkpoints import exported_again_equals, finetune_from_hf, from_hf_with_flags
-from megatron.fsdp_training.tools.checkpoint import convert, hf_convert
-from megatron.fsdp_training.tools.checkpoint.hf_io import SafetensorsReader
+from megatron.fsdp_training.tools.checkpoint_tools import convert, hf_convert
+from megatron.fsdp_training.tools.checkpoint_tools.hf_io import SafetensorsReader
 
 ZERO3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
 EP2 = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
@@ -195,7 +195,7 @@ def test_finetune_from_a_transformers_model_has_its_loss(mcore_pool, tmp_path, c
 
 
 def test_errors_name_the_problem(tmp_path):
-    from megatron.fsdp_training.tools.checkpoint.hf_layouts_deepseek import DeepseekArch, arch_from_hf
+    from megatron.fsdp_training.tools.checkpoint_tools.hf_layouts_deepseek import DeepseekArch, arch_from_hf
 
     _, arch = hf_convert.arch_from_hf(_small("deepseek_v3").config.to_dict())
     assert isinstance(arch, DeepseekArch)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.cases.hf import megatron_logits_of_each
-from megatron.fsdp_training.tools.checkpoint import convert, hf_convert, hf_io, hf_tokenizer
+from megatron.fsdp_training.tools.checkpoint_tools import convert, hf_convert, hf_io, hf_tokenizer
 
 SIZE = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             vocab_size=32, max_position_embeddings=16, rms_norm_eps=1e-5)

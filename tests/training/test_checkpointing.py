@@ -25,10 +25,10 @@ from megatron.fsdp.testing.common import LEVELS, rel
 from megatron.fsdp_training.testing.job import B8, B12, LINE, MODEL, ROOT, assert_exact_resume, fsdp, pretrain
 from tests.cases.job_checkpoint import (failing_background_write, fresh_then_loaded, layout_v1_translation, load_error,
                                         loaded_vs_unsharded, rng_round_trip, trainer_preload_copy)
-from megatron.fsdp.testing.matrix import full_matrix
+from tests.cases.level_matrix import full_matrix
 from megatron.fsdp_training.testing.pools import pool_of
-from megatron.fsdp_training.tools.checkpoint import convert
-from megatron.fsdp_training.tools.checkpoint import inspect as ckpt_inspect
+from megatron.fsdp_training.tools.checkpoint_tools import convert
+from megatron.fsdp_training.tools.checkpoint_tools import inspect as ckpt_inspect
 
 
 def _leftovers(directory):

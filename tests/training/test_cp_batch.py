@@ -3,7 +3,7 @@ data-parallel rank's unsplit sequence (Megatron's load balancing), for every key
 
 Why a test of its own: Megatron-Core 0.18 made ``get_batch_on_this_cp_rank``'s group default the world,
 so a call that passes no group splits every sequence over all ranks; a model trains on that without an
-error (only the losses differ). ``megatron/fsdp_training/compat.py`` always passes the CP group.
+error (only the losses differ). ``megatron/fsdp/mcore_releases.py`` always passes the CP group.
 """
 
 import pytest
@@ -41,7 +41,7 @@ def test_every_cp_rank_holds_its_load_balanced_chunks(mcore_pool):
 
 
 def test_cp_split_refuses_no_group():
-    from megatron.fsdp_training.compat import batch_on_this_cp_rank
+    from megatron.fsdp.mcore_releases import batch_on_this_cp_rank
 
     with pytest.raises(ValueError, match="context-parallel group"):
         batch_on_this_cp_rank({}, None)

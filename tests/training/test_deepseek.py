@@ -1,4 +1,4 @@
-"""DeepSeek-V3's shape on fully-sharded state (megatron/fsdp_training/testing/deepseek.py's tiny model: MLA,
+"""DeepSeek-V3's shape on fully-sharded state (tests/cases/deepseek_cases.py's tiny model: MLA,
 one MTP layer, sigmoid routing with the expert bias, group-limited top-k, a shared expert, a dense first
 layer) through pretrain_gpt.py: --use-megatron-fsdp against Megatron-Core DDP with the same flags, 10
 iterations, lm loss, MTP loss and grad norm within 1e-5 per iteration; the expert bias equal on every
@@ -8,8 +8,8 @@ DP 4 ZeRO-3 -> DP 2 ZeRO-1); the meta-device build bitwise equal to the eager on
 import pytest
 
 from megatron.fsdp.testing.common import LEVELS, rel
-from megatron.fsdp.testing.matrix import full_matrix
-from megatron.fsdp_training.testing.deepseek import DEEPSEEK_MODEL, dispatcher, meta_build_equals_eager
+from tests.cases.level_matrix import full_matrix
+from tests.cases.deepseek_cases import DEEPSEEK_MODEL, dispatcher, meta_build_equals_eager
 from megatron.fsdp_training.testing.job import assert_exact_resume, fsdp
 from megatron.fsdp_training.testing.pools import pool_of
 from megatron.fsdp_training.testing.pretrain import pretrain_in_pool

@@ -22,7 +22,7 @@ dispatcher, ``--moe-permute-fusion``, ``--use-nccl-ub``) stay and are substitute
 
 import numpy as np
 
-from megatron.fsdp_training.compat import HAS_LEGACY_GROUPED_MLP
+from megatron.fsdp.mcore_releases import HAS_LEGACY_GROUPED_MLP
 
 from megatron.fsdp_training.testing.job import pretrain
 

@@ -4,9 +4,9 @@ delayed scaling, megatron.fsdp against Megatron-Core DDP under the same recipe, 
 import pytest
 
 from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
-from megatron.fsdp_training.arguments.precision import fp8_start_up_line
+from megatron.fsdp_training.arguments.precision_flags import fp8_start_up_line
 from megatron.fsdp_training.arguments.substitutions import substitution_line
-from megatron.fsdp_training.testing.fp8 import FP8_PARITY, delayed_scaling_case
+from tests.cases.fp8_layer_cases import FP8_PARITY, delayed_scaling_case
 from megatron.fsdp_training.testing.job import assert_exact_resume, fsdp, pretrain
 from megatron.fsdp_training.testing.pools import pool_of
 
@@ -166,7 +166,7 @@ def test_an_fp8_checkpoint_never_locks_a_run_in(delayed_run, tmp_path):
     FP8 state is left."""
     import torch
 
-    from megatron.fsdp_training.tools.checkpoint import convert, hf_convert, torch_dist_convert
+    from megatron.fsdp_training.tools.checkpoint_tools import convert, hf_convert, torch_dist_convert
 
     saved, straight = delayed_run
     load5 = ["--load", str(saved), "--ckpt-step", "5"]

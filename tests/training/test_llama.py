@@ -11,7 +11,7 @@ layers mixed). Every case runs inside the long-lived 4-rank pools (no new proces
 import pytest
 
 from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
-from megatron.fsdp_training.arguments.moe import moe_layer_freq_type
+from megatron.fsdp_training.arguments.moe_flags import moe_layer_freq_type
 from megatron.fsdp_training.model_shape import swiglu_ffn_hidden_size
 from megatron.fsdp.testing.common import LEVELS
 from megatron.fsdp_training.testing.job import fsdp

@@ -119,7 +119,7 @@ def test_honoured_flags_change_the_configs_that_are_built():
     from megatron.fsdp.mcore.muon import MegatronMuon, muon_kwargs
     from megatron.fsdp.optim.newton_schulz import COEFFICIENT_SETS
     from megatron.fsdp_training import model as model_lib
-    from megatron.fsdp_training.schedule import global_batch_at
+    from megatron.fsdp_training.batch_rampup import global_batch_at
 
     overlap = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
     assert model_lib.baseline_ddp_config(_args(overlap), 1000).bucket_size is None  # Megatron-Core's own default

@@ -119,7 +119,7 @@ def test_rampup_batch_size_follows_megatron_core():
     calculator gives each iteration's batch, and the job's schedule the same (7 iterations, its
     update_train_iters)."""
     from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
-    from megatron.fsdp_training.schedule import global_batch_at
+    from megatron.fsdp_training.batch_rampup import global_batch_at
 
     args = validate_args(parse_args(_ramp_argv()), 2)
     calculator = RampupBatchsizeNumMicroBatchesCalculator(8, 2, 2, False, 1, 4, 4, 16)
@@ -134,7 +134,7 @@ def test_rampup_batch_size_follows_megatron_core():
 def test_rampup_batch_size_matches_ddp():
     """The ramp-up (Megatron-LM's rule: 4, 4, 4, 4, 8, 8, 8, checked against Megatron-Core 0.16.1's own calculator
     above): ZeRO-3 trains each iteration's batch as Megatron-Core's DDP does, within 1e-5, and logs each batch size."""
-    from megatron.fsdp_training.schedule import global_batch_at
+    from megatron.fsdp_training.batch_rampup import global_batch_at
 
     args = validate_args(parse_args(_ramp_argv()), 2)
     expected, consumed = [], 0
@@ -233,8 +233,8 @@ def test_megatron_lm_rules_stop_start_up_with_one_line(argv, pattern):
 
 
 def test_sample_based_length_and_the_fusion_fields():
-    from megatron.fsdp_training.arguments.model import transformer_config_fields
-    from megatron.fsdp_training.schedule import scheduler_steps
+    from megatron.fsdp_training.arguments.model_flags import transformer_config_fields
+    from megatron.fsdp_training.batch_rampup import scheduler_steps
 
     args = validate_args(parse_args(["--mock-data", "--train-samples", "100", "--global-batch-size", "8",
                                      "--lr-warmup-samples", "16", "--no-rope-fusion", "--apply-layernorm-1p",
@@ -283,7 +283,7 @@ def test_apply_layernorm_1p_stores_gamma_minus_one(kind):
     Transformer Engine's zero_centered_gamma), the same function as the plain norm with gamma + 1."""
     import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron.fsdp.mcore.cpu_layers import CpuNorm
+    from megatron.fsdp.mcore_cpu.layer_spec import CpuNorm
 
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, normalization=kind,
                                layernorm_zero_centered_gamma=True)

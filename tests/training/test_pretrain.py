@@ -11,7 +11,7 @@ from megatron.fsdp_training.testing.job import LINE
 from megatron.fsdp_training.testing.job import PRETRAIN_MODEL as MODEL
 from megatron.fsdp_training.testing.job import fsdp, torchrun
 from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
-from megatron.fsdp.testing.matrix import full_matrix
+from tests.cases.level_matrix import full_matrix
 from megatron.fsdp_training.testing.pools import pool_of
 
 

@@ -69,7 +69,7 @@ def test_grouped_gemm_experts_across_releases_are_refused_with_the_release_to_us
     """``--moe-grouped-gemm`` experts are GroupedMLP's ``weight1``/``weight2`` under 0.16.1 and one weight per expert
     from 0.17: a checkpoint of the other kind stops the load naming the release that reads it (any other key
     mismatch gets no such sentence)."""
-    from megatron.fsdp_training.compat import expert_layout_hint
+    from megatron.fsdp.mcore_releases import expert_layout_hint
 
     grouped = ["model.decoder.layers.0.mlp.experts.weight1", "model.decoder.layers.0.mlp.experts.weight2"]
     per_expert = [f"model.decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc1.weight" for e in range(2)]

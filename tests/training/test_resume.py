@@ -23,7 +23,7 @@ from megatron.fsdp_training.testing.job import B8, MODEL, fork_launch, fsdp, pre
 from megatron.fsdp_training.testing.pools import pool_of
 from tests.cases.job_checkpoint import load_error
 from tests.cases.job_resume import save_size_estimate, start_error
-from megatron.fsdp_training.tools.checkpoint import inspect as ckpt_inspect
+from megatron.fsdp_training.tools.checkpoint_tools import inspect as ckpt_inspect
 
 SIX = MODEL + B8 + fsdp("optim") + ["--train-iters", "6", "--eval-interval", "6"]
 LR = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| learning rate: ([0-9.E+-]+) \|")

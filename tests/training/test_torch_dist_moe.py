@@ -6,7 +6,7 @@ The dense case: test_torch_dist.py."""
 
 from megatron.fsdp.testing.common import rel
 from megatron.fsdp_training.testing.job import B8, MODEL, assert_exact_resume, fsdp, pretrain
-from megatron.fsdp_training.tools.checkpoint import convert
+from megatron.fsdp_training.tools.checkpoint_tools import convert
 
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
        "--disable-bias-linear"]

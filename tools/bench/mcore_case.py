@@ -11,7 +11,7 @@ is wrapped as Megatron-LM does under ``--use-megatron-fsdp``. The floor is the s
 ``GPTModel`` unwrapped (``Float16Module`` for bf16) with the torch workload's
 ``FloorOptimizer``: Megatron's schedule with no gradient hooks and no collectives.
 
-Every system runs under Megatron-Core's CPU mode (``megatron.fsdp.mcore.cpu_mode``): its
+Every system runs under Megatron-Core's CPU mode (``megatron.fsdp.mcore_cpu.cuda_standins``): its
 CUDA-to-CPU redirection costs every system the same per torch call. ``run`` is a
 worker-pool case (``megatron/fsdp/testing/pool.py``) on every rank of the pool.
 """
@@ -38,7 +38,7 @@ def _config(size_name: str, bf16: bool):
 def _args(system: str, bf16: bool):
     """The training job's arguments (its parser's defaults) with this benchmark's settings."""
     from megatron.fsdp_training.arguments import build_parser
-    from megatron.fsdp_training.arguments.megatron_fsdp import apply_megatron_fsdp_defaults
+    from megatron.fsdp_training.arguments.megatron_fsdp_flags import apply_megatron_fsdp_defaults
 
     ours = system.startswith("ours:")
     option = option_of(system)  # the job's flag of each option row, as validate_args maps it
@@ -165,7 +165,7 @@ def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, t
         from megatron.fsdp_training.allocator import apply_job_setting
         apply_job_setting()
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.fsdp.mcore.cpu_mode import cpu_layer_spec
+    from megatron.fsdp.mcore_cpu.cuda_standins import cpu_layer_spec
     from megatron.fsdp_training.model import gpt_chunks
     from megatron.fsdp_training.testing.gpt import Topology, forward_step, parallel, set_random_seed
 

@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     parser.add_argument("directory", help="where the fixture goes (tests/data)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    from megatron.fsdp_training.compat import MCORE_VERSION_STRING
+    from megatron.fsdp.mcore_releases import MCORE_VERSION_STRING
     from megatron.fsdp_training.testing import pools
     from megatron.fsdp_training.testing.release_fixture import fixture_name, write_fixture
 

@@ -1,45 +1,24 @@
 """A reduce-scatter for gloo that sends only what a reduce-scatter needs.
 
-Why: gloo runs ``reduce_scatter_tensor`` as a full all-reduce, so every rank sends
-``2 (N-1)/N`` of the buffer instead of ``(N-1)/N``, and it is slower than a plain
-all-reduce. This module builds the textbook ring from point-to-point messages:
-``N - 1`` steps; at each step a rank sends one chunk (the size of its output) to its
-successor, receives one from its predecessor and adds its own contribution; after the
-last step it holds its own chunk summed over all ranks.
+Why: gloo runs ``reduce_scatter_tensor`` as a full all-reduce (``2 (N-1)/N`` of the buffer sent
+instead of ``(N-1)/N``, and slower than a plain all-reduce). This is the textbook ring from
+point-to-point messages: ``N - 1`` steps, each sending one output-sized chunk to the successor and
+adding the predecessor's.
 
-Why a worker thread: step ``s + 1`` sends what step ``s`` received plus a local add,
-so the steps cannot all be posted up front, and nothing in gloo would run the adds
-between them. Each process group gets one long-lived worker thread (started on its
-first ring, stopped when the group is freed or the process exits) that runs that
-group's rings one after another in issue order (waits and adds release the GIL), so
-``reduce_scatter`` returns at once and the caller's compute overlaps it, as with a
-native async collective. ``RingWork.wait()`` waits for that ring only. Not a thread
-per call: every new thread gets its own malloc arena, and resident memory grew with
-them. Not point-to-point driven from the waits: ranks wait in their own
-order, so a ring advanced only by its waiter would stall while a peer waits on
-another one.
+Why one long-lived worker thread per process group, running its rings in issue order: each step
+depends on the previous one's receive and add, which nothing in gloo would run, so ``reduce_scatter``
+returns at once and compute overlaps it (``RingWork.wait()`` waits for one ring). Not a thread per
+call (each new thread got its own malloc arena), not driven from the waits (ranks wait in their own
+order, so a ring advanced only by its waiter would stall). Every rank issues its rings on a group in
+the same order, so the workers run ring ``k`` together; rings of different groups never wait for
+each other.
 
-Why issue order is safe: every rank of a group issues its rings on that group in the
-same order, so each worker runs ring ``k`` while its peers run ring ``k`` too; rings
-of different groups run on different workers and never wait for each other.
-
-Teardown: ``shutdown_workers()`` (also run at interpreter exit) finishes every ring
-already issued, then joins the workers, so no Python thread is inside a gloo call
-while the interpreter finalizes (a daemon thread woken there is ended with
-``pthread_exit``, which aborts the process with ``terminate called without an active
-exception`` when it unwinds through C++ frames).
-
-Why this cannot hang or cross-match: gloo matches point-to-point messages by
-(peer, tag) on its own channel, apart from collectives, so rings do not depend on how
-they interleave with all-gathers or all-reduces in flight on the same group. Each
-ring takes ``N - 1`` fresh tags from a counter kept per process group (not per
-caller: two models over one group share it); every rank of the group issues its
-collectives on that group in the same order, so every rank draws the same tags for
-the same call, and concurrent rings never share a tag. Tags live in ``[2**30, 2**31)``
-so they stay clear of tags other code commonly uses (0 and small numbers).
-
-Why not a process group of its own for the rings: ``new_group`` must be called by
-every rank of the default group, and an axis is built by its members only.
+Why it cannot hang or cross-match: gloo matches point-to-point messages by (peer, tag) apart from
+collectives; each ring takes ``N - 1`` fresh tags in ``[2**30, 2**31)`` from a counter per process
+group, the same on every rank. Not a process group of its own: ``new_group`` needs every rank of the
+default group, and an axis is built by its members only. ``shutdown_workers()`` (also at interpreter
+exit) finishes every issued ring and joins the workers, so no thread is inside gloo while the
+interpreter finalizes (``terminate called without an active exception`` otherwise).
 """
 
 from __future__ import annotations

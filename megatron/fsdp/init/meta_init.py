@@ -1,41 +1,12 @@
 """Build a sharded model from one on the ``meta`` device: parameter by parameter, so no rank holds it whole.
 
-A model built under ``with torch.device("meta")`` has shapes but no storage.
-``fully_shard`` lays out every unit's flat storage from the shapes first (what the
-level keeps on this rank: the shards under ZeRO-3, the full buffer under
-``no_shard``), then walks ``module.modules()`` in order (the order an eager
-constructor creates and initialises submodules) and, for each submodule:
-
-1. gives its own parameters storage in a scratch buffer, and its buffers real storage;
-2. initialises them: ``init_weights(submodule)`` when given, else the
-   submodule's own ``reset_parameters()``;
-3. copies each parameter into its unit's storage (``place``) and leaves the
-   parameter as the level keeps it (a view of the storage, or empty under ZeRO-3).
-
-So a build's peak is the persistent state plus one submodule's own parameters
-(and what its initialiser allocates), at most the largest unit. The scratch is
-reused by every submodule and, on CPU, is an anonymous ``mmap``: freed, it leaves
-the process, however glibc's mmap threshold has moved. (Materialising a unit whole
-kept the root unit, embedding and head at both ends of the walk, through the whole
-build: on 2 ranks the peak passed the whole fp32 model.)
-
-**Equality with the eager build.** The weights equal, bitwise, those of the same
-model built eagerly on the same device after the same ``torch.manual_seed``
-when the eager constructor draws its random numbers exactly as the walk does:
-each module initialises its own direct parameters through ``reset_parameters()``
-(torch's ``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm`` do), children are
-created in registration order, and nothing random happens in a constructor
-outside ``reset_parameters``. What breaks it: a constructor that initialises a
-parameter directly (``nn.Parameter(torch.randn(...))``), a parent that draws for
-its own parameters *after* creating its children, a ``reset_parameters`` that
-also re-initialises its children, or a different device (the CUDA generator is
-not the CPU one). A tied parameter keeps the value of its first holder in
-``modules()`` order; later holders still run their ``reset_parameters`` (on a
-scratch tensor), so they consume the random numbers they consumed eagerly,
-as with ``head.weight = embed.weight`` written after construction.
-
-Every check runs, and every initialisation happens, before the first collective
-of ``fully_shard``; a failure raises one error naming the module and the fix.
+Why: a model bigger than one rank's memory must never exist whole on a rank. ``fully_shard`` lays out
+every unit's flat storage from the shapes, then walks ``module.modules()`` in order, giving each
+submodule's parameters storage in one reused scratch buffer (an anonymous ``mmap`` on CPU), running
+``init_weights(submodule)`` or its ``reset_parameters()``, and copying them into this rank's shards:
+a build peaks at the persistent state plus one submodule's parameters. Every check and every
+initialisation runs before the first collective of ``fully_shard``. The walk, the equality rule with an
+eager build and the measured memory: docs/meta_init.md.
 """
 
 from __future__ import annotations

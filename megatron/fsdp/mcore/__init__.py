@@ -10,9 +10,9 @@ silence_unactionable_warnings()
 from .data_parallel import DEFAULT_UNIT_CLASSES, FullyShardedDataParallel, FullyShardedDataParallelConfig
 from .distributed_index import FSDPDistributedIndex
 from .finalize import finalize_model_grads
-from .meta_init import build_on_meta_device
-from .optimizer import FullyShardedMegatronOptimizer, get_fsdp_optimizer
-from .schedule import configure_schedule_hooks
+from .meta_build import build_on_meta_device
+from .megatron_optimizer import FullyShardedMegatronOptimizer, get_fsdp_optimizer
+from .pipeline_hooks import configure_schedule_hooks
 
 __all__ = [
     "DEFAULT_UNIT_CLASSES", "FSDPDistributedIndex", "FullyShardedDataParallel", "FullyShardedDataParallelConfig",

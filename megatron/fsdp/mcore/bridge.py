@@ -12,7 +12,7 @@ record, ``uninstall()`` undoes it): the data-parallel class (and ``setup.py``'s 
 ``fsdp_dtensor`` preprocessing (``trainer_backend.py``), and AutoBridge's ``unwrap_model``, export and import:
 export reads full weights (``FullyShardedDataParallel.full_parameters``) at every level, import into a wrapped model
 writes them back. NVIDIA's config fields keep their meanings (``ddp_fields.py``). Without CUDA it also makes Bridge's
-``pretrain()`` run on CPU processes with gloo (``cpu_trainer.install_bridge``). docs/trainers.md.
+``pretrain()`` run on CPU processes with gloo (``mcore_cpu.trainer_bridges.install_bridge``). docs/trainers.md.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from .data_parallel import FullyShardedDataParallel
 from .megatron_lm import require_megatron_training, use_this_backend as use_this_backend_in_megatron_training
-from .patches import PATCHES, once, rebind, use_shipped_dataset_helpers
+from megatron.fsdp.mcore_cpu.patch_record import PATCHES, once, rebind, use_shipped_dataset_helpers
 from .trainer_backend import fsdp_dtensor_preprocess_factory, optimizer_factory, params_norm_factory
 
 
@@ -117,7 +117,7 @@ def install() -> None:
     use_shipped_dataset_helpers("megatron.bridge.training.initialize")
     use_this_backend()
     if not torch.cuda.is_available():
-        from .cpu_trainer import install_bridge
+        from megatron.fsdp.mcore_cpu.trainer_bridges import install_bridge
 
         install_bridge()
 

@@ -60,11 +60,11 @@ import torch
 
 from megatron.fsdp.checkpoint.pieces import GlobalPlacement
 
-from . import compat
+from megatron.fsdp import mcore_releases as compat
 
 _LAYER = re.compile(r"(^|\.)decoder\.layers\.(\d+)\.")
 # A multi-token prediction layer's transformer layer: the module's attribute (this release's name) in
-# parameter names, ``transformer_layer`` in checkpoint keys on every release (compat.CHECKPOINT_MTP_LAYER).
+# parameter names, ``transformer_layer`` in checkpoint keys on every release (mcore_releases.CHECKPOINT_MTP_LAYER).
 _MTP_LAYER = re.compile(
     rf"(^|\.)mtp\.layers\.(\d+)\.({'|'.join(sorted({compat.MTP_LAYER_ATTRIBUTE, compat.CHECKPOINT_MTP_LAYER}))})\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")

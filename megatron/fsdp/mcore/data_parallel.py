@@ -29,12 +29,14 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 import megatron.fsdp as mfsdp
 from megatron.fsdp.checkpoint.state_dict import expected_model_keys
 from megatron.fsdp.init.meta_init import is_on_meta
+from megatron.fsdp.sharding.strategy import parse_mesh_strategy, parse_strategy
 
-from . import compat, ddp_fields
+from megatron.fsdp import mcore_releases as compat
+from . import ddp_fields
 from .checkpoint_keys import CheckpointKeys, ParallelRanks, chunk_keys, split_rules, tp_placements
 from .distributed_index import FSDPDistributedIndex
 from .fp8_gather import fp8_gather_arguments
-from .meta_init import recipe_of
+from .meta_build import recipe_of
 from .overlap import overlap_arguments
 
 logger = logging.getLogger(__name__)
@@ -89,9 +91,9 @@ def expert_levels(ddp_config: DistributedDataParallelConfig) -> ExpertLevels:
 def _check_mesh_levels(inner: str, outer: str, instances: int, what: str) -> None:
     if instances < 1:
         raise ValueError(f"{what}num_distributed_optimizer_instances must be >= 1, got {instances}")
-    mfsdp.parse_strategy(inner)
+    parse_strategy(inner)
     if instances > 1:
-        mfsdp.parse_mesh_strategy(inner, outer, has_outer_axis=True)
+        parse_mesh_strategy(inner, outer, has_outer_axis=True)
     elif outer != "no_shard":
         raise ValueError(f"{what}outer_dp_sharding_strategy={outer!r} needs an outer axis: set "
                          f"{what}num_distributed_optimizer_instances > 1"
@@ -169,7 +171,7 @@ def meta_init_arguments(module: torch.nn.Module) -> dict:
     """``fully_shard``'s ``init_weights`` for a chunk built by ``build_on_meta_device`` (else nothing).
 
     The chunk is then materialised unit by unit and each submodule initialised by
-    replaying what Megatron-Core's constructors did to it (``meta_init.py``).
+    replaying what Megatron-Core's constructors did to it (``meta_build.py``).
     """
     if not is_on_meta(module):
         return {}
@@ -223,7 +225,7 @@ class FullyShardedDataParallel(_BaseDataParallel):
                                or getattr(ddp_config, "megatron_fsdp_max_pool_double_buffer", False)),
             # --fp8-param-gather: the FP8 layers' weights gathered as FP8 bytes + scales (fp8_gather.py)
             **fp8_gather_arguments(config, ddp_config, module),
-            **overlap_arguments(ddp_config, module, unit_classes),
+            overlap=mfsdp.Overlap(**overlap_arguments(ddp_config, module, unit_classes)),
             **meta_init_arguments(module),
         ))
 

@@ -3,13 +3,13 @@
 ``fp8_gather_arguments(config, ddp_config, module)`` is ``fully_shard``'s ``param_gather`` for one
 model chunk (``DistributedDataParallelConfig.fp8_param_gather``, Megatron-Core's field for the flag):
 
-* the CPU FP8 layers (``fp8_layers.py``): their GEMM weights, with the recipe they were built with;
+* the CPU FP8 layers (``mcore_cpu/fp8_linears.py``): their GEMM weights, with the recipe they were built with;
   the layers then compute with ``megatron.fsdp.quantized_weight`` (the gathered FP8 bytes and scales);
 * Transformer Engine's layers (``config.fp8``, a GPU with TE): the weights of every TE module, with
   ``config``'s recipe. The TE layers compute from the compute weight the engine builds from the
   gathered bytes (their dequantization, which TE's quantizer maps back to the same FP8 values:
   exactly for MXFP8's power-of-two block scales, up to the scale's last bit per tensor). Not verified
-  until a GPU run (docs/training.md, "FP8").
+  until a GPU run (docs/precision.md, "FP8").
 
 Blockwise scaling is not gathered in FP8 (a 128 x 128 tile spans rows a shard boundary may split).
 """
@@ -23,7 +23,7 @@ import torch
 
 import megatron.fsdp as mfsdp
 
-from .fp8_layers import _Fp8Linear
+from megatron.fsdp.mcore_cpu.fp8_linears import _Fp8Linear
 
 _TE_WEIGHT = re.compile(r"weight\d*")  # TE's GEMM weights: ``weight``, grouped GEMMs' ``weight0`` ...
 

@@ -9,7 +9,7 @@ picks Megatron-FSDP's classes by module-global name and has no hook for it, so `
 names (``patches.PATCHES`` keeps the record): the data-parallel class, the optimizer factory, the
 params norm and the ``fsdp_dtensor`` preprocessing (``trainer_backend.py``). Everything else (flags,
 schedule, logging, checkpoint files) stays Megatron-LM's. Without CUDA it also makes the trainer run
-on CPU processes with gloo (``cpu_trainer.py``). megatron-core ships ``megatron.training`` from 0.17
+on CPU processes with gloo (``mcore_cpu/trainer_bridges.py``). megatron-core ships ``megatron.training`` from 0.17
 (Python 3.12); on an older release ``install()`` refuses with one line. docs/trainers.md has the flags.
 """
 
@@ -25,9 +25,9 @@ import torch
 
 from megatron.fsdp.commands import PRETRAIN
 
-from . import compat
+from megatron.fsdp import mcore_releases as compat
 from .data_parallel import FullyShardedDataParallel
-from .patches import PATCHES, once, rebind, use_shipped_dataset_helpers
+from megatron.fsdp.mcore_cpu.patch_record import PATCHES, once, rebind, use_shipped_dataset_helpers
 from .trainer_backend import fsdp_dtensor_preprocess_factory, optimizer_factory, params_norm_factory
 from .trainer_checkpoints import job_checkpoint_in_megatron_lm
 
@@ -94,7 +94,7 @@ def install() -> None:
     use_shipped_dataset_helpers()
     use_this_backend()
     if not torch.cuda.is_available():
-        from .cpu_trainer import install_megatron_training
+        from megatron.fsdp.mcore_cpu.trainer_bridges import install_megatron_training
 
         install_megatron_training()
 

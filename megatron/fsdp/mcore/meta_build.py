@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from . import compat
+from megatron.fsdp import mcore_releases as compat
 
 _AFFINE_INITS = ("_initialize_affine_weight_cpu", "_initialize_affine_weight_gpu")
 _RANDOM = {"normal_", "uniform_", "bernoulli_", "random_", "exponential_", "geometric_", "cauchy_",

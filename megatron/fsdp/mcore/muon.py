@@ -35,7 +35,7 @@ from megatron.fsdp.collectives.comm import CommAxis
 from megatron.fsdp.optim.matrix_optimizer import TensorShards
 from megatron.fsdp.optim.newton_schulz import newton_schulz, per_step_coefficients
 
-from . import compat
+from megatron.fsdp import mcore_releases as compat
 
 SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
 TP_MODES = ("blockwise", "duplicated")

@@ -24,7 +24,8 @@ from megatron.core.distributed.distributed_data_parallel_config import Distribut
 
 def overlap_arguments(ddp_config: DistributedDataParallelConfig, module: torch.nn.Module,
                       unit_classes: Iterable[Type[torch.nn.Module]]) -> Dict[str, int]:
-    """``fully_shard`` keyword arguments (``forward_prefetch``, ``backward_prefetch``, ``reductions_in_flight``)."""
+    """``megatron.fsdp.Overlap`` fields (``forward_prefetch``, ``backward_prefetch``, ``reductions_in_flight``)
+    for ``fully_shard(overlap=Overlap(**fields))``."""
     size = getattr(ddp_config, "suggested_communication_unit_size", None)
     if size is None:
         return {}

@@ -24,7 +24,9 @@ from typing import Callable
 import torch
 
 from .data_parallel import FullyShardedDataParallel
-from .optimizer import FullyShardedMegatronOptimizer, get_fsdp_optimizer
+from megatron.fsdp.mcore_cpu.trainer_bridges import print_once  # noqa: F401  (the runners' one-line notices)
+
+from .megatron_optimizer import FullyShardedMegatronOptimizer, get_fsdp_optimizer
 
 # The optimizer built over each wrapped chunk: the params norm is the optimizer's main weights.
 _OPTIMIZER_OF: "weakref.WeakKeyDictionary[torch.nn.Module, FullyShardedMegatronOptimizer]" = (
@@ -34,18 +36,6 @@ _OPTIMIZER_OF: "weakref.WeakKeyDictionary[torch.nn.Module, FullyShardedMegatronO
 def ours(model) -> bool:
     chunks = model if isinstance(model, (list, tuple)) else [model]
     return bool(chunks) and all(isinstance(chunk, FullyShardedDataParallel) for chunk in chunks)
-
-
-def print_once(message: str) -> None:
-    """One line from rank 0 (or the only process), once per process."""
-    _print_once(message)
-
-
-@functools.lru_cache(maxsize=None)
-def _print_once(message: str) -> None:
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        print(message, flush=True)
 
 
 def no_weight_decay_rule(config_overrides) -> Callable:

@@ -43,7 +43,7 @@ with other work after a Megatron case should call it, since the mode intercepts 
 torch call on its thread and rewrites ``Tensor.type()``. Enabling again is fine.
 
 The CPU model parts (``cpu_layer_spec``, ``SDPACoreAttention``, ``CpuNorm``) live in
-``cpu_layers.py`` and are re-exported here.
+``layer_spec.py`` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.utils import GlobalMemoryBuffer
 
-from . import compat
-from .patches import Patches
+from megatron.fsdp import mcore_releases as compat
+from .patch_record import Patches
 
 __all__ = [
     "CpuModeWarning", "CpuNorm", "SDPACoreAttention", "cpu_layer_spec", "cpu_mode_enabled", "cpu_mtp_block_spec",
@@ -88,7 +88,7 @@ def _announce() -> None:
     if not _ANNOUNCED:
         _ANNOUNCED = True
         message = ("Megatron-Core CPU mode is on: CUDA calls are redirected to CPU "
-                   "(see megatron.fsdp.mcore.cpu_mode for the list of patches)")
+                   "(see megatron.fsdp.mcore_cpu.cuda_standins for the list of patches)")
         warnings.warn(message, CpuModeWarning, stacklevel=3)
         logger.info(message)
 
@@ -391,6 +391,6 @@ def cpu_mode_enabled() -> bool:
 
 
 # The CPU model parts, kept importable from here.
-from .cpu_layers import (  # noqa: E402,F401
+from .layer_spec import (  # noqa: E402,F401
     CpuNorm, SDPACoreAttention, _AllGatherSequence, _load_balanced_positions, cpu_layer_spec, cpu_mtp_block_spec,
 )

@@ -1,7 +1,7 @@
 """Megatron-Core's local linear layers with FP8 GEMMs (no Transformer Engine), and their delayed-scaling state.
 
 ``Fp8ColumnParallelLinear`` / ``Fp8RowParallelLinear`` are ``ColumnParallelLinear`` /
-``RowParallelLinear`` whose matrix multiply is ``fp8_gemm.Fp8Linear``; tensor and sequence
+``RowParallelLinear`` whose matrix multiply is ``fp8_matmul.Fp8Linear``; tensor and sequence
 parallelism keep Megatron-Core's region functions around it (the input is gathered in the compute
 dtype, then quantized). ``fp8_layer_spec`` puts them into a layer spec in place of every local
 linear (attention, MLA's projections, MLP, experts, shared experts); the router, the embedding and
@@ -42,7 +42,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.fsdp.collectives.comm import CommAxis, Ledger
 from megatron.fsdp.precision import fp8
 
-from .fp8_gemm import GRAD, INPUT, WEIGHT, Fp8Recipe, fp8_linear
+from .fp8_matmul import GRAD, INPUT, WEIGHT, Fp8Recipe, fp8_linear
 
 
 FP8_STATE = ("fp8_forward_history", "fp8_forward_scale", "fp8_backward_history", "fp8_backward_scale")

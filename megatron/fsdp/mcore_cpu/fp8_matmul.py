@@ -22,7 +22,7 @@ Engine's GEMM epilogue does. ``wgrad=False`` (Megatron-LM's ``--no-fp8-wgrad``) 
 in the compute dtype.
 
 The weight operand comes from ``weight_source(weight, dim)``: the engine's quantized gather under
-``--fp8-param-gather``, the layer's own quantization of its compute weight otherwise (``fp8_layers.py``).
+``--fp8-param-gather``, the layer's own quantization of its compute weight otherwise (``fp8_linears.py``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ INPUT, WEIGHT, GRAD = "input", "weight", "grad"
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Recipe:
-    """Megatron-LM's FP8 settings as the CPU layers run them (``megatron/fsdp_training/arguments/precision.py``)."""
+    """Megatron-LM's FP8 settings as the CPU layers run them (``megatron/fsdp_training/arguments/precision_flags.py``)."""
 
     format: str = "hybrid"  # --fp8-format: e4m3 everywhere, or hybrid (gradients in e5m2)
     recipe: str = "delayed"  # --fp8-recipe: tensorwise | delayed | mxfp8

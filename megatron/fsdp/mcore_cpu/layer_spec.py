@@ -209,8 +209,8 @@ def cpu_layer_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int
     final norm: with a bare layer spec TransformerBlock picks a final norm that rejects sequence
     parallel. Normalization (LayerNorm/RMSNorm), qk-layernorm and the MoE settings come from the
     config; ``local_spec_kwargs`` override what goes to ``get_gpt_layer_local_spec``. ``fp8``: an
-    ``fp8_gemm.Fp8Recipe``; the layers it puts in FP8 (not those ``--first-last-layers-bf16`` keeps out)
-    get ``fp8_layers``' FP8 linears.
+    ``fp8_matmul.Fp8Recipe``; the layers it puts in FP8 (not those ``--first-last-layers-bf16`` keeps out)
+    get ``fp8_linears``' FP8 linears.
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import (
@@ -232,7 +232,7 @@ def cpu_layer_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int
     count = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     layers = [moe if is_moe else dense for is_moe in pattern[offset:offset + count]]
     if fp8 is not None:
-        from .fp8_layers import fp8_layer_spec
+        from .fp8_linears import fp8_layer_spec
 
         layers = [fp8_layer_spec(spec, fp8) if fp8.in_fp8(offset + i, config.num_layers) else spec
                   for i, spec in enumerate(layers)]
@@ -257,7 +257,7 @@ def cpu_mtp_block_spec(config, block_spec, vp_stage: Optional[int] = None, pp_ra
         for name in ("enorm", "hnorm", "layer_norm"):
             setattr(layer.submodules, name, CpuNorm)
     if fp8 is not None:
-        from .fp8_layers import fp8_layer_spec
+        from .fp8_linears import fp8_layer_spec
 
         spec.layer_specs = [fp8_layer_spec(layer, fp8) for layer in spec.layer_specs]
     return spec

@@ -1,6 +1,6 @@
 """The record of what the adapter replaces in other packages (``Patches``).
 
-CPU mode (``cpu_mode.py``) bridges Megatron-Core's CUDA assumptions, and the trainer runners
+CPU mode (``cuda_standins.py``) bridges Megatron-Core's CUDA assumptions, and the trainer runners
 (``megatron_lm.py``, ``bridge.py``) rebind the module-global names by which Megatron-LM's trainer and
 Megatron-Bridge pick their data-parallel class and optimizer (they have no hook). The runners' rebindings go
 through ``PATCHES`` so that each happens once (``install()`` is idempotent), can be undone (``uninstall()``, for

@@ -1,6 +1,6 @@
 """CPU mode for Megatron-LM's trainer (``megatron.training``, shipped in the megatron-core wheel from 0.17).
 
-``cpu_mode.py`` makes Megatron-Core's model code run on CPU processes; the trainer around it assumes
+``cuda_standins.py`` makes Megatron-Core's model code run on CPU processes; the trainer around it assumes
 CUDA in a few more places, each bridged here (no-op when ``torch.cuda.is_available()``):
 
 - ``initialize_megatron`` asserts CUDA unless ``allow_no_cuda``, which ``pretrain()`` cannot pass;
@@ -17,7 +17,7 @@ CUDA in a few more places, each bridged here (no-op when ``torch.cuda.is_availab
 Megatron-Bridge's trainer (``megatron.bridge.training``) initialises through its own module with the same
 assumptions (``install_bridge``): ``initialize_megatron`` asserts CUDA, ``_set_random_seed`` seeds no RNG tracker
 without a GPU, and its default ``distributed_backend="nccl"`` refuses to build groups without one (gloo instead,
-said once). ``compile_helpers`` is not CPU-specific: see ``patches.py``.
+said once). ``compile_helpers`` is not CPU-specific: see ``patch_record.py``.
 """
 
 from __future__ import annotations
@@ -31,11 +31,22 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .patches import PATCHES, once
-from .trainer_backend import print_once
+from .patch_record import PATCHES, once
 
 # Stands for the device generator on a machine without one: saved and restored with checkpoints.
 _DEVICE_GENERATOR = torch.Generator()
+
+
+def print_once(message: str) -> None:
+    """One line from rank 0 (or the only process), once per process."""
+    _print_once(message)
+
+
+@functools.lru_cache(maxsize=None)
+def _print_once(message: str) -> None:
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(message, flush=True)
 
 
 def _device_rng_state(device="cuda") -> torch.Tensor:
@@ -55,9 +66,9 @@ def start_gloo(rank: int, world_size: int, timeout_minutes: float) -> None:
 
 def enable_after_seeding(seed: int) -> None:
     """CPU mode once the model-parallel groups exist (their ranks seed the RNG streams); said once, by rank 0."""
-    from .cpu_mode import CpuModeWarning, enable_cpu_mode
+    from .cuda_standins import CpuModeWarning, enable_cpu_mode
 
-    cpu_mode_log = logging.getLogger("megatron.fsdp.mcore.cpu_mode")
+    cpu_mode_log = logging.getLogger("megatron.fsdp.mcore_cpu.cuda_standins")
     level = cpu_mode_log.level
     with warnings.catch_warnings():  # said once below, by rank 0, instead of once per process
         warnings.simplefilter("ignore", CpuModeWarning)

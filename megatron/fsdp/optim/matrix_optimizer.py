@@ -1,36 +1,12 @@
 """Muon on fully-sharded state: the elementwise part on this rank's pieces, the matrix part on one owner.
 
-``torch.optim.Muon`` (torch 2.13) per matrix ``W`` with gradient ``G``::
-
-    B <- lerp(B, G, 1 - mu)                         # elementwise
-    U <- lerp(G, B, mu) if nesterov else B          # elementwise
-    O <- NewtonSchulz(bf16(U))                      # needs the whole matrix
-    W <- W * (1 - lr * wd) - adjusted_lr(W.shape) * O   # elementwise
-
-Here the momentum ``B`` lives on each rank's flat pieces, like any other
-optimizer state; every rank computes ``bf16(U)`` on its pieces, the matrix's
-owner (``matrix_plan.py``) receives the other pieces, runs Newton-Schulz, and
-sends the pieces of ``O`` back; every rank then updates its own piece of ``W``.
-Both directions carry bf16, which is exact: torch casts ``U`` to bf16 first
-thing and ``O`` is bf16. Per unit and direction there is one all-to-all-v per
-exchange stage; the next unit's exchange is in flight while the owner computes,
-and the first one while the elementwise optimizer steps.
-
-Other per-matrix optimizers run whole on the owners (``matrix_whole.py``).
-Contract for the Muon class here: ``torch.optim.Muon`` or a subclass; its
-constructor validates the hyperparameters (one param group, which the LR
-scheduler may edit between steps); a subclass may define
-``adjusted_lr(group, shape) -> float`` to replace torch's ``adjust_lr_fn``
-(how Megatron's scale modes are expressed, see docs/engine.md), and its group's
-``ns_coefficients`` may hold one triple per Newton-Schulz iteration instead of
-one for all (``newton_schulz.py``; Megatron's coefficient types). It keeps one
-state tensor per matrix, ``momentum_buffer``, sharded like the matrix.
-
-Tensor-parallel ``duplicated`` mode: ``matrix_shards(name, param)`` may return
-a ``TensorShards(axis, dim)`` saying the parameter is one of ``axis.size``
-shards of a larger matrix along ``dim``; the owner then all-gathers the shards
-over ``axis`` (batched per unit), orthogonalises the whole matrix and keeps its
-own shard of the result, and the learning-rate adjustment sees the whole shape.
+Why: ``torch.optim.Muon``'s momentum and update are elementwise, so they run on each rank's flat
+pieces like any optimizer state; only Newton-Schulz needs the whole matrix, so its owner
+(``matrix_plan.py``) receives the other pieces of ``bf16(U)`` (exact: torch casts to bf16 first), and
+sends the pieces of ``O`` back, one all-to-all-v per unit and direction, the next unit's in flight
+while the owner computes. Other per-matrix optimizers run whole on the owners (``matrix_whole.py``).
+The algorithm, the contract for a Muon subclass (``adjusted_lr``, per-iteration ``ns_coefficients``)
+and tensor-parallel ``duplicated`` mode (``TensorShards``): docs/muon.md.
 """
 
 from __future__ import annotations

@@ -28,33 +28,8 @@ API (stable: names and signatures are only ever added to)::
     history.advance(fmt, margin=0) -> AmaxHistory  # next scale from the window, then roll
     QuantizedWeight(data, scale_inv, fmt, recipe, block_dim=None)  # frozen
 
-Conventions (Transformer Engine's, so a GPU run with TE and a CPU run here agree):
-
-* **Saturating cast.** ``data = clamp(fp32(x) * scale, -max, max).to(fp8)``, rounding to nearest
-  even; ``scale_inv = 1 / scale`` in fp32; ``dequantize = fp32(data) * scale_inv``.
-* **Scale from amax** (``scale_from_amax``; TE's ``_default_sf_compute``):
-  ``scale = (max / amax) / 2**margin`` in fp32; where ``amax`` is 0 or not finite the previous scale
-  is kept (1.0 when there is none); a scale that overflows to inf (tiny amax) becomes fp32's max.
-* **Delayed scaling** (TE's ``DelayedScaling``: ``amax_history_len`` L, ``amax_compute_algo``
-  ``max`` | ``most_recent``, ``margin``). A history starts with zero amaxes and scale 1.0. Step i
-  quantizes with ``history.scale`` and records its amax a_i into slot 0 (``record``; a tensor
-  quantized several times in one step records the max). ``advance`` then computes the scale of
-  step i+1 from ``max(a_{i-L+1}, ..., a_i)`` (``max``: the L most recent amaxes, a_i included) or
-  from a_i (``most_recent``), with the rule above (so the previous scale stays when that amax is
-  0), rolls the window by one and zeroes slot 0. Hence **step 0 uses scale 1.0, and step i >= 1
-  uses the scale from the amaxes of steps max(0, i-L) .. i-1** (``most_recent``: of step i-1).
-* **MXFP8** (OCP Microscaling; TE's ``MXFP8BlockScaling``): blocks of 32 consecutive elements along
-  ``dim`` (the GEMM's reduction dimension: the last for a ``Linear`` weight in the forward GEMM).
-  Each block's scale is a power of two stored as E8M0: ``2**e`` with
-  ``e = round_up_exponent(amax_block * fp32(1 / max))`` (TE's ``float_to_e8m0``: the fp32
-  exponent, plus one when the mantissa is not zero), so the block's largest element never
-  saturates. (OCP's reference takes ``floor(log2(amax)) - emax`` and may saturate; TE, cuBLAS and
-  this module round up.) Elements are ``x * 2**-e`` cast as above (TE multiplies by 1 where the
-  E8M0 byte is 0). Dequantization multiplies by a power of two: it is exact, also in bf16, except
-  for blocks whose amax is below ~2**-118 (bf16 subnormals).
-* **Blockwise** (DeepSeek-V3's weights; TE's ``Float8BlockScaling``): 128 x 128 tiles of a 2-D
-  tensor (partial tiles at the edges), an fp32 scale per tile ``max / amax_tile``, rounded down to
-  a power of two by default (TE's default ``power_2_scale``); a zero tile has scale 1.
+The conventions (Transformer Engine's: saturating casts, the scale from an amax, delayed scaling's
+window, MXFP8's E8M0 rule, blockwise tiles) are in docs/precision.md, "FP8 numbers".
 """
 
 from __future__ import annotations

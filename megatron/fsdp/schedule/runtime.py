@@ -1,67 +1,12 @@
 """The schedule: hooks that gather, release and reduce units around forward and backward.
 
-Order of collectives is a pure function of the order in which units run, which
-is the same on every rank for the same model code; no set or dict with
-unstable order decides it. How far the schedule runs ahead is an
-:class:`Overlap` (``fully_shard``'s ``forward_prefetch``, ``backward_prefetch``
-and ``reductions_in_flight``): with the defaults, one unit is gathered ahead in
-each direction, so at most the running unit, its enclosing units, the root and
-one prefetched unit hold full weights at once, and one gradient reduction is
-in flight (its ring runs during the next unit's backward; a second one in flight would
-keep one more unit's gradient and reduction output alive through that backward, where
-the step's memory peaks), two while the newest has a later stage to issue.
-
-The unit whose forward ended last in the previous pass is not released after its forward:
-the backward starts with it, so releasing it would only gather it again at once (the
-same choice as torchtitan's ``reshard_after_forward=False`` on the last block). It costs
-no memory at the peak (the backward's first unit is gathered there either way) and saves
-one unit's gather per micro-batch. The first pass, with no order seen yet, releases every
-unit; a forward with autograd off holds nothing; a unit held for a backward that never
-comes is released by the next forward before anything else.
-
-A pass is one call of the root module, whoever makes it: the wrapper's forward, or the model's own
-code (``model.module(...)``, a ``generate()`` that calls the model once per token). Any other
-module whose forward uses a unit's parameters, called while that unit is not gathered (a root
-submodule such as the embedding, or a unit's submodule, called on its own), gathers it for that
-call and releases it when the call returns (``direct_call_begins``/``direct_call_ends``); outside
-a pass such a call prefetches nothing and is not recorded in any order, so it leaves the next
-pass's prefetch plans as they were, and its backward, if any, gathers the unit on demand. Every
-rank must make the same calls in the same order, as for any forward.
-
-The order a pass prefetches in is the order of the previous pass; the first
-forward uses the registration order (the order of ``module.named_modules()``,
-which is the call order of a sequential stack), the first backward the
-reverse of the order in which the forward's units ended. The root, which runs first, prefetches
-the first units of each direction, so in steady state no unit waits for a
-gather it could have had earlier. Every gather, reduction, install and wait runs
-inside a named range (``profiling.py``).
-
-Multi-stage collectives (a :class:`~.comm.StagedHandle`: the outer then the inner all-gather
-of two-axis ZeRO-3 and of the HFSDP install; the inner reduce-scatter then the outer
-reduction of HSDP, HFSDP and two-axis ZeRO-3) advance at fixed points of the hook
-sequence, never from another thread and never on a timing decision (``is_completed``
-differs between ranks). The hook sequence is the same on every rank, so the order of
-collectives on every process group is too. The points, each a compute boundary:
-
-* each time a unit's compute ends (its post-forward, its post-backward), every multi-stage
-  collective issued before that point, in issue order, waits for its current stage and
-  issues its next one (``_advance_staged``): the second stage of unit k+1's gather is
-  issued at the end of unit k's forward, the outer reduction of unit k at the end of unit
-  k-1's backward;
-* the root's pre-forward, when the root waits for a multi-stage gather of its own: the same
-  advance, so the first unit's second stage lands during the root's compute;
-* a unit's pre-hook (forward or backward), before it prefetches the next unit and waits:
-  its own stages still unissued (only the first unit of a pass has any: the root prefetched
-  it and no unit's compute has ended since) are issued, so they travel while the prefetch
-  is issued instead of inside the wait (``_gather_then_prefetch``);
-* the end of the backward and ``finish_grad_sync``, where no compute follows: every stage
-  still unissued, one round per stage, before the first reduction is waited
-  (``_issue_every_stage``), so the last reductions' outer stages travel together.
-
-Only ``reductions_in_flight=0`` issues a later stage inside a wait (each reduction is
-waited as soon as it is issued). A stage's completion work (the gradient addition into
-the accumulator, the averaging, attaching the gathered parameters) runs right where the
-stage is waited, before the next stage is issued, or in the final wait (``Handle.wait``).
+Why one module: the order of collectives must be a pure function of the order in which
+units run (the same on every rank for the same model code; no set, dict order, thread or
+timing decides it), so every gather, release, reduction and multi-stage advance is issued
+from these hooks at fixed points. How far it runs ahead is an :class:`Overlap`. The rules
+(passes, direct calls, prefetch order, the held last unit, reductions in flight) are in
+docs/engine.md, "Schedule"; the multi-stage points of two-axis meshes in docs/mesh.md,
+"What overlaps".
 """
 
 from __future__ import annotations

@@ -6,36 +6,10 @@ MXFP8 every parameter start and shard boundary is a multiple of 32 elements, so 
 splits a block), its gradient path (the gradient of the dequantized compute weight is reduced into
 the fp32 main gradient as before), its residency and prefetch.
 
-**The wire.** The buffer is cut into the ranges the main weights are sharded over (``pieces``: one
-per rank of each axis whose level shards optimizer state, ``regions.owned`` being this rank's).
-Each piece travels as ``piece_bytes`` bytes: first its other elements (biases, norms, padding,
-frozen weights) in the compute dtype, then its quantized elements as FP8 bytes, then (MXFP8) the
-E8M0 scale of each of their 32-blocks, padded to the largest piece. Per-tensor scales do not
-travel: every rank computes them from the same global amax (or the same history). ``WirePlan``
-is that layout, a pure function of the flat layout. One all-gather of ``piece_bytes * pieces``
-bytes per gather (two stages on a two-axis ZeRO-3 mesh, as the compute-dtype gather), against
-``2 * padded`` for bf16: ~0.50x, ~0.52x with MXFP8's scale bytes.
-
-**When weights are quantized.** Once per weight version: ``install`` (after the optimizer step,
-a load, ``broadcast_params`` and at ``fully_shard``) computes the per-tensor scales (an all-reduce
-MAX of the shards' amaxes, batched per unit, on each axis that shards the main weights) and
-advances the delayed-scaling history after a step. Where a ZeRO-3 unit's compute range is its own
-piece (flat ZeRO-3, HSDP, two-axis ZeRO-3) each gather quantizes the main shard again with those
-scales (the same bytes: no persistent FP8 copy); under HFSDP (the inner compute shard is M
-pieces) the install gathers the pieces once over the outer axis into a kept FP8 inner shard, as
-the compute-dtype path keeps a compute shard; levels that do not shard parameters gather and
-decode at install, and keep the FP8 bytes beside the dequantized weights.
-
-**Bitwise.** Quantization is elementwise given the scale (per-tensor) or local to a 32-block that
-one piece holds whole (MXFP8), and the global amax is a max (exact), so the FP8 bytes, the scales
-and the dequantized compute weights equal ``fp8.py``'s functions applied to the full fp32 main
-weight, whatever the level, mesh or world size. ``quantized_weight(param)`` hands them to FP8-aware
-layers while the unit is gathered.
-
-**Delayed scaling state** (``history_in``: the history the current weights were quantized with,
-before recording their amax) is the same on every rank and goes into the model's state dict per
-parameter (``<name>._fp8_amax_history``, ``<name>._fp8_scale``); a load re-quantizes the loaded
-weights from it without advancing, so a resumed run is bitwise the one that never stopped.
+Why one module: the wire layout (``WirePlan``, a pure function of the flat layout), when weights are
+quantized, and the delayed-scaling state must agree on every rank and level, so the FP8 bytes equal
+``fp8.py``'s functions applied to the full main weight. The rules: docs/precision.md, "The engine's FP8
+gather"; the API: docs/engine.md, "FP8 parameter gathers".
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The engine's multi-process test harness, shared by the test suite and the benchmarks (as ``torch.testing``).
 
 Owns the pool of gloo worker processes started once and reused by many cases (``pool``), a
-worker's settings (``worker_setup``), the sampled test matrix (``matrix``), and the engine-level
-cases and models that tools run too (``models``, ``engine_training``, ``engine``, ``common``).
+worker's settings (``worker_setup``), and the engine-level cases and models that tools run too
+(``models``, ``engine_training``, ``engine``, ``common``); test-only cases live in ``tests/cases``.
 Installed, so that ``tools/`` and ``examples/`` never import ``tests/``.
 
 May import: torch and ``megatron.fsdp`` (never Megatron-Core: that side is ``megatron.fsdp_training.testing``).

@@ -8,7 +8,7 @@ learning-rate schedule), ``data``, ``training`` (batches, length, recompute, mem
 ``parser`` assembles them and runs ``validate_args`` (every inconsistency is one ``ArgumentError``
 before any process group exists); ``help`` formats ``--help``, ``not_built`` answers the flags this
 job does not build, and ``substitutions`` says in one start-up line what this machine ran instead of
-what a flag asked for (docs/training.md, "Arguments" and "Coming from Megatron-LM").
+what a flag asked for (docs/arguments.md, "Arguments" and "Coming from Megatron-LM").
 
 May import: the engine, errors, model_shape, and the job's modules whose decisions a flag's rule or
 substitution reads (schedule, profiling, MoE dispatch, data and checkpoint checks); nothing heavy at

@@ -9,7 +9,8 @@ normal checkpoint in ``--non-persistent-global-ckpt-dir`` (default ``<--save>/no
 the newest kept), ``local`` each rank's own part in ``--non-persistent-local-ckpt-dir``; ``in_memory``
 is refused, as Megatron-LM's ``validate_args`` does. Every rule runs before any process group exists,
 so a refusal is one line and no collective can hang; the saves and loads themselves are
-``checkpointing/`` (outside this package). docs/checkpoints.md says what each flag does here.
+``checkpointing/`` (outside this package). docs/checkpoints.md and docs/fault-tolerance.md
+(non-persistent checkpoints) say what each flag does here.
 """
 
 from __future__ import annotations

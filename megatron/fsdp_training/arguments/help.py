@@ -2,7 +2,7 @@
 
 A newcomer reads ``--help`` to learn that ``--use-megatron-fsdp`` alone is ZeRO-3
 (``optim_grads_params``, as in Megatron-LM) and what each flag does; each concern module of this
-package writes its flags' meanings, this module makes every default show. docs/training.md's
+package writes its flags' meanings, this module makes every default show. docs/arguments.md's
 argument tables are generated from the same parser (tools/regenerate_docs.py), so the two say the same.
 """
 

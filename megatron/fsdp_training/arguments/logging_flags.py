@@ -4,7 +4,7 @@ level, and Megatron-LM's ``--profile`` window.
 Megatron-LM's names, defaults and meanings. A writer whose package is missing, or a flag that needs
 a writer without one, stops the job at start-up with the ``pip install`` or the flag that fixes it,
 instead of a traceback after the model is built; the writers themselves are ``logs/writers.py`` and
-the profiler ``profiling.py`` (outside this package). docs/training.md ("Logs", "Throughput,
+the profiler ``profiler.py`` (outside this package). docs/training.md ("Logs", "Throughput,
 TensorBoard and wandb") says what each flag does here.
 """
 
@@ -18,7 +18,7 @@ from typing import List
 import torch
 
 from ..errors import ArgumentError
-from ..profiling import uses_torch_profiler
+from ..profiler import uses_torch_profiler
 from .substitutions import Substitution
 
 

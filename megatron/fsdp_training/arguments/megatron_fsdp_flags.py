@@ -8,7 +8,7 @@ distributed optimizer (``--megatron-fsdp-version 1``, its default; version 2 ref
 ``apply_megatron_fsdp_defaults`` resolves those before any check reads them; a flag the user wrote is
 kept as written. The user guide's required and recommended flags not defined elsewhere are here too.
 Each flag is honoured, said in the start-up line (NCCL registration on gloo, fine-grained gathers) or
-refused with one line. docs/training.md ("The Megatron-FSDP user guide's flags", "Megatron-LM
+refused with one line. docs/arguments.md ("The Megatron-FSDP user guide's flags", "Megatron-LM
 0.19/0.20's Megatron-FSDP flags") says what each does here.
 """
 
@@ -19,7 +19,7 @@ from typing import List
 
 import torch
 
-import megatron.fsdp as mfsdp
+from megatron.fsdp.sharding.strategy import parse_mesh_strategy, parse_strategy
 
 from ..errors import ArgumentError
 from .substitutions import Substitution
@@ -156,9 +156,9 @@ def validate_levels(args: argparse.Namespace) -> None:
     """The inner and outer levels exist and compose, and the outer axis divides the data-parallel ranks."""
     if args.use_megatron_fsdp:
         try:
-            mfsdp.parse_strategy(args.data_parallel_sharding_strategy)
+            parse_strategy(args.data_parallel_sharding_strategy)
             if args.num_distributed_optimizer_instances > 1:
-                mfsdp.parse_mesh_strategy(args.data_parallel_sharding_strategy, args.outer_dp_sharding_strategy, True)
+                parse_mesh_strategy(args.data_parallel_sharding_strategy, args.outer_dp_sharding_strategy, True)
         except ValueError as exc:
             _fail(f"--data-parallel-sharding-strategy / --outer-dp-sharding-strategy: {exc}")
     elif args.data_parallel_sharding_strategy != "no_shard" or args.outer_dp_sharding_strategy != "no_shard":

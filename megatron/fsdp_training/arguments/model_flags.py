@@ -6,7 +6,7 @@ Megatron-LM's names, defaults and meanings; the shape flags map one to one onto 
 checkpoint tools read it too). A kernel this machine lacks is substituted and said in the start-up
 line (the providers below); a flag that would change the mathematics is refused with one line. The
 mixture-of-experts flags are ``moe.py``'s. docs/training.md ("Llama-class models: the architecture
-flags", "Coming from Megatron-LM") says what each does here.
+flags") and docs/arguments.md ("Coming from Megatron-LM") say what each does here.
 """
 
 from __future__ import annotations

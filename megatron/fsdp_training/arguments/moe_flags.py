@@ -14,7 +14,7 @@ import argparse
 import ast
 from typing import List, Union
 
-import megatron.fsdp as mfsdp
+from megatron.fsdp.sharding.strategy import parse_mesh_strategy, parse_strategy
 
 from ..errors import ArgumentError
 from ..model_shape import ROUTER_FIELDS, moe_layer_pattern
@@ -221,8 +221,8 @@ def validate_experts(args: argparse.Namespace, world_size: int) -> None:
         outer = args.expert_outer_dp_sharding_strategy or (
             args.outer_dp_sharding_strategy if instances > 1 else "no_shard")
         try:
-            mfsdp.parse_strategy(inner)
-            mfsdp.parse_mesh_strategy(inner, outer, instances > 1)
+            parse_strategy(inner)
+            parse_mesh_strategy(inner, outer, instances > 1)
         except ValueError as exc:
             _fail(f"--expert-data-parallel-sharding-strategy / --expert-outer-dp-sharding-strategy: {exc}")
 
@@ -246,7 +246,7 @@ def dispatcher_substitutions(args: argparse.Namespace) -> List[Substitution]:
         found.append(Substitution("--moe-permute-fusion", "unfused permute",
                                   "Transformer Engine's fused permute needs it and a GPU"))
     if getattr(args, "moe_grouped_gemm", False) and moe_dispatch.local_spec_without_grouped_gemm(args):
-        from ..compat import MCORE_VERSION_STRING
+        from megatron.fsdp.mcore_releases import MCORE_VERSION_STRING
 
         found.append(Substitution("--moe-grouped-gemm", "SequentialMLP (one GEMM per expert)",
                                   f"Megatron-Core {MCORE_VERSION_STRING}'s local layer spec has no grouped GEMM "

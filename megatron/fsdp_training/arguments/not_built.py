@@ -3,7 +3,7 @@
 argparse's own error prints the whole usage (some 170 lines) and then the error, on every rank. The
 job's parser (``parser.JobArgumentParser``) turns every parse error into one ``ArgumentError`` instead,
 printed once by rank 0 before any process group exists; a flag listed here says why it is not built
-and what to use (docs/training.md's "Not in this job's command line" table is generated from
+and what to use (docs/arguments.md's "Not in this job's command line" table is generated from
 ``NOT_BUILT``, so the two say the same).
 """
 
@@ -46,7 +46,7 @@ def parse_error_line(message: str) -> str:
 
 
 def not_built_table() -> str:
-    """docs/training.md's table of these flags (tools/regenerate_docs.py)."""
+    """docs/arguments.md's table of these flags (tools/regenerate_docs.py)."""
     rows, by_reason = ["| flag | why not |", "|---|---|"], {}
     for flag, reason in NOT_BUILT.items():
         by_reason.setdefault(reason, []).append(flag)

@@ -5,7 +5,7 @@ Megatron-LM's names, defaults and meanings. Its ``OptimizerParamScheduler`` coun
 in iterations are multiplied by the global batch (``schedule.scheduler_steps``, outside this package);
 every group warms up from ``--lr-warmup-init`` to its own maximum (``--lr``, or ``--decoupled-lr`` for
 the input embedding and output layer). Which of iterations or samples a run counts in is
-``training.py``'s rule (the training length decides). docs/training.md ("Arguments") and
+``training.py``'s rule (the training length decides). docs/arguments.md ("Arguments") and
 docs/muon.md say what each does here.
 """
 

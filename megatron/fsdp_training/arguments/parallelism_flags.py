@@ -3,7 +3,7 @@ distributed optimizer, and the data-parallel communication overlap and buckets.
 
 Megatron-LM's names, defaults and meanings; the sizes must tile the world before any process group
 exists (one ``ArgumentError`` otherwise). The data-parallel levels and ``--use-megatron-fsdp`` are
-``megatron_fsdp.py``'s flags, the expert section's ``moe.py``'s. docs/training.md ("Arguments",
+``megatron_fsdp.py``'s flags, the expert section's ``moe.py``'s. docs/arguments.md ("Arguments",
 "Coming from Megatron-LM") and docs/mesh.md say what each does here.
 """
 

@@ -7,8 +7,8 @@ Megatron-LM generates the FP8 flags from ``TransformerConfig``'s fp8 fields (``-
 ``fp8``, ``--no-fp8-wgrad`` clears ``fp8_wgrad``, ``--fp8-param-gather`` sets ``fp8_param``) and hands
 them to Transformer Engine. Here, with Transformer Engine importable the same fields go to
 Megatron-Core's TE layers (``fp8_config_fields``); without it the CPU layers of
-``megatron.fsdp.mcore.fp8_layers`` run the recipe's GEMMs with ``megatron.fsdp.precision.fp8``'s
-quantizers (``cpu_recipe``), said in one start-up line (``fp8_start_up_line``). docs/training.md
+``megatron.fsdp.mcore_cpu.fp8_linears`` run the recipe's GEMMs with ``megatron.fsdp.precision.fp8``'s
+quantizers (``cpu_recipe``), said in one start-up line (``fp8_start_up_line``). docs/precision.md
 ("Precision-aware optimizer", "FP8") says what each flag does here.
 """
 
@@ -232,7 +232,7 @@ def cpu_recipe(args: argparse.Namespace):
     """The recipe the CPU FP8 layers run (None without --fp8-format, or where Transformer Engine's layers run)."""
     if args.fp8 is None or transformer_engine_used(args):
         return None
-    from megatron.fsdp.mcore.fp8_gemm import Fp8Recipe
+    from megatron.fsdp.mcore_cpu.fp8_matmul import Fp8Recipe
 
     bf16 = args.first_last_layers_bf16
     return Fp8Recipe(format=args.fp8, recipe=args.fp8_recipe, margin=args.fp8_margin,

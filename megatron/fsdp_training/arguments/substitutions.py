@@ -11,7 +11,7 @@ A flag that would change the mathematics is not substituted: ``validate_args`` r
 one line instead. Each concern module of this package states its own substitutions (a provider: a
 function of the parsed arguments returning ``Substitution`` values); ``parser.py`` registers them in
 the order the line says them, so this module imports none of them and they all import
-``Substitution`` from here (docs/training.md, "Coming from Megatron-LM").
+``Substitution`` from here (docs/arguments.md, "Coming from Megatron-LM").
 """
 
 from __future__ import annotations

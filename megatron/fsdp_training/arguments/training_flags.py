@@ -3,12 +3,12 @@ in iterations or samples, evaluation, activation recompute, and memory and time.
 
 Megatron-LM's names, defaults and meanings. ``--train-iters`` and ``--train-samples`` exclude each
 other (Megatron-LM's iteration and sample modes; the learning-rate schedule then counts in the same
-unit, ``optimizer.py``); in sample mode ``--train-iters`` becomes ``train_samples // global batch``
+unit, ``optimizer_flags.py``); in sample mode ``--train-iters`` becomes ``train_samples // global batch``
 (its ``update_train_iters``). ``--rampup-batch-size`` grows the global batch as Megatron-Core 0.16.1's
 ``RampupBatchsizeNumMicroBatchesCalculator``; Megatron-Core 0.19 replaces it with
 ``--step-batch-size-schedule`` (``StepBatchsizeNumMicroBatchesCalculator``): an iteration's global
 batch is the schedule's entry reached by the tokens consumed before it (``schedule.global_batch_at``,
-outside this package, which the loop reads too). docs/training.md ("Arguments", "Coming from
+outside this package, which the loop reads too). docs/arguments.md ("Arguments", "Coming from
 Megatron-LM") says what each flag does here.
 """
 
@@ -20,7 +20,7 @@ from typing import List
 import torch
 
 from ..errors import ArgumentError
-from ..schedule import global_batch_at
+from ..batch_rampup import global_batch_at
 from .substitutions import Substitution
 
 DEFAULT_TRAIN_ITERS = 20  # this job's default when neither --train-iters nor --train-samples is given

@@ -1,7 +1,7 @@
 """FP8 scaling state in checkpoints: weights load whatever the loading run's precision.
 
 Delayed scaling keeps amax histories and scales beside the weights (the CPU FP8 layers' buffers,
-``megatron.fsdp.mcore.fp8_layers.FP8_STATE``; the engine's FP8 gather's per-parameter state,
+``megatron.fsdp.mcore_cpu.fp8_linears.FP8_STATE``; the engine's FP8 gather's per-parameter state,
 ``megatron.fsdp.sharding.quantized_gather``). They describe how a recipe scaled the weights, not
 the weights: a run that switches FP8 off, on, or to another recipe or window at a resume (as
 Megatron-LM allows with Transformer Engine), fine-tunes, generates or converts takes the weights
@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable, List, Mapping, Optional, Tuple
 
-from megatron.fsdp.mcore.fp8_layers import FP8_STATE as LAYER_STATE
+from megatron.fsdp.mcore_cpu.fp8_linears import FP8_STATE as LAYER_STATE
 from megatron.fsdp.sharding.quantized_gather import AMAX_HISTORY_KEY, SCALE_KEY
 
 # The arguments that fix the shape and meaning of that state (common.json's "args"); the defaults are the parser's.

@@ -27,7 +27,7 @@ non-persistent save, said at start-up (``check_newer``). A non-persistent direct
 owned like it: a lock while the job runs, and an owner file naming the job's ``--save``, so that a directory
 holding another job's checkpoints (another run's ``--save``, another job's local checkpoints) is refused
 (``paths.non_persistent_owner_problem``). The flags and their start-up rules are in
-``arguments/checkpointing.py``.
+``arguments/checkpointing_flags.py``.
 """
 
 from __future__ import annotations

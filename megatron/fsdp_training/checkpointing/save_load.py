@@ -49,7 +49,8 @@ from . import fp8_state
 from .compatibility import KEY_LAYOUT_ARGS, MODEL_SHAPE_ARGS
 from .paths import find_checkpoint
 from .files import CheckpointError
-from ..compat import as_tensor, expert_layout_hint, portable
+from megatron.fsdp.mcore_releases import expert_layout_hint
+from .portable_state import as_tensor, portable
 from ..logs.lines import print_rank_0
 
 FORMAT = "fsdp_dtensor"

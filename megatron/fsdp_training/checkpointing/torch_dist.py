@@ -48,7 +48,7 @@ from . import fp8_state
 from .compatibility import MODEL_SHAPE_ARGS
 from .paths import find_checkpoint
 from .files import CheckpointError
-from ..compat import TORCH_DIST_BUCKET_WRITER, read_torch_dist_common, torch_dist_load
+from megatron.fsdp.mcore_releases import TORCH_DIST_BUCKET_WRITER, read_torch_dist_common, torch_dist_load
 from ..logs.lines import print_rank_0
 
 FORMAT = "torch_dist"
@@ -195,7 +195,7 @@ def sharded_state_dict(model, optimizer, is_loading: bool, content: Dict[str, An
 
 # ------------------------------------------------------------------------ save
 def _write_in_process(transform_list, use_msc, rank, write_buckets, global_results_queue) -> None:
-    """Megatron-Core's bucket writer (``compat.TORCH_DIST_BUCKET_WRITER``) without its worker per bucket: the same
+    """Megatron-Core's bucket writer (``mcore_releases.TORCH_DIST_BUCKET_WRITER``) without its worker per bucket: the same
     per-bucket writer, run here. Forking a process that holds gloo threads is fragile, and a daemon
     process (a worker pool) may not fork at all."""
     import queue

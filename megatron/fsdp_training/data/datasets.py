@@ -117,7 +117,7 @@ def get_batch(iterator, device: Optional[torch.device] = None):
     """pretrain_gpt's ``get_batch``: next micro-batch on the device, then this CP rank's chunks."""
     from megatron.core import parallel_state as ps
 
-    from ..compat import batch_on_this_cp_rank
+    from megatron.fsdp.mcore_releases import batch_on_this_cp_rank
 
     batch = next(iterator)
     if device is not None and device.type != "cpu":

@@ -26,7 +26,7 @@ class DataSplitError(ValueError):
 
 def split_samples(args) -> List[Optional[int]]:
     """Samples each split must supply over the whole run; None for a split the run never reads."""
-    # A step batch-size schedule (schedule.py) may pass through batches larger than its last one.
+    # A step batch-size schedule (batch_rampup.py) may pass through batches larger than its last one.
     largest = max([args.global_batch_size] + [batch for _, batch in getattr(args, "step_batch_sizes", None) or ()])
     train = args.train_iters * largest
     eval_runs = args.train_iters // args.eval_interval + 1 if args.eval_interval else 0

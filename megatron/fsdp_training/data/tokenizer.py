@@ -4,7 +4,7 @@
 ``GPTDataset`` / ``MockGPTDataset`` read: ``.vocab_size``, ``.eod`` and, when it exists,
 ``.pad``; on Megatron-Core 0.16.1 a subclass of its legacy tokenizer interface
 (``megatron.core.datasets.megatron_tokenizer.MegatronLegacyTokenizer``, removed in 0.17.0:
-``compat.tokenizer_base``).
+``mcore_releases.tokenizer_base``).
 
 Types (Megatron-LM's names where it has one):
 
@@ -39,7 +39,7 @@ import re
 from collections import OrderedDict
 from typing import Dict, Iterable, List, Optional, Tuple
 
-from ..compat import tokenizer_base
+from megatron.fsdp.mcore_releases import tokenizer_base
 
 _Base = tokenizer_base()  # Megatron-Core's legacy tokenizer interface (0.16.1), plain object from 0.17.0
 

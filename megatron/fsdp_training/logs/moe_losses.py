@@ -38,7 +38,7 @@ def moe_aux_losses(args, device: torch.device) -> Dict[str, float]:
     names = tracked_names(args)
     if not names:
         return {}
-    from ..compat import report_moe_metrics
+    from megatron.fsdp.mcore_releases import report_moe_metrics
 
     # The routers of MTP layers log after the decoder's (Megatron-Core's tracker holds both): every
     # pipeline stage needs the same length, since the reduction sums the stages' tensors.

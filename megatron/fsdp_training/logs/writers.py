@@ -4,7 +4,7 @@ Rank 0 writes them, under Megatron-LM's scalar names (``lm loss``, ``learning-ra
 ``grad-norm``, ``batch-size``, ``iteration-time``, ``throughput``,
 ``mem-max-allocated-bytes``, ``lm loss validation``, ``<timer>-time``), with the same
 values the iteration line prints. Both packages are optional: asking for a writer whose
-package is missing stops the job at start-up (``arguments/logging.py``'s ``validate_writers``,
+package is missing stops the job at start-up (``arguments/logging_flags.py``'s ``validate_writers``,
 before any process group exists) with the ``pip install`` that fixes it, instead of a traceback
 after the model is built.
 

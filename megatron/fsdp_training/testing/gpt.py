@@ -94,7 +94,7 @@ def set_random_seed(seed: int = SEED) -> None:
 
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
-    from megatron.fsdp.mcore.cpu_mode import enable_cpu_mode
+    from megatron.fsdp.mcore_cpu.cuda_standins import enable_cpu_mode
 
     seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
     random.seed(seed)
@@ -185,7 +185,7 @@ def build_model_chunks(config, topology: Topology, seed: int = SEED) -> list:
     Embeddings and output layer are tied (the last stage's copy is synchronised
     with the first stage's at construction, over the embedding group).
     """
-    from megatron.fsdp.mcore.cpu_mode import cpu_layer_spec
+    from megatron.fsdp.mcore_cpu.cuda_standins import cpu_layer_spec
     from megatron.fsdp_training.model import gpt_chunks
 
     set_random_seed(seed)
@@ -240,15 +240,15 @@ def get_batch(iterator):
     """pretrain_gpt's ``get_batch``: next micro-batch, then this CP rank's sequence chunks."""
     from megatron.core import parallel_state as ps
 
-    from ..compat import batch_on_this_cp_rank
+    from megatron.fsdp.mcore_releases import batch_on_this_cp_rank
 
     return batch_on_this_cp_rank(dict(next(iterator)), ps.get_context_parallel_group())
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """The training job's own masked token loss (``megatron.fsdp_training.training.loss_func``),
+    """The training job's own masked token loss (``megatron.fsdp_training.forward_step.loss_func``),
     so both sides of every parity test compute the loss the way pretrain_gpt.py does."""
-    from megatron.fsdp_training.training import loss_func as pretrain_loss_func
+    from megatron.fsdp_training.forward_step import loss_func as pretrain_loss_func
 
     return pretrain_loss_func(loss_mask, output_tensor)
 

@@ -67,7 +67,7 @@ def megatron_case():
     """Run one Megatron-Core case: on exit, destroy its groups, its parallel state, CPU mode and the MoE
     loss tracker (it keeps the groups alive)."""
     from megatron.core import parallel_state as ps
-    from megatron.fsdp.mcore.cpu_mode import disable_cpu_mode
+    from megatron.fsdp.mcore_cpu.cuda_standins import disable_cpu_mode
 
     remember_mock_dataset_indices()
     ps.destroy_model_parallel()  # a case that failed mid-way may have left state behind
@@ -78,7 +78,7 @@ def megatron_case():
             disable_cpu_mode()
             ps.destroy_model_parallel()
             # Megatron-Core's MoE aux-loss tracker is a module global that keeps the groups.
-            from ..compat import drop_moe_metrics
+            from megatron.fsdp.mcore_releases import drop_moe_metrics
 
             drop_moe_metrics()
             from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper

@@ -55,7 +55,7 @@ def write_fixture(out: Path) -> Dict[str, Any]:
     checkpoints and the resumed histories into ``out`` (a ``.tar.xz``); returns the manifest."""
     import torch
 
-    from ..compat import MCORE_VERSION_STRING
+    from megatron.fsdp.mcore_releases import MCORE_VERSION_STRING
 
     out = Path(out)
     manifest: Dict[str, Any] = {"megatron_core": MCORE_VERSION_STRING, "torch": torch.__version__,

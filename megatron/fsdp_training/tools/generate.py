@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 2 -m megatron.fsdp_training.tools.generate --load CKPT_DIR \\
         --tensor-model-parallel-size 2 ...
 
-The model is built and loaded by the training job itself (``megatron.fsdp_training.training.setup``
+The model is built and loaded by the training job itself (``megatron.fsdp_training.job_setup.setup``
 and ``checkpointing.save_load.load_checkpoint``), so every checkpoint the job can resume from
 loads here, at any layout: DCP reshards it to this launch's TP / DP / ZeRO level. The job's
 flags are accepted as they are; the model's shape and tokenizer flags default to the values
@@ -229,7 +229,7 @@ def run(args: argparse.Namespace, out=None) -> List[int]:
     from megatron.fsdp_training.checkpointing.save_load import load_checkpoint
     from megatron.fsdp_training.errors import ArgumentError
     from megatron.fsdp_training.logs.lines import print_rank_0
-    from megatron.fsdp_training.training import setup
+    from megatron.fsdp_training.job_setup import setup
 
     for flag, value in (("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
                         ("--context-parallel-size", args.context_parallel_size)):

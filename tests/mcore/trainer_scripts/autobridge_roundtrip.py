@@ -29,7 +29,7 @@ def tiny_llama(directory: str) -> None:
 
 
 def provider(auto_bridge, load_weights: bool):
-    from megatron.fsdp.mcore.cpu_layers import cpu_layer_spec
+    from megatron.fsdp.mcore_cpu.layer_spec import cpu_layer_spec
 
     p = auto_bridge.to_megatron_provider(load_weights=load_weights)
     p.transformer_layer_spec, p.use_cpu_initialization = cpu_layer_spec, True
@@ -53,7 +53,7 @@ def main(levels: str, workdir: str) -> None:
 
     parallel_state.initialize_model_parallel(create_gloo_process_groups=True)
     from megatron.fsdp.mcore import bridge
-    from megatron.fsdp.mcore.cpu_mode import enable_cpu_mode
+    from megatron.fsdp.mcore_cpu.cuda_standins import enable_cpu_mode
 
     bridge.install()
     enable_cpu_mode(1234)

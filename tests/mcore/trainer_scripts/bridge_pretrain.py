@@ -23,7 +23,7 @@ def config(args):
         MockGPTDatasetConfig, OptimizerConfig, RNGConfig, SchedulerConfig, TokenizerConfig, TrainingConfig,
         ValidationConfig)
 
-    from megatron.fsdp.mcore.cpu_layers import cpu_layer_spec
+    from megatron.fsdp.mcore_cpu.layer_spec import cpu_layer_spec
 
     model = GPTModelProvider(
         num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, seq_length=32, vocab_size=128,

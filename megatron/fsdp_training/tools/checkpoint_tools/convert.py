@@ -20,7 +20,7 @@ checkpoint written at any TP, PP, EP or DP layout.
 ``SAVE_DIR/iter_XXXXXXX`` with the same atomic protocol as training, so
 ``pretrain_gpt.py --load SAVE_DIR`` resumes from it at any DP size or level.
 ``to-hf`` / ``from-hf``: HuggingFace safetensors directories, streamed one layer
-at a time (``hf_convert.py``; docs/checkpoints.md, "HuggingFace").
+at a time (``hf_convert.py``; docs/checkpoint-conversion.md, "HuggingFace").
 ``from-torch-dist`` / ``to-torch-dist`` convert between Megatron-Core's
 ``torch_dist`` (the Megatron-Core DDP baseline's ``--ckpt-format``) and
 ``fsdp_dtensor``: weights, Adam state, iteration and LR schedule
@@ -209,7 +209,7 @@ def _add_overwrite(*parsers) -> None:
     for parser in parsers:
         parser.add_argument("--overwrite", action="store_true",
                             help="write into a directory (or file) that is not empty, replacing the iteration "
-                                 "converted; a tracker is never moved backwards (docs/checkpoints.md)")
+                                 "converted; a tracker is never moved backwards (docs/checkpoint-conversion.md)")
 
 
 def _run_hf_command(args, start: float) -> None:

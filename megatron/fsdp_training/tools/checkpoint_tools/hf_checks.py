@@ -2,8 +2,8 @@
 
 Each family module says how its ``config.json`` maps to Megatron's shape (``hf_models``); what every
 family shares is checked here, once, so that a model either converts to exactly what transformers
-computes or stops with one line naming the field and the fix (issue 40: each of these converted, or
-failed with a traceback, or failed only when the job loaded the result):
+computes or stops with one line naming the field and the fix (without these checks each would convert
+wrongly, fail with a traceback, or fail only when the job loads the result):
 
 - ``config.json``'s values have the types transformers gives them (``FIELDS``: ``"hidden_size": "64"``
   is refused), and a field a family needs is named when missing (transformers would take its config

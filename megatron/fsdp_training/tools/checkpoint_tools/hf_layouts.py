@@ -7,7 +7,7 @@ tensors, so the converter runs them on meta tensors to plan (names, shapes) and
 on real ones to convert, one layer (to HF) or one tensor (from HF) at a time.
 
 What differs between the two sides (Megatron-Core's TP-1 names, layout v2 shapes:
-docs/checkpoints.md):
+docs/checkpoint-conversion.md, "HuggingFace"):
 
 - fused QKV: Megatron interleaves per query group ``[q heads of group g, k_g, v_g]``;
   HuggingFace has separate ``q_proj`` (heads in order), ``k_proj``, ``v_proj``
@@ -84,7 +84,7 @@ class Arch:
         if experts:
             freq = args.get("moe_layer_freq", 1)
             if isinstance(freq, str):
-                from megatron.fsdp_training.arguments.moe import moe_layer_freq_type
+                from megatron.fsdp_training.arguments.moe_flags import moe_layer_freq_type
 
                 freq = moe_layer_freq_type(freq)
             pattern = tuple(moe_layer_pattern(_Args(num_layers=args["num_layers"], moe_layer_freq=freq)))

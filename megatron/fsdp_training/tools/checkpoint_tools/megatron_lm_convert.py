@@ -40,7 +40,7 @@ def rng_to_megatron_lm(rng: Dict[str, bytes], layout: Dict[str, Any]) -> Dict[st
 
     import torch
 
-    from megatron.fsdp_training.compat import as_tensor
+    from megatron.fsdp_training.checkpointing.portable_state import as_tensor
 
     out = {}
     for pp, tp in _pairs(layout):
@@ -49,7 +49,7 @@ def rng_to_megatron_lm(rng: Dict[str, bytes], layout: Dict[str, Any]) -> Dict[st
         out[f"({pp}, {tp})"] = [{
             "random_rng_state": record["python"], "np_rng_state": record["numpy"],
             "torch_rng_state": as_tensor(record["torch"]),
-            # a CPU run has no device generator: its CPU stand-in's fresh state (cpu_trainer.py)
+            # a CPU run has no device generator: its CPU stand-in's fresh state (mcore_cpu/trainer_bridges.py)
             "cuda_rng_state": cuda if cuda is not None else torch.Generator().get_state(),
             "rng_tracker_states": {k: as_tensor(v) for k, v in (record["tracker"] or {}).items()}}]
     return out
@@ -59,7 +59,7 @@ def rng_from_megatron_lm(rng_state: Dict[str, Any], layout: Dict[str, Any]) -> D
     """Megatron-LM's ``rng_state`` as this job's per-rank records (every data-parallel rank gets its pair's)."""
     import pickle
 
-    from megatron.fsdp_training.compat import portable
+    from megatron.fsdp_training.checkpointing.portable_state import portable
 
     out = {}
     for pp, tp in _pairs(layout):

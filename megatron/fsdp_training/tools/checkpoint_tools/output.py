@@ -1,7 +1,7 @@
 """Where a converter may write, and how it publishes: the rule every ``convert.py`` command follows.
 
-Why (issue 29, item 2): ``from-torch-dist`` and ``from-hf`` into a directory a job was saving to
-replaced its same-numbered ``iter_*`` and moved the tracker back (10 -> 4, 10 -> 0), rc 0. So:
+Why: a converter writing into a directory a job saves to would otherwise replace its same-numbered
+``iter_*`` and move the tracker back (10 -> 4, 10 -> 0) with exit status 0. So:
 
 - a converter holds the destination's save lock while it writes (``.save_lock.json``, the lock a
   training job holds on its ``--save``: ``checkpointing/ownership.py``), so it never writes under a

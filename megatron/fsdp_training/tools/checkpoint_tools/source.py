@@ -70,7 +70,7 @@ def _refuse(directory: Path, problems: List[str]) -> None:
 def check_torch_dist(directory: Path) -> Dict[str, Any]:
     """A torch_dist source's common state (iteration, args, schedule), after its DCP files are checked."""
     from megatron.fsdp_training.checkpointing.torch_dist import read_common
-    from megatron.fsdp_training.compat import torch_dist_common_place
+    from megatron.fsdp.mcore_releases import torch_dist_common_place
 
     problems = dcp_problems(directory)
     if problems:

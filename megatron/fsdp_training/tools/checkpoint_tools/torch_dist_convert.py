@@ -195,7 +195,7 @@ def _rng_objects(directory: Path, metadata, args, world: int) -> Dict[str, bytes
     empty where the checkpoint lacks some."""
     import pickle
 
-    from megatron.fsdp_training.compat import portable
+    from megatron.fsdp_training.checkpointing.portable_state import portable
     from .torch_dist_dp_layout import read_objects
 
     keys = {tuple(int(x) for x in m.groups()[:2]): k for k in metadata.state_dict_metadata if (m := RNG.match(k))}
