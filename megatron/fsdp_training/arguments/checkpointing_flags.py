@@ -22,7 +22,7 @@ from typing import List
 
 from megatron.fsdp.commands import CONVERT
 
-from ..errors import ArgumentError
+from ..errors import refuse
 from .substitutions import Substitution
 
 STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected", "raise_all",
@@ -93,9 +93,6 @@ def add_checkpointing_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, save a checkpoint at the next iteration boundary (every rank), then exit")
 
 
-def _fail(message: str) -> None:
-    raise ArgumentError(message)
-
 
 # ----------------------------------------------------------------------------- rules (parser.validate_args's order)
 
@@ -104,14 +101,14 @@ def validate_checkpointing(args: argparse.Namespace) -> None:
     for name in ("save_interval", "exit_interval"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            _fail(f"--{name.replace('_', '-')}={value} must be at least 1")
+            refuse(f"--{name.replace('_', '-')}={value} must be at least 1")
     if args.save_interval is not None and not args.save:
-        _fail("--save-interval needs --save DIR")
+        refuse("--save-interval needs --save DIR")
     for flag, value in (("--finetune", args.finetune), ("--ckpt-step", args.ckpt_step is not None)):
         if value and not args.load:
-            _fail(f"{flag} needs --load DIR")
+            refuse(f"{flag} needs --load DIR")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
-        _fail("--override-opt_param-scheduler (this command line's schedule) and "
+        refuse("--override-opt_param-scheduler (this command line's schedule) and "
               "--use-checkpoint-opt_param-scheduler (the checkpoint's) exclude each other; pass one")
     _validate_ckpt_format(args)
 
@@ -122,24 +119,24 @@ def _validate_ckpt_format(args: argparse.Namespace) -> None:
     if args.ckpt_format is None:
         args.ckpt_format = native
     if args.ckpt_format in ("torch", "torch_dcp"):
-        _fail(f"--ckpt-format {args.ckpt_format} is not implemented: use --ckpt-format {native}")
+        refuse(f"--ckpt-format {args.ckpt_format} is not implemented: use --ckpt-format {native}")
     if args.ckpt_format == native:
         return
     if args.use_megatron_fsdp:
-        _fail("--ckpt-format torch_dist is Megatron-Core's dist_checkpointing format of its DDP / "
+        refuse("--ckpt-format torch_dist is Megatron-Core's dist_checkpointing format of its DDP / "
               "DistributedOptimizer: --use-megatron-fsdp saves and loads --ckpt-format fsdp_dtensor; convert a "
               f"torch_dist checkpoint with: {CONVERT} from-torch-dist TORCH_DIST_DIR FSDP_DIR (and to-torch-dist "
               "back)")
-    _fail("--ckpt-format fsdp_dtensor needs --use-megatron-fsdp: the Megatron-Core DDP baseline saves and loads "
+    refuse("--ckpt-format fsdp_dtensor needs --use-megatron-fsdp: the Megatron-Core DDP baseline saves and loads "
           f"--ckpt-format torch_dist; convert an fsdp_dtensor checkpoint with: {CONVERT} to-torch-dist FSDP_DIR "
           "TORCH_DIST_DIR (and from-torch-dist back)")
 
 
 def validate_async_save(args: argparse.Namespace) -> None:
     if args.async_save and not args.save:
-        _fail("--async-save needs --save DIR")
+        refuse("--async-save needs --save DIR")
     if args.async_save and args.ckpt_format == "torch_dist":
-        _fail("--async-save is implemented for --ckpt-format fsdp_dtensor (--use-megatron-fsdp); "
+        refuse("--async-save is implemented for --ckpt-format fsdp_dtensor (--use-megatron-fsdp); "
               "the baseline's torch_dist saves are synchronous")
 
 
@@ -147,31 +144,31 @@ def validate_non_persistent(args: argparse.Namespace) -> None:
     """Megatron-LM's rules, plus a line for every flag that would otherwise do nothing (never silently dropped)."""
     kind, interval = args.non_persistent_ckpt_type, args.non_persistent_save_interval
     if kind == "in_memory":
-        _fail("--non-persistent-ckpt-type in_memory is not implemented (Megatron-LM refuses it too: "
+        refuse("--non-persistent-ckpt-type in_memory is not implemented (Megatron-LM refuses it too: "
               "\"Currently only global and local checkpoints are supported\"): use global or local")
     if interval is not None and interval < 1:
-        _fail(f"--non-persistent-save-interval={interval} must be at least 1")
+        refuse(f"--non-persistent-save-interval={interval} must be at least 1")
     if interval is not None and kind is None:
-        _fail("--non-persistent-save-interval needs --non-persistent-ckpt-type global or local")
+        refuse("--non-persistent-save-interval needs --non-persistent-ckpt-type global or local")
     if interval is not None and not args.save:
-        _fail("--non-persistent-save-interval needs --save DIR (Megatron-LM saves non-persistent checkpoints "
+        refuse("--non-persistent-save-interval needs --save DIR (Megatron-LM saves non-persistent checkpoints "
               "only with --save)")
     if args.non_persistent_global_ckpt_dir and kind != "global":
-        _fail("--non-persistent-global-ckpt-dir is read only with --non-persistent-ckpt-type global")
+        refuse("--non-persistent-global-ckpt-dir is read only with --non-persistent-ckpt-type global")
     if args.non_persistent_local_ckpt_dir and kind != "local":
-        _fail("--non-persistent-local-ckpt-dir is read only with --non-persistent-ckpt-type local")
+        refuse("--non-persistent-local-ckpt-dir is read only with --non-persistent-ckpt-type local")
     if args.non_persistent_local_ckpt_algo != "fully_parallel" and kind != "local":
-        _fail("--non-persistent-local-ckpt-algo is read only with --non-persistent-ckpt-type local")
+        refuse("--non-persistent-local-ckpt-algo is read only with --non-persistent-ckpt-type local")
     if kind is None:
         return
     if kind == "local" and not args.non_persistent_local_ckpt_dir:
-        _fail("--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir DIR (node-local storage), "
+        refuse("--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir DIR (node-local storage), "
               "as in Megatron-LM")
     if not (args.use_megatron_fsdp and args.ckpt_format == "fsdp_dtensor"):
-        _fail("--non-persistent-ckpt-type is implemented for --use-megatron-fsdp --ckpt-format fsdp_dtensor; "
+        refuse("--non-persistent-ckpt-type is implemented for --use-megatron-fsdp --ckpt-format fsdp_dtensor; "
               f"this job uses --ckpt-format {args.ckpt_format}: use --save-interval")
     if interval is None and not args.load:
-        _fail(f"--non-persistent-ckpt-type {kind} without --non-persistent-save-interval only loads: it needs "
+        refuse(f"--non-persistent-ckpt-type {kind} without --non-persistent-save-interval only loads: it needs "
               "--load DIR (or pass --non-persistent-save-interval N to save)")
     _check_not_a_persistent_directory(args)
     from ..checkpointing import paths
@@ -182,11 +179,11 @@ def validate_non_persistent(args: argparse.Namespace) -> None:
                                                      "--non-persistent-global-ckpt-dir",
                                                      paths.non_persistent_owners(args), interval is not None)
         if problem:
-            _fail(problem)
+            refuse(problem)
     if kind == "global" and interval is not None and args.non_persistent_global_ckpt_dir:
         problem = paths.save_dir_problem(args.non_persistent_global_ckpt_dir)
         if problem:
-            _fail(problem.replace("--save", "--non-persistent-global-ckpt-dir", 1))
+            refuse(problem.replace("--save", "--non-persistent-global-ckpt-dir", 1))
 
 
 def _check_not_a_persistent_directory(args: argparse.Namespace) -> None:
@@ -196,7 +193,7 @@ def _check_not_a_persistent_directory(args: argparse.Namespace) -> None:
                         ("--non-persistent-local-ckpt-dir", args.non_persistent_local_ckpt_dir)):
         for other, path in (("--save", args.save), ("--load", args.load)):
             if given and path and os.path.realpath(given) == os.path.realpath(path):
-                _fail(f"{flag} {given} is the {other} directory: its non-persistent saves would replace the "
+                refuse(f"{flag} {given} is the {other} directory: its non-persistent saves would replace the "
                       "persistent checkpoints and their tracker; pass another directory (the global default is "
                       "<--save>/non_persistent)")
 
@@ -206,17 +203,17 @@ def validate_fault_tolerance(args: argparse.Namespace, world_size: int) -> None:
     from ..checkpointing import files as checkpoint_files, paths as checkpoint_paths
 
     if args.distributed_timeout_minutes < 1:
-        _fail(f"--distributed-timeout-minutes={args.distributed_timeout_minutes} must be at least 1")
+        refuse(f"--distributed-timeout-minutes={args.distributed_timeout_minutes} must be at least 1")
     if args.exit_signal_handler and not args.save:
-        _fail("--exit-signal-handler saves a checkpoint on SIGTERM: it needs --save DIR")
+        refuse("--exit-signal-handler saves a checkpoint on SIGTERM: it needs --save DIR")
     try:
         checkpoint_files.check_fault_spec(world_size)
     except ValueError as exc:
-        _fail(str(exc))
+        refuse(str(exc))
     if args.save:
         problem = checkpoint_paths.save_dir_problem(args.save)
         if problem:
-            _fail(problem)
+            refuse(problem)
         if int(os.environ.get("RANK", "0")) == 0:  # a failed save's leftovers would fill the disk again
             removed = checkpoint_paths.remove_stale_temporaries(args.save)
             if removed:
@@ -229,7 +226,7 @@ def validate_fault_tolerance(args: argparse.Namespace, world_size: int) -> None:
     if args.load:
         problem = checkpoint_paths.load_dir_problem(args.load)
         if problem:
-            _fail(problem)
+            refuse(problem)
 
 
 # ----------------------------------------------------------------------------- substitutions (substitutions.py)

@@ -15,7 +15,7 @@ from typing import List
 
 from megatron.fsdp.commands import PREPROCESS
 
-from ..errors import ArgumentError
+from ..errors import refuse
 from .substitutions import Substitution
 
 
@@ -50,18 +50,15 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
                    action="store_false", help="no attention mask from the dataset: attention is causal by construction")
 
 
-def _fail(message: str) -> None:
-    raise ArgumentError(message)
-
 
 # ----------------------------------------------------------------------------- rules (parser.validate_args's order)
 
 def validate_sources(args: argparse.Namespace) -> None:
     """Some data, and a tokenizer for indexed data."""
     if not args.mock_data and not (args.data_path or args.train_data_path):
-        _fail(f"no data: pass --mock-data, or --data-path PREFIX (built by {PREPROCESS}) with --tokenizer-type")
+        refuse(f"no data: pass --mock-data, or --data-path PREFIX (built by {PREPROCESS}) with --tokenizer-type")
     if args.data_path and not args.tokenizer_type:
-        _fail("--data-path needs --tokenizer-type (and its files) to know the vocabulary")
+        refuse("--data-path needs --tokenizer-type (and its files) to know the vocabulary")
 
 
 def validate_datasets(args: argparse.Namespace) -> None:
@@ -77,17 +74,17 @@ def validate_datasets(args: argparse.Namespace) -> None:
     for flag, values in blends.items():
         problem = blend_problem(flag, values)
         if problem:
-            _fail(problem)
+            refuse(problem)
     try:
         check_splits(args)
     except DataSplitError as exc:
-        _fail(str(exc))
+        refuse(str(exc))
     prefixes = [] if args.mock_data else [p for v in blends.values() if v for p in get_blend_from_list(v)[0]]
     if args.data_cache_path or prefixes:
         for directory in cache_directories(args.data_cache_path, prefixes):
             problem = cache_dir_problem(directory, given=bool(args.data_cache_path))
             if problem:
-                _fail(problem)
+                refuse(problem)
 
 
 def validate_split_paths(args: argparse.Namespace) -> None:
@@ -96,12 +93,12 @@ def validate_split_paths(args: argparse.Namespace) -> None:
     if not given:
         return
     if args.data_path:
-        _fail("--data-path and --train-data-path/--valid-data-path/--test-data-path are exclusive (Megatron-LM's "
+        refuse("--data-path and --train-data-path/--valid-data-path/--test-data-path are exclusive (Megatron-LM's "
               "rule): give one of them")
     if "train" not in given:
-        _fail("--valid-data-path/--test-data-path need --train-data-path")
+        refuse("--valid-data-path/--test-data-path need --train-data-path")
     if not args.tokenizer_type:
-        _fail("--train-data-path needs --tokenizer-type (and its files) to know the vocabulary")
+        refuse("--train-data-path needs --tokenizer-type (and its files) to know the vocabulary")
 
 
 # ----------------------------------------------------------------------------- substitutions (substitutions.py)

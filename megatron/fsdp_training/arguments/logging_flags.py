@@ -17,7 +17,7 @@ from typing import List
 
 import torch
 
-from ..errors import ArgumentError
+from ..errors import refuse
 from ..profiler import uses_torch_profiler
 from .substitutions import Substitution
 
@@ -56,9 +56,6 @@ def add_logging_args(p: argparse.ArgumentParser) -> None:
                    help="record with torch.profiler; the trace goes to --tensorboard-dir")
 
 
-def _fail(message: str) -> None:
-    raise ArgumentError(message)
-
 
 def _missing(package: str) -> bool:
     return importlib.util.find_spec(package) is None
@@ -69,41 +66,41 @@ def _missing(package: str) -> bool:
 def validate_writers(args: argparse.Namespace) -> None:
     """Each requested writer's package is importable, and the flags that need a writer have one."""
     if args.tensorboard_dir and _missing("tensorboard"):
-        _fail("--tensorboard-dir needs the tensorboard package, which is not installed: "
+        refuse("--tensorboard-dir needs the tensorboard package, which is not installed: "
               "pip install tensorboard (or drop --tensorboard-dir)")
     if args.log_timers_to_tensorboard and not (args.tensorboard_dir or args.wandb_project):
-        _fail("--log-timers-to-tensorboard needs --tensorboard-dir (or --wandb-project) to write to")
+        refuse("--log-timers-to-tensorboard needs --tensorboard-dir (or --wandb-project) to write to")
     if args.wandb_project is None:
         if args.wandb_exp_name or args.wandb_save_dir:
-            _fail("--wandb-exp-name and --wandb-save-dir need --wandb-project")
+            refuse("--wandb-exp-name and --wandb-save-dir need --wandb-project")
         return
     if not args.wandb_project.strip():
-        _fail("--wandb-project is empty; give a project name")
+        refuse("--wandb-project is empty; give a project name")
     if _missing("wandb"):
-        _fail("--wandb-project needs the wandb package, which is not installed: pip install wandb "
+        refuse("--wandb-project needs the wandb package, which is not installed: pip install wandb "
               "(or drop --wandb-project)")
 
 
 def validate_scalars(args: argparse.Namespace) -> None:
     """The memory and perplexity scalars need a writer; ``--logging-level`` sets the root logger's level."""
     if args.log_memory_to_tensorboard and not (args.tensorboard_dir or args.wandb_project):
-        _fail("--log-memory-to-tensorboard needs --tensorboard-dir (or --wandb-project) to write to")
+        refuse("--log-memory-to-tensorboard needs --tensorboard-dir (or --wandb-project) to write to")
     if args.log_validation_ppl_to_tensorboard and not (args.tensorboard_dir or args.wandb_project):
-        _fail("--log-validation-ppl-to-tensorboard needs --tensorboard-dir (or --wandb-project) to write to")
+        refuse("--log-validation-ppl-to-tensorboard needs --tensorboard-dir (or --wandb-project) to write to")
     if args.logging_level is not None:
         logging.getLogger().setLevel(args.logging_level)
 
 
 def validate_profiling(args: argparse.Namespace) -> None:
     if args.use_pytorch_profiler and not args.profile:
-        _fail("--use-pytorch-profiler needs --profile")
+        refuse("--use-pytorch-profiler needs --profile")
     if not args.profile:
         return
     if not 0 <= args.profile_step_start < args.profile_step_end:
-        _fail(f"--profile-step-start {args.profile_step_start} must be at least 0 and below "
+        refuse(f"--profile-step-start {args.profile_step_start} must be at least 0 and below "
               f"--profile-step-end {args.profile_step_end}")
     if uses_torch_profiler(args) and not args.tensorboard_dir:
-        _fail("--profile with torch.profiler writes its trace to --tensorboard-dir: set it")
+        refuse("--profile with torch.profiler writes its trace to --tensorboard-dir: set it")
 
 
 # ----------------------------------------------------------------------------- substitutions (substitutions.py)

@@ -21,7 +21,7 @@ import torch
 
 from megatron.fsdp.sharding.strategy import parse_mesh_strategy, parse_strategy
 
-from ..errors import ArgumentError
+from ..errors import refuse
 from .substitutions import Substitution
 
 ZERO3 = "optim_grads_params"
@@ -109,9 +109,6 @@ def _add_megatron_lm_019_args(g) -> None:
                         "--outer-dp-sharding-strategy instead)")
 
 
-def _fail(message: str) -> None:
-    raise ArgumentError(message)
-
 
 # ----------------------------------------------------------------------------- rules (parser.validate_args's order)
 
@@ -123,13 +120,13 @@ def apply_megatron_fsdp_defaults(args: argparse.Namespace) -> None:
     """
     given = [flag for flag, dest, unset in _FSDP_ONLY if getattr(args, dest) != unset]
     if given and not args.use_megatron_fsdp:
-        _fail(f"{', '.join(given)} configure Megatron-FSDP: add --use-megatron-fsdp")
+        refuse(f"{', '.join(given)} configure Megatron-FSDP: add --use-megatron-fsdp")
     if args.enable_full_sharding_in_hsdp:
         if args.outer_dp_sharding_strategy not in (None, "optim"):
-            _fail(f"--enable-full-sharding-in-hsdp is --outer-dp-sharding-strategy optim, which contradicts "
+            refuse(f"--enable-full-sharding-in-hsdp is --outer-dp-sharding-strategy optim, which contradicts "
                   f"--outer-dp-sharding-strategy {args.outer_dp_sharding_strategy}: give one")
         if args.num_distributed_optimizer_instances < 2:
-            _fail("--enable-full-sharding-in-hsdp shards the optimizer state across HSDP domains: it needs "
+            refuse("--enable-full-sharding-in-hsdp shards the optimizer state across HSDP domains: it needs "
                   "--num-distributed-optimizer-instances > 1 (the number of domains)")
         args.outer_dp_sharding_strategy = "optim"
     if args.data_parallel_sharding_strategy is None:
@@ -144,7 +141,7 @@ def apply_megatron_fsdp_defaults(args: argparse.Namespace) -> None:
         args.megatron_fsdp_main_params_dtype = "fp32"
     if args.megatron_fsdp_version == 2:
         if args.use_distributed_optimizer:
-            _fail("--megatron-fsdp-version 2 is not compatible with --use-distributed-optimizer (Megatron-LM's "
+            refuse("--megatron-fsdp-version 2 is not compatible with --use-distributed-optimizer (Megatron-LM's "
                   "rule: version 2 steps an optimizer over the sharded parameters): drop one of them")
     else:
         args.use_distributed_optimizer = True  # Megatron-LM: "Megatron-FSDP v1 ... Using DistributedOptimizer"
@@ -160,19 +157,19 @@ def validate_levels(args: argparse.Namespace) -> None:
             if args.num_distributed_optimizer_instances > 1:
                 parse_mesh_strategy(args.data_parallel_sharding_strategy, args.outer_dp_sharding_strategy, True)
         except ValueError as exc:
-            _fail(f"--data-parallel-sharding-strategy / --outer-dp-sharding-strategy: {exc}")
+            refuse(f"--data-parallel-sharding-strategy / --outer-dp-sharding-strategy: {exc}")
     elif args.data_parallel_sharding_strategy != "no_shard" or args.outer_dp_sharding_strategy != "no_shard":
-        _fail("--data-parallel-sharding-strategy and --outer-dp-sharding-strategy need --use-megatron-fsdp")
+        refuse("--data-parallel-sharding-strategy and --outer-dp-sharding-strategy need --use-megatron-fsdp")
     if args.outer_dp_sharding_strategy != "no_shard" and args.num_distributed_optimizer_instances < 2:
-        _fail("--outer-dp-sharding-strategy needs an outer axis: set --num-distributed-optimizer-instances > 1")
+        refuse("--outer-dp-sharding-strategy needs an outer axis: set --num-distributed-optimizer-instances > 1")
     if args.num_distributed_optimizer_instances > 1 and args.data_parallel_size % args.num_distributed_optimizer_instances:
-        _fail(f"--num-distributed-optimizer-instances {args.num_distributed_optimizer_instances} does not divide "
+        refuse(f"--num-distributed-optimizer-instances {args.num_distributed_optimizer_instances} does not divide "
               f"the data-parallel size {args.data_parallel_size}")
 
 
 def validate_initialisation(args: argparse.Namespace) -> None:
     if args.init_model_with_meta_device and not args.use_megatron_fsdp:
-        _fail("--init-model-with-meta-device needs --use-megatron-fsdp (Megatron-Core's own DDP cannot "
+        refuse("--init-model-with-meta-device needs --use-megatron-fsdp (Megatron-Core's own DDP cannot "
               "materialise a meta-device model)")
 
 
@@ -181,12 +178,12 @@ def validate_megatron_fsdp(args: argparse.Namespace) -> None:
     if not args.use_megatron_fsdp:
         return
     if args.fsdp_manual_registration and not args.nccl_ub:
-        _fail("--fsdp-manual-registration registers the NCCL user buffers of --use-nccl-ub: add --use-nccl-ub "
+        refuse("--fsdp-manual-registration registers the NCCL user buffers of --use-nccl-ub: add --use-nccl-ub "
               "(Megatron-LM's rule) or drop it")
     if args.megatron_fsdp_max_pool_double_buffer:
         levels = {args.data_parallel_sharding_strategy, getattr(args, "expert_data_parallel_sharding_strategy", None)}
         if ZERO3 not in levels:
-            _fail("--megatron-fsdp-max-pool-double-buffer is a double buffer for the units ZeRO-3 gathers: it needs "
+            refuse("--megatron-fsdp-max-pool-double-buffer is a double buffer for the units ZeRO-3 gathers: it needs "
                   "--data-parallel-sharding-strategy optim_grads_params")
     _validate_main_params_dtype(args)
 
@@ -194,18 +191,18 @@ def validate_megatron_fsdp(args: argparse.Namespace) -> None:
 def _validate_main_params_dtype(args: argparse.Namespace) -> None:
     dtype = args.megatron_fsdp_main_params_dtype
     if dtype == "fp16":
-        _fail("--megatron-fsdp-main-params-dtype fp16: this job trains in bf16 or fp32 (no fp16 loss scaling); "
+        refuse("--megatron-fsdp-main-params-dtype fp16: this job trains in bf16 or fp32 (no fp16 loss scaling); "
               "use bf16 or fp32")
     if main_params_dtype(args) != torch.bfloat16:
         return
     if not args.bf16:
-        _fail("--megatron-fsdp-main-params-dtype bf16 makes the bf16 compute weights the main weights: it needs "
+        refuse("--megatron-fsdp-main-params-dtype bf16 makes the bf16 compute weights the main weights: it needs "
               "--bf16")
     if args.optimizer != "adam":
-        _fail(f"--megatron-fsdp-main-params-dtype {dtype} under --bf16 (bf16 main weights) needs --optimizer adam, "
+        refuse(f"--megatron-fsdp-main-params-dtype {dtype} under --bf16 (bf16 main weights) needs --optimizer adam, "
               f"whose update runs in fp32 over the bf16 weights (not {args.optimizer})")
     if args.megatron_fsdp_main_grads_dtype == "fp32":
-        _fail(f"--megatron-fsdp-main-params-dtype {dtype} under --bf16 keeps the main gradients in bf16, the main "
+        refuse(f"--megatron-fsdp-main-params-dtype {dtype} under --bf16 keeps the main gradients in bf16, the main "
               "weights' dtype: fp32 main gradients with bf16 main weights are not implemented; drop "
               "--megatron-fsdp-main-grads-dtype fp32")
 
@@ -217,25 +214,25 @@ def map_megatron_fsdp_dtypes(args: argparse.Namespace) -> None:
     if (comm, main) == ("auto", "auto"):
         return
     if not args.use_megatron_fsdp:
-        _fail("--megatron-fsdp-grad-comm-dtype / --megatron-fsdp-main-grads-dtype configure "
+        refuse("--megatron-fsdp-grad-comm-dtype / --megatron-fsdp-main-grads-dtype configure "
               "Megatron-FSDP: add --use-megatron-fsdp")
     if "fp16" in (comm, main):
-        _fail("--megatron-fsdp-grad-comm-dtype / --megatron-fsdp-main-grads-dtype fp16: this job trains "
+        refuse("--megatron-fsdp-grad-comm-dtype / --megatron-fsdp-main-grads-dtype fp16: this job trains "
               "in bf16 or fp32 (no fp16 loss scaling); use bf16")
     if comm == "fp32" and args.grad_reduce_in_bf16:
-        _fail("--megatron-fsdp-grad-comm-dtype fp32 contradicts --grad-reduce-in-bf16: give one")
+        refuse("--megatron-fsdp-grad-comm-dtype fp32 contradicts --grad-reduce-in-bf16: give one")
     if comm == "bf16":
         args.grad_reduce_in_bf16 = True
     if main == "bf16":
         if args.main_grads_dtype != "fp32" and args.main_grads_dtype != "bf16":
-            _fail(f"--megatron-fsdp-main-grads-dtype bf16 contradicts --main-grads-dtype "
+            refuse(f"--megatron-fsdp-main-grads-dtype bf16 contradicts --main-grads-dtype "
                   f"{args.main_grads_dtype}: give one")
         if args.optimizer != "adam":
-            _fail("--megatron-fsdp-main-grads-dtype bf16 is the precision-aware optimizer's bf16 main "
+            refuse("--megatron-fsdp-main-grads-dtype bf16 is the precision-aware optimizer's bf16 main "
                   f"gradients, which need --optimizer adam (not {args.optimizer})")
         args.use_precision_aware_optimizer, args.main_grads_dtype = True, "bf16"
         if comm == "fp32":
-            _fail("--megatron-fsdp-grad-comm-dtype fp32 with --megatron-fsdp-main-grads-dtype bf16: "
+            refuse("--megatron-fsdp-grad-comm-dtype fp32 with --megatron-fsdp-main-grads-dtype bf16: "
                   "bf16 main gradients are reduced in bf16 here; use auto or bf16")
 
 
@@ -244,10 +241,10 @@ def validate_buffers(args: argparse.Namespace) -> None:
     if args.fsdp_double_buffer:
         levels = {args.data_parallel_sharding_strategy, getattr(args, "expert_data_parallel_sharding_strategy", None)}
         if not args.use_megatron_fsdp or ZERO3 not in levels:
-            _fail("--fsdp-double-buffer keeps persistent buffers for the units ZeRO-3 gathers: it needs "
+            refuse("--fsdp-double-buffer keeps persistent buffers for the units ZeRO-3 gathers: it needs "
                   "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params")
     if args.nccl_ub and torch.cuda.is_available():
-        _fail("--use-nccl-ub (NCCL user-buffer registration through torch.cuda.MemPool) is not "
+        refuse("--use-nccl-ub (NCCL user-buffer registration through torch.cuda.MemPool) is not "
               "implemented by megatron.fsdp yet: drop it (--fsdp-double-buffer alone gives the "
               "persistent gather buffers)")
 

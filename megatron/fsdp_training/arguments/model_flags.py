@@ -17,7 +17,7 @@ from typing import List
 
 import torch
 
-from ..errors import ArgumentError
+from ..errors import refuse
 from ..model_shape import swiglu_ffn_hidden_size
 from .substitutions import Substitution
 
@@ -131,9 +131,6 @@ def _add_kernel_args(g) -> None:
                    help="enable Megatron-Core's experimental features (megatron.core.config.set_experimental_flag)")
 
 
-def _fail(message: str) -> None:
-    raise ArgumentError(message)
-
 
 def _cuda() -> bool:
     return torch.cuda.is_available()
@@ -148,40 +145,40 @@ def validate_shape(args: argparse.Namespace) -> None:
     heads = args.num_attention_heads
     if args.kv_channels is None:
         if heads < 1 or args.hidden_size % heads:
-            _fail(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {heads}; "
+            refuse(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {heads}; "
                   "change one, or set --kv-channels (channels per head) explicitly")
         args.kv_channels = args.hidden_size // heads
     elif args.kv_channels < 1:
-        _fail(f"--kv-channels={args.kv_channels} must be at least 1")
+        refuse(f"--kv-channels={args.kv_channels} must be at least 1")
     if args.num_query_groups is not None and not args.group_query_attention:
-        _fail("--num-query-groups needs --group-query-attention (without it every head has its own keys "
+        refuse("--num-query-groups needs --group-query-attention (without it every head has its own keys "
               "and values)")
     if args.group_query_attention:
         groups = args.num_query_groups = args.num_query_groups or 1
         if groups < 1 or heads % groups:
-            _fail(f"--num-query-groups {groups} must divide --num-attention-heads {heads}")
+            refuse(f"--num-query-groups {groups} must divide --num-attention-heads {heads}")
         if groups % tp:
-            _fail(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}: every "
+            refuse(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}: every "
                   "tensor-parallel rank needs whole key/value groups")
     for name in ("hidden_dropout", "attention_dropout"):
         value = getattr(args, name)
         if not 0.0 <= value < 1.0:
-            _fail(f"--{name.replace('_', '-')}={value} must be in [0, 1)")
+            refuse(f"--{name.replace('_', '-')}={value} must be in [0, 1)")
     if args.norm_epsilon <= 0:
-        _fail(f"--norm-epsilon={args.norm_epsilon} must be positive")
+        refuse(f"--norm-epsilon={args.norm_epsilon} must be positive")
     if args.position_embedding_type == "rope":
         if not 0.0 < args.rotary_percent <= 1.0:
-            _fail(f"--rotary-percent={args.rotary_percent} must be in (0, 1]")
+            refuse(f"--rotary-percent={args.rotary_percent} must be in (0, 1]")
         rotated = int(args.kv_channels * args.rotary_percent)
         if rotated < 2 or rotated % 2:
-            _fail(f"--rotary-percent {args.rotary_percent} x --kv-channels {args.kv_channels} = {rotated} rotated "
+            refuse(f"--rotary-percent {args.rotary_percent} x --kv-channels {args.kv_channels} = {rotated} rotated "
                   "channels per head; RoPE needs an even number of at least 2")
         if args.rotary_base < 1:
-            _fail(f"--rotary-base={args.rotary_base} must be positive")
+            refuse(f"--rotary-base={args.rotary_base} must be positive")
     if args.swiglu and args.ffn_hidden_size is None:
         args.ffn_hidden_size = swiglu_ffn_hidden_size(args.hidden_size)
         if args.ffn_hidden_size < 1:
-            _fail(f"--swiglu: the default --ffn-hidden-size for --hidden-size {args.hidden_size} rounds to 0; "
+            refuse(f"--swiglu: the default --ffn-hidden-size for --hidden-size {args.hidden_size} rounds to 0; "
                   "set --ffn-hidden-size")
 
 
@@ -189,24 +186,24 @@ def validate_mla_and_mtp(args: argparse.Namespace) -> None:
     """Megatron-LM's and Megatron-Core's rules for multi-latent attention and multi-token prediction."""
     if args.multi_latent_attention:
         if args.group_query_attention:
-            _fail("--multi-latent-attention and --group-query-attention exclude each other (Megatron-LM's rule): "
+            refuse("--multi-latent-attention and --group-query-attention exclude each other (Megatron-LM's rule): "
                   "MLA compresses keys and values itself")
         for name in ("kv_lora_rank", "qk_head_dim", "v_head_dim", "qk_pos_emb_head_dim"):
             if getattr(args, name) < 1:
-                _fail(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
+                refuse(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
         if args.qk_pos_emb_head_dim % 2:
-            _fail(f"--qk-pos-emb-head-dim {args.qk_pos_emb_head_dim} must be even (RoPE rotates channel pairs)")
+            refuse(f"--qk-pos-emb-head-dim {args.qk_pos_emb_head_dim} must be even (RoPE rotates channel pairs)")
         if args.q_lora_rank is not None and args.q_lora_rank < 1:
-            _fail(f"--q-lora-rank={args.q_lora_rank} must be at least 1 (or left out: a full-rank query)")
+            refuse(f"--q-lora-rank={args.q_lora_rank} must be at least 1 (or left out: a full-rank query)")
         if args.position_embedding_type != "rope":
-            _fail("--multi-latent-attention applies its YaRN RoPE to the --qk-pos-emb-head-dim channels: it needs "
+            refuse("--multi-latent-attention applies its YaRN RoPE to the --qk-pos-emb-head-dim channels: it needs "
                   "--position-embedding-type rope")
     mtp = args.mtp_num_layers
     if mtp is not None:
         if mtp < 1:
-            _fail(f"--mtp-num-layers={mtp} must be at least 1 (or left out)")
+            refuse(f"--mtp-num-layers={mtp} must be at least 1 (or left out)")
         if args.position_embedding_type not in ("learned_absolute", "rope", "none"):
-            _fail("--mtp-num-layers needs --position-embedding-type learned_absolute, rope or none")
+            refuse("--mtp-num-layers needs --position-embedding-type learned_absolute, rope or none")
 
 
 def derive_sizes(args: argparse.Namespace) -> None:
@@ -214,17 +211,17 @@ def derive_sizes(args: argparse.Namespace) -> None:
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     if args.max_position_embeddings < args.seq_length:
-        _fail(f"--max-position-embeddings {args.max_position_embeddings} is shorter than --seq-length {args.seq_length}")
+        refuse(f"--max-position-embeddings {args.max_position_embeddings} is shorter than --seq-length {args.seq_length}")
 
 
 def validate_kernels(args: argparse.Namespace) -> None:
     """The deprecated position-embedding switch and what zero-centred norms need on CUDA."""
     if not args.add_position_embedding and args.position_embedding_type != "rope":
-        _fail("--no-position-embedding is deprecated (Megatron-LM refuses it too unless --position-embedding-type "
+        refuse("--no-position-embedding is deprecated (Megatron-LM refuses it too unless --position-embedding-type "
               "rope, where it has no effect): use --position-embedding-type none")
     if args.layernorm_zero_centered_gamma and _cuda() and args.transformer_impl == "local" \
             and importlib.util.find_spec("apex") is None:
-        _fail("--apply-layernorm-1p on CUDA needs apex (FusedLayerNorm) or --transformer-impl transformer_engine: "
+        refuse("--apply-layernorm-1p on CUDA needs apex (FusedLayerNorm) or --transformer-impl transformer_engine: "
               "Megatron-Core's torch norm has no zero-centred gamma")
 
 
@@ -241,7 +238,7 @@ def gradient_accumulation_fusion(args: argparse.Namespace) -> bool:
 def validate_gradient_accumulation_fusion(args: argparse.Namespace) -> None:
     """The fused accumulation writes ``param.main_grad``, which ``--use-megatron-fsdp`` replaces."""
     if args.gradient_accumulation_fusion and args.use_megatron_fsdp and fused_accumulation_kernel():
-        _fail("gradient accumulation fusion (on by default) writes weight gradients into "
+        refuse("gradient accumulation fusion (on by default) writes weight gradients into "
               "param.main_grad, which --use-megatron-fsdp replaces with flat sharded buffers: add "
               "--no-gradient-accumulation-fusion (a required flag of the Megatron-FSDP user guide)")
 

@@ -16,7 +16,7 @@ from typing import List, Union
 
 from megatron.fsdp.sharding.strategy import parse_mesh_strategy, parse_strategy
 
-from ..errors import ArgumentError
+from ..errors import refuse
 from ..model_shape import ROUTER_FIELDS, moe_layer_pattern
 from ..moe_dispatch import FLEX_BACKEND_MODULES
 from .substitutions import Substitution
@@ -123,9 +123,6 @@ def _add_router_args(g) -> None:
                    help="fused token permutation (Transformer Engine kernels; unfused where missing)")
 
 
-def _fail(message: str) -> None:
-    raise ArgumentError(message)
-
 
 # ----------------------------------------------------------------------------- rules (parser.validate_args's order)
 
@@ -135,24 +132,24 @@ def validate_layers(args: argparse.Namespace) -> None:
                  or args.moe_shared_expert_gate or args.moe_router_pre_softmax)
     if args.num_experts is None:
         if moe_flags:
-            _fail("--moe-shared-expert-intermediate-size, --moe-shared-expert-gate, --moe-router-pre-softmax "
+            refuse("--moe-shared-expert-intermediate-size, --moe-shared-expert-gate, --moe-router-pre-softmax "
                   "and --moe-layer-freq need --num-experts")
         return
     shared = args.moe_shared_expert_intermediate_size
     if args.moe_shared_expert_gate and shared is None:
-        _fail("--moe-shared-expert-gate gates the shared expert: it needs --moe-shared-expert-intermediate-size")
+        refuse("--moe-shared-expert-gate gates the shared expert: it needs --moe-shared-expert-intermediate-size")
     if shared is not None and shared < 1:
-        _fail(f"--moe-shared-expert-intermediate-size={shared} must be at least 1")
+        refuse(f"--moe-shared-expert-intermediate-size={shared} must be at least 1")
     freq = args.moe_layer_freq
     if isinstance(freq, int):
         if freq < 1:
-            _fail(f"--moe-layer-freq={freq} must be at least 1")
+            refuse(f"--moe-layer-freq={freq} must be at least 1")
     else:
         if len(freq) != args.num_layers or any(v not in (0, 1) for v in freq):
-            _fail(f"--moe-layer-freq {freq}: needs one 0 (dense) or 1 (MoE) per layer, "
+            refuse(f"--moe-layer-freq {freq}: needs one 0 (dense) or 1 (MoE) per layer, "
                   f"{args.num_layers} in all (--num-layers)")
     if not any(moe_layer_pattern(args)):
-        _fail(f"--moe-layer-freq {freq} makes no layer an MoE layer; drop --num-experts for a dense model")
+        refuse(f"--moe-layer-freq {freq} makes no layer an MoE layer; drop --num-experts for a dense model")
 
 
 def validate_router(args: argparse.Namespace) -> None:
@@ -160,24 +157,24 @@ def validate_router(args: argparse.Namespace) -> None:
     router = [f for f in ROUTER_FIELDS if getattr(args, f) != _ROUTER_DEFAULTS[f]]
     if args.num_experts is None:
         if router:
-            _fail(f"--{router[0].replace('_', '-')} configures the MoE router: it needs --num-experts")
+            refuse(f"--{router[0].replace('_', '-')} configures the MoE router: it needs --num-experts")
         return
     if args.moe_router_enable_expert_bias and args.moe_router_score_function != "sigmoid":
-        _fail("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (Megatron-Core's rule)")
+        refuse("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid (Megatron-Core's rule)")
     groups, group_topk = args.moe_router_num_groups, args.moe_router_group_topk
     if group_topk is not None:
         if groups is None:
-            _fail("--moe-router-group-topk needs --moe-router-num-groups")
+            refuse("--moe-router-group-topk needs --moe-router-num-groups")
         if not 1 <= group_topk <= groups:
-            _fail(f"--moe-router-group-topk {group_topk} must be between 1 and --moe-router-num-groups {groups}")
+            refuse(f"--moe-router-group-topk {group_topk} must be between 1 and --moe-router-num-groups {groups}")
     if groups is not None:
         if groups < 1 or args.num_experts % groups:
-            _fail(f"--moe-router-num-groups {groups} must divide --num-experts {args.num_experts}")
+            refuse(f"--moe-router-num-groups {groups} must divide --num-experts {args.num_experts}")
         if group_topk is not None and args.moe_router_topk > group_topk * (args.num_experts // groups):
-            _fail(f"--moe-router-topk {args.moe_router_topk} exceeds the experts of {group_topk} groups of "
+            refuse(f"--moe-router-topk {args.moe_router_topk} exceeds the experts of {group_topk} groups of "
                   f"{args.num_experts // groups} (--moe-router-group-topk x experts per group)")
     if args.moe_router_bias_update_rate < 0:
-        _fail(f"--moe-router-bias-update-rate={args.moe_router_bias_update_rate} must not be negative")
+        refuse(f"--moe-router-bias-update-rate={args.moe_router_bias_update_rate} must not be negative")
 
 
 def validate_experts(args: argparse.Namespace, world_size: int) -> None:
@@ -186,35 +183,35 @@ def validate_experts(args: argparse.Namespace, world_size: int) -> None:
                     "expert_num_distributed_optimizer_instances")
     if args.num_experts is None:
         if args.expert_model_parallel_size != 1:
-            _fail("--expert-model-parallel-size needs --num-experts")
+            refuse("--expert-model-parallel-size needs --num-experts")
         return
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     ep = args.expert_model_parallel_size
     etp = args.expert_tensor_parallel_size = args.expert_tensor_parallel_size or tp
     if args.add_bias_linear:
-        _fail("--num-experts needs --disable-bias-linear (Megatron-Core 0.16.1's expert layers have no biases)")
+        refuse("--num-experts needs --disable-bias-linear (Megatron-Core 0.16.1's expert layers have no biases)")
     if args.num_experts % ep:
-        _fail(f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size {ep}")
+        refuse(f"--num-experts {args.num_experts} is not divisible by --expert-model-parallel-size {ep}")
     if not 1 <= args.moe_router_topk <= args.num_experts:
-        _fail(f"--moe-router-topk {args.moe_router_topk} must be between 1 and --num-experts {args.num_experts}")
+        refuse(f"--moe-router-topk {args.moe_router_topk} must be between 1 and --num-experts {args.num_experts}")
     if world_size % (etp * ep * pp):
-        _fail(f"expert tensor ({etp}) x expert model ({ep}) x pipeline ({pp}) parallel = {etp * ep * pp} does not "
+        refuse(f"expert tensor ({etp}) x expert model ({ep}) x pipeline ({pp}) parallel = {etp * ep * pp} does not "
               f"divide the {world_size} ranks")
     if tp > 1 and not args.sequence_parallel:
-        _fail("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (Megatron-Core's rule)")
+        refuse("MoE with --tensor-model-parallel-size > 1 needs --sequence-parallel (Megatron-Core's rule)")
     import torch
 
     if tp > 1 and args.moe_token_dispatcher_type == "alltoall" and not torch.cuda.is_available():
-        _fail(f"--moe-token-dispatcher-type alltoall with --tensor-model-parallel-size {tp} does not run on gloo "
+        refuse(f"--moe-token-dispatcher-type alltoall with --tensor-model-parallel-size {tp} does not run on gloo "
               "(CPU): it gathers uneven token counts over the TP group, which gloo's all_gather cannot "
               "(docs/moe.md, Limits); use --moe-token-dispatcher-type allgather, or NCCL on GPUs")
     args.moe_ffn_hidden_size = args.moe_ffn_hidden_size or args.ffn_hidden_size
     args.expert_data_parallel_size = world_size // (etp * ep * pp)
     if any(getattr(args, f) is not None for f in expert_flags) and not args.use_megatron_fsdp:
-        _fail("--expert-data-parallel-sharding-strategy and the other expert levels need --use-megatron-fsdp")
+        refuse("--expert-data-parallel-sharding-strategy and the other expert levels need --use-megatron-fsdp")
     instances = args.expert_num_distributed_optimizer_instances or args.num_distributed_optimizer_instances
     if args.expert_data_parallel_size % instances:
-        _fail(f"expert optimizer instances ({instances}) do not divide the expert data-parallel size "
+        refuse(f"expert optimizer instances ({instances}) do not divide the expert data-parallel size "
               f"{args.expert_data_parallel_size}; set --expert-num-distributed-optimizer-instances to a divisor")
     if args.use_megatron_fsdp:
         inner = args.expert_data_parallel_sharding_strategy or args.data_parallel_sharding_strategy
@@ -224,7 +221,7 @@ def validate_experts(args: argparse.Namespace, world_size: int) -> None:
             parse_strategy(inner)
             parse_mesh_strategy(inner, outer, instances > 1)
         except ValueError as exc:
-            _fail(f"--expert-data-parallel-sharding-strategy / --expert-outer-dp-sharding-strategy: {exc}")
+            refuse(f"--expert-data-parallel-sharding-strategy / --expert-outer-dp-sharding-strategy: {exc}")
 
 
 # ----------------------------------------------------------------------------- substitutions (substitutions.py)

@@ -15,7 +15,7 @@ import argparse
 
 from megatron.fsdp.optim.newton_schulz import COEFFICIENT_SETS
 
-from ..errors import ArgumentError
+from ..errors import refuse
 
 
 def add_optimizer_args(p: argparse.ArgumentParser) -> None:
@@ -63,9 +63,6 @@ def add_optimizer_args(p: argparse.ArgumentParser) -> None:
                         "refused: not implemented)")
 
 
-def _fail(message: str) -> None:
-    raise ArgumentError(message)
-
 
 # ----------------------------------------------------------------------------- rules (parser.validate_args's order)
 
@@ -73,17 +70,17 @@ def validate_muon(args: argparse.Namespace) -> None:
     if args.optimizer != "muon":
         return
     if args.fp16:
-        _fail("--optimizer muon with --fp16 is not supported (as in Megatron-LM): use --bf16")
+        refuse("--optimizer muon with --fp16 is not supported (as in Megatron-LM): use --bf16")
     if not args.use_megatron_fsdp:
-        _fail("--optimizer muon needs --use-megatron-fsdp: Megatron-Core 0.16.1's own Muon needs the "
+        refuse("--optimizer muon needs --use-megatron-fsdp: Megatron-Core 0.16.1's own Muon needs the "
               "emerging_optimizers package (not installable here) and refuses --use-distributed-optimizer")
     if args.muon_scalar_optimizer != "adam":
-        _fail(f"--muon-scalar-optimizer {args.muon_scalar_optimizer} is not implemented: Adam (the --adam-* flags) "
+        refuse(f"--muon-scalar-optimizer {args.muon_scalar_optimizer} is not implemented: Adam (the --adam-* flags) "
               "steps the embedding, output layer, norms and biases; use --muon-scalar-optimizer adam")
     if args.muon_num_ns_steps < 1:
-        _fail(f"--muon-num-ns-steps {args.muon_num_ns_steps} must be at least 1")
+        refuse(f"--muon-num-ns-steps {args.muon_num_ns_steps} must be at least 1")
     if not 0.0 <= args.muon_momentum < 1.0:
-        _fail(f"--muon-momentum {args.muon_momentum} must be in [0, 1)")
+        refuse(f"--muon-momentum {args.muon_momentum} must be in [0, 1)")
 
 
 def validate_learning_rate(args: argparse.Namespace) -> None:
@@ -92,24 +89,24 @@ def validate_learning_rate(args: argparse.Namespace) -> None:
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     if args.lr_warmup_fraction is not None:  # Megatron-LM's: warm-up iterations = fraction x --lr-decay-iters
         if args.lr_warmup_iters:
-            _fail("--lr-warmup-fraction and --lr-warmup-iters both set the warm-up; give one of them")
+            refuse("--lr-warmup-fraction and --lr-warmup-iters both set the warm-up; give one of them")
         if not 0.0 <= args.lr_warmup_fraction < 1.0:
-            _fail(f"--lr-warmup-fraction={args.lr_warmup_fraction} must be in [0, 1)")
+            refuse(f"--lr-warmup-fraction={args.lr_warmup_fraction} must be in [0, 1)")
     _check_learning_rates(args)
     if args.lr_warmup_iters >= args.lr_decay_iters:
-        _fail(f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters (default --train-iters) "
+        refuse(f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters (default --train-iters) "
               f"{args.lr_decay_iters}")
 
 
 def _check_learning_rates(args: argparse.Namespace) -> None:
     if args.lr_warmup_init > args.lr:
-        _fail(f"--lr-warmup-init {args.lr_warmup_init} is above --lr {args.lr}")
+        refuse(f"--lr-warmup-init {args.lr_warmup_init} is above --lr {args.lr}")
     if args.decoupled_lr is None:
         if args.decoupled_min_lr is not None:
-            _fail("--decoupled-min-lr needs --decoupled-lr (Megatron-LM ignores it alone)")
+            refuse("--decoupled-min-lr needs --decoupled-lr (Megatron-LM ignores it alone)")
         return
     low = args.decoupled_min_lr if args.decoupled_min_lr is not None else args.min_lr
     if not 0.0 <= low <= args.decoupled_lr:
-        _fail(f"--decoupled-min-lr (default --min-lr) {low} must be in [0, --decoupled-lr {args.decoupled_lr}]")
+        refuse(f"--decoupled-min-lr (default --min-lr) {low} must be in [0, --decoupled-lr {args.decoupled_lr}]")
     if args.lr_warmup_init > args.decoupled_lr:
-        _fail(f"--lr-warmup-init {args.lr_warmup_init} is above --decoupled-lr {args.decoupled_lr}")
+        refuse(f"--lr-warmup-init {args.lr_warmup_init} is above --decoupled-lr {args.decoupled_lr}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import List
 
-from ..errors import ArgumentError
+from ..errors import refuse
 from .substitutions import Substitution
 
 
@@ -53,9 +53,6 @@ def add_parallelism_args(p: argparse.ArgumentParser) -> None:
                    "on CPU the groups are gloo already and the twins are never created")
 
 
-def _fail(message: str) -> None:
-    raise ArgumentError(message)
-
 
 # ----------------------------------------------------------------------------- rules (parser.validate_args's order)
 
@@ -69,9 +66,9 @@ def validate_world(args: argparse.Namespace, world_size: int) -> None:
                         ("--expert-tensor-parallel-size", args.expert_tensor_parallel_size),
                         ("--num-distributed-optimizer-instances", args.num_distributed_optimizer_instances)):
         if value is not None and value < 1:
-            _fail(f"{name}={value} must be at least 1")
+            refuse(f"{name}={value} must be at least 1")
     if world_size % (tp * pp * cp):
-        _fail(f"tensor ({tp}) x pipeline ({pp}) x context ({cp}) parallel = {tp * pp * cp} does not divide the "
+        refuse(f"tensor ({tp}) x pipeline ({pp}) x context ({cp}) parallel = {tp * pp * cp} does not divide the "
               f"{world_size} ranks; choose sizes whose product divides the world size")
     args.data_parallel_size = world_size // (tp * pp * cp)
 
@@ -80,12 +77,12 @@ def validate_pipeline(args: argparse.Namespace) -> None:
     """Whole layers per stage, and the virtual stages of the interleaved schedule."""
     pp = args.pipeline_model_parallel_size
     if args.num_layers % pp:
-        _fail(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+        refuse(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
     args.virtual_pipeline_model_parallel_size = None
     if args.num_layers_per_virtual_pipeline_stage is not None:
         per_stage = args.num_layers // pp
         if pp < 2 or per_stage % args.num_layers_per_virtual_pipeline_stage:
-            _fail(f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage} needs "
+            refuse(f"--num-layers-per-virtual-pipeline-stage {args.num_layers_per_virtual_pipeline_stage} needs "
                   f"--pipeline-model-parallel-size > 1 and must divide the {per_stage} layers per stage")
         args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage
 
@@ -94,23 +91,23 @@ def validate_tensor_and_context(args: argparse.Namespace) -> None:
     """Whole heads per tensor-parallel rank, sequence parallelism only with TP, and CP's sequence split."""
     tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
     if args.num_attention_heads % tp:
-        _fail(f"--num-attention-heads {args.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}")
+        refuse(f"--num-attention-heads {args.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}")
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # Megatron-LM turns it off silently too: nothing to split
     if args.seq_length % (2 * cp) and cp > 1:
-        _fail(f"--seq-length {args.seq_length} must be divisible by 2 x --context-parallel-size ({2 * cp})")
+        refuse(f"--seq-length {args.seq_length} must be divisible by 2 x --context-parallel-size ({2 * cp})")
 
 
 def validate_overlap(args: argparse.Namespace) -> None:
     """The gather overlap, the DDP buckets, gather alignment and gather-in-step flags: Megatron-LM's rules, in
     its order."""
     if args.overlap_param_gather and not (args.use_distributed_optimizer or args.use_megatron_fsdp):
-        _fail("--overlap-param-gather needs --use-distributed-optimizer (or --use-megatron-fsdp), as in Megatron-LM")
+        refuse("--overlap-param-gather needs --use-distributed-optimizer (or --use-megatron-fsdp), as in Megatron-LM")
     if args.ddp_bucket_size is not None and args.ddp_num_buckets is not None:
-        _fail("--ddp-bucket-size and --ddp-num-buckets both size the gradient buckets (Megatron-Core's rule): give one")
+        refuse("--ddp-bucket-size and --ddp-num-buckets both size the gradient buckets (Megatron-Core's rule): give one")
     for flag, value in (("--ddp-bucket-size", args.ddp_bucket_size), ("--ddp-num-buckets", args.ddp_num_buckets)):
         if value is not None and value < 1:
-            _fail(f"{flag} {value} must be at least 1")
+            refuse(f"{flag} {value} must be at least 1")
     if args.virtual_pipeline_model_parallel_size is None:
         args.align_param_gather = False  # Megatron-LM: only the interleaved schedule aligns gathers
     if args.overlap_param_gather_with_optimizer_step:
@@ -123,7 +120,7 @@ def validate_overlap(args: argparse.Namespace) -> None:
                                      f"{args.ckpt_format or 'torch_dist'}) but only with --ckpt-format torch, which "
                                      "this job does not implement: drop it")):
             if not needed:
-                _fail(f"--overlap-param-gather-with-optimizer-step {rule} (Megatron-LM's rule)")
+                refuse(f"--overlap-param-gather-with-optimizer-step {rule} (Megatron-LM's rule)")
 
 
 # ----------------------------------------------------------------------------- substitutions (substitutions.py)

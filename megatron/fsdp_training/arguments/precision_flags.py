@@ -18,7 +18,7 @@ import argparse
 import importlib.util
 from typing import List, Optional
 
-from ..errors import ArgumentError
+from ..errors import refuse
 from .substitutions import Substitution
 
 FORMATS = ("e4m3", "hybrid")
@@ -70,21 +70,18 @@ def add_precision_args(p: argparse.ArgumentParser) -> None:
                    help="layers kept out of FP8 at the end, with --first-last-layers-bf16")
 
 
-def _fail(message: str) -> None:
-    raise ArgumentError(message)
-
 
 # ----------------------------------------------------------------------------- rules (parser.validate_args's order)
 
 def validate_fp16(args: argparse.Namespace) -> None:
     if args.fp16:
-        _fail("--fp16 needs loss scaling, which is not implemented here; use --bf16")
+        refuse("--fp16 needs loss scaling, which is not implemented here; use --bf16")
 
 
 def validate_grad_reduce_in_bf16(args: argparse.Namespace) -> None:
     if args.grad_reduce_in_bf16:
         if not args.bf16:
-            _fail("--grad-reduce-in-bf16 needs --bf16 (an fp32 model's gradients are fp32)")
+            refuse("--grad-reduce-in-bf16 needs --bf16 (an fp32 model's gradients are fp32)")
         args.grad_reduce_in_fp32 = False  # Megatron-LM: accumulate_allreduce_grads_in_fp32 = False
 
 
@@ -100,17 +97,17 @@ def validate_precision_aware_optimizer(args: argparse.Namespace) -> None:
     lowered = [f"{flag} {value}" for flag, value in flags.items() if value != "fp32"]
     if not args.use_precision_aware_optimizer:
         if lowered:
-            _fail(f"{', '.join(lowered)} needs --use-precision-aware-optimizer (Megatron-LM's rule: the dtypes "
+            refuse(f"{', '.join(lowered)} needs --use-precision-aware-optimizer (Megatron-LM's rule: the dtypes "
                   "can only be fp32 without it)")
         return
     if not args.use_megatron_fsdp:
-        _fail("--use-precision-aware-optimizer is implemented by the megatron.fsdp optimizer: add --use-megatron-fsdp "
+        refuse("--use-precision-aware-optimizer is implemented by the megatron.fsdp optimizer: add --use-megatron-fsdp "
               "(Megatron-Core's own needs Transformer Engine's FusedAdam)")
     if args.optimizer != "adam":
-        _fail(f"--use-precision-aware-optimizer only supports --optimizer adam, not {args.optimizer}")
+        refuse(f"--use-precision-aware-optimizer only supports --optimizer adam, not {args.optimizer}")
     if args.main_grads_dtype == "bf16":
         if not args.bf16:
-            _fail("--main-grads-dtype bf16 needs --bf16 (an fp32 model's gradients are fp32)")
+            refuse("--main-grads-dtype bf16 needs --bf16 (an fp32 model's gradients are fp32)")
         args.grad_reduce_in_fp32 = False
 
 
@@ -133,44 +130,44 @@ def validate_fp8(args: argparse.Namespace) -> None:
     if args.fp8 is None:
         given = _given_without_format(args)
         if given:
-            _fail(f"{', '.join(given)} configure FP8 training: add --fp8-format e4m3 or hybrid (without it the "
+            refuse(f"{', '.join(given)} configure FP8 training: add --fp8-format e4m3 or hybrid (without it the "
                   "model trains in --bf16 and these flags would do nothing)")
         return
     if args.fp8_param_gather and not (args.use_distributed_optimizer or args.use_megatron_fsdp):
-        _fail("--fp8-param-gather only supported with distributed optimizer, torch fsdp2, megatron fsdp, or "
+        refuse("--fp8-param-gather only supported with distributed optimizer, torch fsdp2, megatron fsdp, or "
               "inference mode (Megatron-LM's rule): add --use-megatron-fsdp or --use-distributed-optimizer")
     if args.fp8_amax_history_len < 1:
-        _fail(f"--fp8-amax-history-len {args.fp8_amax_history_len} must be at least 1")
+        refuse(f"--fp8-amax-history-len {args.fp8_amax_history_len} must be at least 1")
     _check_delayed_only(args)
     if args.first_last_layers_bf16:
         if args.fp8_recipe == "delayed":
-            _fail("--first-last-layers-bf16: Delayed scaling does not support first / last layer in BF16 "
+            refuse("--first-last-layers-bf16: Delayed scaling does not support first / last layer in BF16 "
                   "(Megatron-Core's rule): use --fp8-recipe tensorwise or mxfp8")
         per_stage = args.num_layers // args.pipeline_model_parallel_size
         for flag, value in (("--num-layers-at-start-in-bf16", args.num_layers_at_start_in_bf16),
                             ("--num-layers-at-end-in-bf16", args.num_layers_at_end_in_bf16)):
             if not 0 <= value <= per_stage:
-                _fail(f"{flag} {value} must be between 0 and the number of layers per pipeline stage ({per_stage})")
+                refuse(f"{flag} {value} must be between 0 and the number of layers per pipeline stage ({per_stage})")
     if args.fp8_recipe == "custom":
-        _fail("--fp8-recipe custom needs Transformer Engine's --fp8-quantizer-factory, which this job does not "
+        refuse("--fp8-recipe custom needs Transformer Engine's --fp8-quantizer-factory, which this job does not "
               "build: use --fp8-recipe delayed, tensorwise or mxfp8")
     if transformer_engine_used(args):
         if args.fp8_param_gather and args.use_megatron_fsdp and args.fp8_recipe == "blockwise":
-            _fail("--fp8-param-gather with --fp8-recipe blockwise under --use-megatron-fsdp: megatron.fsdp does not "
+            refuse("--fp8-param-gather with --fp8-recipe blockwise under --use-megatron-fsdp: megatron.fsdp does not "
                   "gather 128x128 tiles (a shard boundary may split one); drop --fp8-param-gather or use "
                   "--fp8-recipe mxfp8")
         return  # Transformer Engine checks its own recipes (and the GPU they need)
     if args.fp8_recipe not in BUILT_ON_CPU:
-        _fail(f"--fp8-recipe {args.fp8_recipe}: without Transformer Engine the job's FP8 layers build "
+        refuse(f"--fp8-recipe {args.fp8_recipe}: without Transformer Engine the job's FP8 layers build "
               f"{', '.join(BUILT_ON_CPU)}; blockwise's 1x128 activation and gradient tiles are not built (its "
               "128x128 weight tiles are: megatron.fsdp.precision.fp8.quantize_blockwise): use --fp8-recipe mxfp8")
     import torch
 
     if torch.cuda.is_available():
-        _fail("--fp8-format on a GPU needs Transformer Engine (--transformer-impl transformer_engine); the job's "
+        refuse("--fp8-format on a GPU needs Transformer Engine (--transformer-impl transformer_engine); the job's "
               "own FP8 layers are its CPU layers")
     if args.moe_grouped_gemm and args.num_experts is not None:
-        _fail("--fp8-format with --moe-grouped-gemm: the CPU grouped GEMM has no FP8 path; drop --moe-grouped-gemm "
+        refuse("--fp8-format with --moe-grouped-gemm: the CPU grouped GEMM has no FP8 path; drop --moe-grouped-gemm "
               "(each expert's GEMMs then run in FP8)")
     if args.fp8_recipe == "mxfp8":
         _check_mx_blocks(args)
@@ -188,7 +185,7 @@ def _check_delayed_only(args: argparse.Namespace) -> None:
     if given:
         scaling = {"tensorwise": "each tensor's current amax", "mxfp8": "each 32-element block's amax",
                    "blockwise": "each tile's amax"}.get(args.fp8_recipe, "its own rule")
-        _fail(f"{', '.join(given)} would do nothing under --fp8-recipe {args.fp8_recipe}, which scales from "
+        refuse(f"{', '.join(given)} would do nothing under --fp8-recipe {args.fp8_recipe}, which scales from "
               f"{scaling} (margin and amax history belong to --fp8-recipe delayed, as in Transformer Engine): "
               "drop them or use --fp8-recipe delayed")
 
@@ -207,7 +204,7 @@ def _check_mx_blocks(args: argparse.Namespace) -> None:
         widths["--moe-ffn-hidden-size / expert tensor parallel"] = args.moe_ffn_hidden_size // args.expert_tensor_parallel_size
     bad = [f"{flag} ({value})" for flag, value in widths.items() if value % MX_BLOCK]
     if bad:
-        _fail(f"--fp8-recipe mxfp8 quantizes blocks of {MX_BLOCK} along each GEMM's reduction dimension: "
+        refuse(f"--fp8-recipe mxfp8 quantizes blocks of {MX_BLOCK} along each GEMM's reduction dimension: "
               f"{', '.join(bad)} must be multiples of {MX_BLOCK}")
 
 

@@ -19,7 +19,7 @@ from typing import List
 
 import torch
 
-from ..errors import ArgumentError
+from ..errors import refuse
 from ..batch_rampup import global_batch_at
 from .substitutions import Substitution
 
@@ -83,9 +83,6 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
                         "passed since start-up on any rank")
 
 
-def _fail(message: str) -> None:
-    raise ArgumentError(message)
-
 
 # ----------------------------------------------------------------------------- rules (parser.validate_args's order)
 
@@ -97,7 +94,7 @@ def resolve_batch_size(args: argparse.Namespace) -> None:
     if args.global_batch_size is None:
         args.global_batch_size = per_step
     if args.global_batch_size % per_step:
-        _fail(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
+        refuse(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
               f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size} = {per_step}")
     args.num_micro_batches = args.global_batch_size // per_step
 
@@ -112,7 +109,7 @@ def _count(text: str, entry: str) -> int:
     try:
         return int(float(text[:-1] if scale > 1 else text) * scale)
     except ValueError:
-        _fail(f"--step-batch-size-schedule: {entry!r} is not THRESHOLD:BATCH_SIZE with numbers (K, M, B, T "
+        refuse(f"--step-batch-size-schedule: {entry!r} is not THRESHOLD:BATCH_SIZE with numbers (K, M, B, T "
               "suffixes allowed)")
 
 
@@ -126,27 +123,27 @@ def resolve_step_batch_sizes(args: argparse.Namespace, per_step: int) -> None:
     if args.step_batch_size_schedule is None:
         return
     if args.global_batch_size is not None:
-        _fail("--step-batch-size-schedule and --global-batch-size both set the global batch (Megatron-LM's rule): "
+        refuse("--step-batch-size-schedule and --global-batch-size both set the global batch (Megatron-LM's rule): "
               "give one of them")
     if args.rampup_batch_size is not None:
-        _fail("--step-batch-size-schedule replaces --rampup-batch-size: give one of them")
+        refuse("--step-batch-size-schedule replaces --rampup-batch-size: give one of them")
     entries = args.step_batch_size_schedule.replace(",", " ").split()
     schedule = []
     for entry in entries:
         if ":" not in entry:
-            _fail(f"--step-batch-size-schedule: {entry!r} is not THRESHOLD:BATCH_SIZE (e.g. '0:768 250B:1536')")
+            refuse(f"--step-batch-size-schedule: {entry!r} is not THRESHOLD:BATCH_SIZE (e.g. '0:768 250B:1536')")
         threshold, batch = entry.split(":", 1)
         schedule.append((_count(threshold, entry) // args.seq_length, _count(batch, entry)))
     schedule.sort()
     if not schedule or schedule[0][0] != 0:
-        _fail("--step-batch-size-schedule: the first entry must start at 0 tokens (e.g. '0:768 250B:1536')")
+        refuse("--step-batch-size-schedule: the first entry must start at 0 tokens (e.g. '0:768 250B:1536')")
     for (before, _), (after, _) in zip(schedule, schedule[1:]):
         if after <= before:
-            _fail(f"--step-batch-size-schedule: thresholds must increase by at least --seq-length {args.seq_length} "
+            refuse(f"--step-batch-size-schedule: thresholds must increase by at least --seq-length {args.seq_length} "
                   f"tokens (two entries start at sample {before})")
     for threshold, batch in schedule:
         if batch < 1 or batch % per_step:
-            _fail(f"--step-batch-size-schedule: the batch {batch} (from {threshold * args.seq_length} tokens) is not a "
+            refuse(f"--step-batch-size-schedule: the batch {batch} (from {threshold * args.seq_length} tokens) is not a "
                   f"positive multiple of --micro-batch-size x data-parallel size = {per_step}")
     args.step_batch_sizes = schedule
     args.global_batch_size = schedule[-1][1]
@@ -156,30 +153,30 @@ def resolve_train_length(args: argparse.Namespace) -> None:
     """The training length once the global batch is known, then at least one iteration."""
     _train_length(args)
     if args.train_iters < 1:
-        _fail(f"--train-iters={args.train_iters} must be at least 1")
+        refuse(f"--train-iters={args.train_iters} must be at least 1")
 
 
 def _train_length(args: argparse.Namespace) -> None:
     """Megatron-LM's exclusive iteration / sample modes; ``--train-iters`` from samples."""
     if args.train_samples is None:
         if args.rampup_batch_size is not None:
-            _fail("--rampup-batch-size needs --train-samples (Megatron-LM's rule: no ramp-up for iteration-based "
+            refuse("--rampup-batch-size needs --train-samples (Megatron-LM's rule: no ramp-up for iteration-based "
                   "training)")
         if args.lr_decay_samples is not None or args.lr_warmup_samples:
-            _fail("--lr-decay-samples / --lr-warmup-samples need --train-samples (Megatron-LM's rule: "
+            refuse("--lr-decay-samples / --lr-warmup-samples need --train-samples (Megatron-LM's rule: "
                   "iteration-based training uses --lr-decay-iters / --lr-warmup-iters)")
         if args.train_iters is None:
             args.train_iters = DEFAULT_TRAIN_ITERS
         return
     if args.train_iters is not None:
-        _fail("--train-iters and --train-samples both set the training length: give one of them")
+        refuse("--train-iters and --train-samples both set the training length: give one of them")
     if args.lr_decay_iters is not None or args.lr_warmup_iters:
-        _fail("--lr-decay-iters / --lr-warmup-iters with --train-samples: give the schedule in samples "
+        refuse("--lr-decay-iters / --lr-warmup-iters with --train-samples: give the schedule in samples "
               "(--lr-decay-samples / --lr-warmup-samples), as Megatron-LM requires")
     if args.lr_warmup_fraction is not None and args.lr_warmup_samples:
-        _fail("--lr-warmup-fraction and --lr-warmup-samples both set the warm-up; give one of them")
+        refuse("--lr-warmup-fraction and --lr-warmup-samples both set the warm-up; give one of them")
     if args.train_samples < args.global_batch_size:
-        _fail(f"--train-samples {args.train_samples} is less than one global batch ({args.global_batch_size})")
+        refuse(f"--train-samples {args.train_samples} is less than one global batch ({args.global_batch_size})")
     if args.step_batch_sizes:
         args.train_iters = _step_schedule_iterations(args)
     else:
@@ -187,7 +184,7 @@ def _train_length(args: argparse.Namespace) -> None:
             args.train_samples // args.global_batch_size
     args.lr_decay_samples = args.lr_decay_samples or args.train_samples
     if args.lr_warmup_samples >= args.lr_decay_samples:
-        _fail(f"--lr-warmup-samples {args.lr_warmup_samples} must be below --lr-decay-samples (default "
+        refuse(f"--lr-warmup-samples {args.lr_warmup_samples} must be below --lr-decay-samples (default "
               f"--train-samples) {args.lr_decay_samples}")
 
 
@@ -196,13 +193,13 @@ def _rampup_iterations(args) -> int:
     start, increment, samples = args.rampup_batch_size
     per_step = args.micro_batch_size * args.data_parallel_size
     if start < 1 or increment < 1 or samples < 0:
-        _fail(f"--rampup-batch-size {start} {increment} {samples}: start and increment must be positive, samples "
+        refuse(f"--rampup-batch-size {start} {increment} {samples}: start and increment must be positive, samples "
               "at least 0")
     if start >= args.global_batch_size or (args.global_batch_size - start) % increment:
-        _fail(f"--rampup-batch-size: --global-batch-size {args.global_batch_size} minus the start {start} must be a "
+        refuse(f"--rampup-batch-size: --global-batch-size {args.global_batch_size} minus the start {start} must be a "
               f"positive multiple of the increment {increment}")
     if start % per_step or increment % per_step:
-        _fail(f"--rampup-batch-size: the start {start} and the increment {increment} must be multiples of "
+        refuse(f"--rampup-batch-size: the start {start} and the increment {increment} must be multiples of "
               f"--micro-batch-size x data-parallel size = {per_step} (every ramped batch is whole micro-batches)")
     iterations, consumed = 0, 0
     while consumed <= samples and consumed <= args.train_samples:
@@ -231,27 +228,27 @@ def default_eval_interval(args: argparse.Namespace) -> None:
 def validate_cuda_only(args: argparse.Namespace) -> None:
     """CUDA features not implemented here: on CPU said in the substitution line, on CUDA refused."""
     if args.memory_snapshot_path is not None and not args.record_memory_history:
-        _fail("--memory-snapshot-path is where --record-memory-history writes: add --record-memory-history or drop it")
+        refuse("--memory-snapshot-path is where --record-memory-history writes: add --record-memory-history or drop it")
     if not torch.cuda.is_available():
         return
     if args.cuda_graph_impl != "none":
-        _fail(f"--cuda-graph-impl {args.cuda_graph_impl}: CUDA graphs are not implemented by this job; drop it "
+        refuse(f"--cuda-graph-impl {args.cuda_graph_impl}: CUDA graphs are not implemented by this job; drop it "
               "(--cuda-graph-impl none)")
     if args.record_memory_history:
-        _fail("--record-memory-history (torch.cuda.memory snapshots) is not implemented by this job; drop it")
+        refuse("--record-memory-history (torch.cuda.memory snapshots) is not implemented by this job; drop it")
 
 
 def validate_recompute_and_memory(args: argparse.Namespace) -> None:
     if args.recompute_modules is not None and args.recompute_granularity != "selective":
-        _fail("--recompute-modules needs --recompute-granularity selective")
+        refuse("--recompute-modules needs --recompute-granularity selective")
     if args.recompute_modules and "moe_act" in args.recompute_modules and not args.moe_grouped_gemm:
-        _fail("--recompute-modules moe_act needs --moe-grouped-gemm (Megatron-Core's rule)")
+        refuse("--recompute-modules moe_act needs --moe-grouped-gemm (Megatron-Core's rule)")
     if args.recompute_modules and "mla_up_proj" in args.recompute_modules and not args.multi_latent_attention:
-        _fail("--recompute-modules mla_up_proj needs --multi-latent-attention")
+        refuse("--recompute-modules mla_up_proj needs --multi-latent-attention")
     if args.manual_gc_interval < 0:
-        _fail(f"--manual-gc-interval={args.manual_gc_interval} must be at least 0")
+        refuse(f"--manual-gc-interval={args.manual_gc_interval} must be at least 0")
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins < 0:
-        _fail(f"--exit-duration-in-mins={args.exit_duration_in_mins} must be at least 0")
+        refuse(f"--exit-duration-in-mins={args.exit_duration_in_mins} must be at least 0")
 
 
 # ----------------------------------------------------------------------------- substitutions (substitutions.py)
