@@ -6,7 +6,10 @@ import contextlib
 import io
 from typing import List, Optional
 
+from megatron.fsdp.mcore_cpu.fp8_linears import FP8_STATE
 from megatron.fsdp_training.trainer import StepResult, TrainingObserver
+
+FP8_SCALES = tuple(name for name in FP8_STATE if name.endswith("_scale"))  # the layers' delayed-scaling scales
 
 
 def _named_buffers(model, keep) -> dict:
@@ -47,8 +50,7 @@ class HistoryRecorder(TrainingObserver):
         self.history.update(
             iterations=iterations, max_peak_mib=max_peak_mib,
             expert_bias=_named_buffers(trainer.model, lambda name: name.endswith("expert_bias")),
-            fp8_scales=_named_buffers(trainer.model, lambda name: name.rsplit(".", 1)[-1] in (
-                "fp8_forward_scale", "fp8_backward_scale")))
+            fp8_scales=_named_buffers(trainer.model, lambda name: name.rsplit(".", 1)[-1] in FP8_SCALES))
 
 
 def pretrain_in_pool(ctx, argv: List[str], capture_log: bool = False) -> dict:
