@@ -267,3 +267,61 @@ def test_a_reused_module_name_fails(tree_copy):
     (tree_copy / "megatron/fsdp/mcore/profiling.py").write_text('"""A second profiling module."""\n')
     assert reused_names(tree_copy) == {"profiling": ["megatron/fsdp/collectives/profiling.py",
                                                      "megatron/fsdp/mcore/profiling.py"]}
+
+
+# How a matrix is sampled (no case, no check): the one module any test or helper may add to its reading.
+SAMPLER = "tests.cases.level_matrix"
+
+
+def modules_of_tests_imported(root: pathlib.Path, path: pathlib.Path) -> Set[str]:
+    """The modules of tests/ that ``path`` imports, lazily too (``from tests.cases import hf``: ``tests.cases.hf``)."""
+    def exists(module: str) -> bool:
+        base = root.joinpath(*module.split("."))
+        return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.split(".")[0] == "tests")
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "tests":
+            subs = [f"{node.module}.{a.name}" for a in node.names if exists(f"{node.module}.{a.name}")]
+            out.update(subs if len(subs) == len(node.names) else [node.module, *subs])
+    return out
+
+
+def reading_violations(root: pathlib.Path) -> List[str]:
+    """Test modules of ``tests/<layer>/`` that read in more than themselves and one helper (or another test
+    module), and helpers there that import another module of tests/ (``SAMPLER`` aside)."""
+    problems = []
+    for path in sorted((root / "tests").rglob("*.py")):
+        relative = path.relative_to(root)
+        if len(relative.parts) < 3 or path.name in ("__init__.py", "conftest.py"):
+            continue  # tests/test_*.py check the repository itself; conftest.py is pytest's
+        read = sorted(m for m in modules_of_tests_imported(root, path) if m != SAMPLER)
+        tests_read = [m for m in read if m.rsplit(".", 1)[-1].startswith("test_") or m.endswith(".conftest")]
+        allowed = 1 if path.name.startswith("test_") else 0
+        if tests_read or len(read) > allowed:
+            problems.append(f"{relative.as_posix()} reads {', '.join(read)}")
+    return problems
+
+
+def test_a_test_reads_in_its_module_and_one_helper():
+    # What a test runs and checks is in two files at most: its module (with its own worker-side cases) and one
+    # shared helper (docs/testing.md, "Where things live").
+    assert reading_violations(ROOT) == []
+
+
+def test_a_test_that_reads_a_third_file_fails(tmp_path):
+    (tmp_path / "tests" / "cases").mkdir(parents=True)
+    (tmp_path / "tests" / "engine").mkdir()
+    for name in ("a", "b", "level_matrix"):
+        (tmp_path / "tests" / "cases" / f"{name}.py").write_text("X = 1\n")
+    (tmp_path / "tests" / "cases" / "c.py").write_text("from tests.cases.a import X  # noqa: F401\n")
+    (tmp_path / "tests" / "engine" / "test_one.py").write_text(
+        "from tests.cases import a, level_matrix  # noqa: F401\n")
+    (tmp_path / "tests" / "engine" / "test_two.py").write_text(
+        "from tests.cases.a import X  # noqa: F401\n\n\ndef test():\n    from tests.cases.b import X  # noqa: F401\n")
+    (tmp_path / "tests" / "engine" / "test_three.py").write_text("from tests.engine.test_one import a  # noqa: F401\n")
+    assert reading_violations(tmp_path) == ["tests/cases/c.py reads tests.cases.a",
+                                            "tests/engine/test_three.py reads tests.engine.test_one",
+                                            "tests/engine/test_two.py reads tests.cases.a, tests.cases.b"]

@@ -53,7 +53,7 @@ class StateBytes:
     ``reduce=None`` means gradients travel in their accumulation precision.
     ``param`` is persistent only where a level keeps compute weights: with separate main
     weights (``main > 0``) ZeRO-3 keeps none (``casts_main_at_gather``). bf16 Adam moments
-    (``state_dtype=torch.bfloat16``) are ``optim=4``.
+    (``OptimizerPrecision(torch.bfloat16, torch.bfloat16)``) are ``optim=4``.
     """
 
     param: float = 2.0
@@ -466,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--optim-bytes", type=float, default=None,
                    help="optimizer state (default: Adam's two moments in --optim-state-dtype: 8 fp32, 4 bf16)")
     g.add_argument("--optim-state-dtype", choices=sorted(ADAM_STATE_BYTES), default="fp32",
-                   help="dtype of Adam's moments (the engine's state_dtype / --exp-avg-dtype --exp-avg-sq-dtype)")
+                   help="dtype of Adam's moments (the engine's OptimizerPrecision / --exp-avg-dtype --exp-avg-sq-dtype)")
     g.add_argument("--reduce-bytes", type=float, default=None, help="gradients on the wire (default: --grad-bytes)")
     g = p.add_argument_group("topology and budget")
     g.add_argument("--gpus-per-domain", type=int, required=True, help="N: ranks per NVLink domain")
@@ -476,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-gb", type=float, required=True, help="persistent memory budget per rank (1e9 bytes)")
     g.add_argument("--micro-batches", type=int, default=1, help="micro-batches per optimizer step")
     g.add_argument("--param-gather", choices=sorted(QUANTIZED_GATHER_BYTES), default=None,
-                   help="ZeRO-3's weight gathers as fully_shard(param_gather=QuantizedParamGather(recipe)) sends them "
+                   help="ZeRO-3's weight gathers as MixedPrecision(param_gather=QuantizedParamGather(recipe)) sends them "
                         "(FP8: 1 byte per element; MXFP8: plus one E8M0 scale per 32); every parameter counted as "
                         "a GEMM weight, so an upper bound on the saving (the engine gathers embeddings and norms "
                         "in the compute dtype)")

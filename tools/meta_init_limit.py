@@ -94,9 +94,9 @@ def _build(ctx, model: Dict[str, int], seed: int, meta: bool = True):
     with torch.device("meta") if meta else contextlib.nullcontext():
         module = LM(**model)
     fsdp = mfsdp.fully_shard(module, strategy="optim_grads_params", unit_modules=(ResetBlock, MLP),
-                             process_group=ctx.group, mixed_precision=MIXED)
-    opt = mfsdp.FullyShardedOptimizer(fsdp, torch.optim.Adam, lr=1e-3, state_dtype=torch.bfloat16,
-                                      main_grads_dtype=torch.bfloat16)
+                             mesh=ctx.group, mixed_precision=MIXED)
+    opt = mfsdp.FullyShardedOptimizer(fsdp, torch.optim.Adam, lr=1e-3, precision=mfsdp.OptimizerPrecision(
+        torch.bfloat16, torch.bfloat16, main_grads_dtype=torch.bfloat16))
     return fsdp, opt
 
 

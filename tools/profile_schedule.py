@@ -26,6 +26,7 @@ the wait returned.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Dict, List, Optional
@@ -66,9 +67,20 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------ worker side
-def profile_case(ctx, model_size: str, level: str, outer: Optional[str], mesh, bf16: bool, train_iters: int,
-                 start: int, end: int, overlap: dict, out: str) -> dict:
-    """Pool case: train, profile steps [start, end), write this rank's trace, return its timeline."""
+@dataclasses.dataclass(frozen=True)
+class ProfiledSteps:
+    """Train ``train_iters`` steps, profile steps [``start``, ``end``), write the traces under ``out``."""
+
+    train_iters: int
+    start: int
+    end: int
+    out: str
+
+
+def profile_case(ctx, model_size: str, level: str, outer: Optional[str], mesh, bf16: bool, overlap: dict,
+                 steps: ProfiledSteps) -> dict:
+    """Pool case: train, profile ``steps``, write this rank's trace, return its timeline."""
+    train_iters, start, end, out = steps.train_iters, steps.start, steps.end, steps.out
     import torch
 
     import megatron.fsdp as mfsdp
@@ -82,7 +94,7 @@ def profile_case(ctx, model_size: str, level: str, outer: Optional[str], mesh, b
 
     mp = mfsdp.MixedPrecision(param_dtype=torch.bfloat16, main_dtype=torch.float32,
                               grad_reduce_dtype=torch.float32) if bf16 else None
-    where = dict(mesh=ctx.meshes[mesh], outer_strategy=outer) if mesh else dict(process_group=ctx.group)
+    where = dict(mesh=ctx.meshes[mesh], outer_strategy=outer) if mesh else dict(mesh=ctx.group)
     fsdp = mfsdp.fully_shard(model, strategy=level, unit_modules=(Block,), mixed_precision=mp, **where,
                              overlap=mfsdp.Overlap(**overlap))
     optimizer = mfsdp.FullyShardedOptimizer(fsdp, torch.optim.AdamW, lr=1e-4, clip_grad=1.0)
@@ -193,12 +205,16 @@ def main(argv: Optional[List[str]] = None) -> List[str]:
     mesh = (args.ranks // args.outer_size, args.outer_size) if args.outer else None
     overlap = dict(forward_prefetch=args.forward_prefetch, backward_prefetch=args.backward_prefetch,
                    reductions_in_flight=args.reductions_in_flight)
+    # The value travels to the workers pickled by its class's module name: the importable one, also when
+    # this file runs as a script (``__main__``).
+    from tools import profile_schedule as importable
+
     pool = WorkerPool(args.ranks, start_timeout=600.0)
     try:
         results = pool.run(profile_case, timeout=1800, model_size=args.size, level=args.level,
-                           outer=args.outer, mesh=mesh, bf16=args.bf16, train_iters=args.train_iters,
-                           start=args.profile_step_start, end=args.profile_step_end, overlap=overlap,
-                           out=os.path.abspath(args.out))
+                           outer=args.outer, mesh=mesh, bf16=args.bf16, overlap=overlap,
+                           steps=importable.ProfiledSteps(args.train_iters, args.profile_step_start, args.profile_step_end,
+                                               os.path.abspath(args.out)))
     finally:
         pool.close()
     print(f"levels {results[0]['levels']} on {args.ranks} ranks, model {args.size}, steps "

@@ -7,7 +7,7 @@ See docs/engine.md for the design. Public API::
 
 FP8 parameter gathers (``precision/fp8.py`` is the math)::
 
-    model = fully_shard(module, ..., param_gather=QuantizedParamGather(recipe="mxfp8"))
+    model = fully_shard(module, ..., mixed_precision=MixedPrecision(param_gather=QuantizedParamGather(recipe="mxfp8")))
     quantized_weight(param)  # -> QuantizedWeight (FP8 bytes + scales) while its unit is gathered, else None
 """
 
@@ -15,7 +15,9 @@ from .checkpoint.metadata import check_checkpoint_keys
 from .checkpoint.state_dict import load_model_state_dict, load_optimizer_state_dict, model_state_dict, optimizer_state_dict
 from .collectives.comm import CollectiveError, Ledger
 from .collectives.teardown import shutdown
+from .init.meta_init import MetaInit
 from .optim.optimizer import FullyShardedOptimizer
+from .optim.optimizer_options import GradNorm, LabelledGroups, PerMatrixOptimizer
 from .precision.fp8 import QuantizedWeight
 from .precision.mixed_precision import MixedPrecision
 from .precision.optimizer_state import OptimizerPrecision
@@ -34,6 +36,7 @@ __all__ = [
     "fully_shard", "FullyShardedModule", "FullyShardedOptimizer", "megatron_no_weight_decay",
     # policies
     "MixedPrecision", "QuantizedParamGather", "OptimizerPrecision", "Overlap", "ExpertSharding",
+    "GradNorm", "PerMatrixOptimizer", "LabelledGroups", "MetaInit",
     # the mesh
     "DataParallelMesh", "build_mesh",
     # state dicts and checkpoints

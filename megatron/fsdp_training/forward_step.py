@@ -48,25 +48,30 @@ def mean_loss(losses_reduced: List[dict]) -> float:
     return float(value[0] / max(value[1], 1))
 
 
-def micro_batches(model, dataset, args, consumed: int):
-    its = [data.MicroBatches(dataset, args, consumed) for _ in model]
+def micro_batches(model, dataset, micro_batch_size: int, consumed: int):
+    """This rank's micro-batches from ``consumed`` samples on: one iterator per model chunk (virtual pipeline)."""
+    its = [data.MicroBatches(dataset, micro_batch_size, consumed) for _ in model]
     return its if len(its) > 1 else its[0]
 
 
-def evaluate(forward_backward, forward_step, model, dataset, args, consumed: int) -> Optional[float]:
-    if dataset is None or args.eval_iters == 0:
+def evaluate(forward_backward, forward_step, model, dataset, config, consumed: int) -> Optional[float]:
+    """The mean validation loss over ``eval_iters`` global batches from ``consumed`` samples; None without a
+    validation set. ``config``: the loop's ``trainer.LoopConfig`` (``eval_iters``, ``global_batch_size``,
+    ``num_micro_batches``, ``seq_length``, ``micro_batch_size``)."""
+    c = config
+    if dataset is None or c.eval_iters == 0:
         return None
     for chunk in model:
         chunk.eval()
     losses = []
     with torch.no_grad():
-        for k in range(args.eval_iters):
+        for k in range(c.eval_iters):
             reduced = forward_backward(
-                forward_step_func=forward_step, data_iterator=micro_batches(model, dataset, args,
-                                                                         consumed + k * args.global_batch_size),
-                model=model if len(model) > 1 else model[0], num_microbatches=args.num_micro_batches,
-                seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                decoder_seq_length=args.seq_length, forward_only=True)
+                forward_step_func=forward_step, data_iterator=micro_batches(model, dataset, c.micro_batch_size,
+                                                                         consumed + k * c.global_batch_size),
+                model=model if len(model) > 1 else model[0], num_microbatches=c.num_micro_batches,
+                seq_length=c.seq_length, micro_batch_size=c.micro_batch_size,
+                decoder_seq_length=c.seq_length, forward_only=True)
             losses.append(mean_loss(reduced))
     for chunk in model:
         chunk.train()

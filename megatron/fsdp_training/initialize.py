@@ -11,13 +11,14 @@ import torch
 import torch.distributed as dist
 
 from .allocator import apply_job_setting
-from .arguments import validate_args
+from .parallel_config import ParallelConfig
 
 logger = logging.getLogger("megatron.fsdp_training")
 
 
-def _world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+def launch_world_size() -> int:
+    """The world size the arguments are validated against: the process group's, else the launcher's."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def gloo_twin_groups(disabled: bool = False) -> bool:
@@ -32,13 +33,12 @@ def gloo_twin_groups(disabled: bool = False) -> bool:
     return torch.cuda.is_available() and not disabled
 
 
-def initialize(args):
-    """Validate against the launch's world size, then start everything; returns the device.
+def initialize(parallel: ParallelConfig, seed: int) -> torch.device:
+    """Start everything for arguments already validated (against ``launch_world_size()``); returns the device.
 
     Validation runs before the process group exists, so a bad argument set stops
     every rank with the same message and nothing waits on a collective.
     """
-    validate_args(args, dist.get_world_size() if dist.is_initialized() else _world_size_from_env())
     apply_job_setting()  # before anything large is allocated (allocator.py says why)
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
@@ -51,21 +51,21 @@ def initialize(args):
         import datetime
 
         dist.init_process_group("nccl" if cuda else "gloo",
-                                timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+                                timeout=datetime.timedelta(minutes=parallel.distributed_timeout_minutes))
     from megatron.core import parallel_state as ps, tensor_parallel
 
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
-        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
-        distributed_timeout_minutes=args.distributed_timeout_minutes,
-        create_gloo_process_groups=gloo_twin_groups(args.disable_gloo_process_groups),
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        num_distributed_optimizer_instances=parallel.num_distributed_optimizer_instances,
+        distributed_timeout_minutes=parallel.distributed_timeout_minutes,
+        create_gloo_process_groups=gloo_twin_groups(parallel.disable_gloo_process_groups),
     )
-    seed = args.seed + 100 * ps.get_pipeline_model_parallel_rank()
+    seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -82,15 +82,6 @@ def initialize(args):
     if dist.get_rank() == 0:
         print("> no CUDA device: running on CPU with gloo (Megatron-Core CPU mode on)", flush=True)
     return torch.device("cpu")
-
-
-def announce_substitutions(args) -> None:
-    """Rank 0 says once, in one line, which kernels and backends the job substituted (arguments/substitutions.py)."""
-    from .arguments.substitutions import substitution_line
-
-    line = substitution_line(args)
-    if line and dist.get_rank() == 0:
-        print(line, flush=True)
 
 
 def shutdown() -> None:

@@ -20,69 +20,74 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .logs.logging_config import LoggingConfig
+
 
 class LoopControls:
-    def __init__(self, args, start: float):
-        """``start``: the job's ``time.perf_counter()`` at start-up (the exit duration counts from it)."""
-        self.args = args
+    def __init__(self, config, start: float):
+        """``config``: the loop's ``trainer.LoopConfig`` (``manual_gc``, ``manual_gc_interval``,
+        ``empty_unused_memory_level``, ``exit_duration_in_mins``); ``start``: the job's ``time.perf_counter()`` at
+        start-up (the exit duration counts from it)."""
+        self.config = config
         self.start = start
-        if args.manual_gc:
+        if config.manual_gc:
             gc.disable()
             gc.collect()
 
     def after_forward_backward(self) -> None:
-        if self.args.empty_unused_memory_level >= 1 and torch.cuda.is_available():
+        if self.config.empty_unused_memory_level >= 1 and torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     def after_step(self, iteration: int) -> None:
-        if self.args.empty_unused_memory_level >= 2 and torch.cuda.is_available():
+        c = self.config
+        if c.empty_unused_memory_level >= 2 and torch.cuda.is_available():
             torch.cuda.empty_cache()
-        if self.args.manual_gc and self.args.manual_gc_interval and iteration % self.args.manual_gc_interval == 0:
+        if c.manual_gc and c.manual_gc_interval and iteration % c.manual_gc_interval == 0:
             gc.collect()
 
     def around_evaluation(self) -> None:
-        if self.args.manual_gc:
+        if self.config.manual_gc:
             gc.collect()
 
     def out_of_time(self) -> bool:
         """True on every rank once any rank has trained ``--exit-duration-in-mins`` (a collective)."""
-        if self.args.exit_duration_in_mins is None:
+        if self.config.exit_duration_in_mins is None:
             return False
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        over = torch.tensor([(time.perf_counter() - self.start) / 60.0 > self.args.exit_duration_in_mins],
+        over = torch.tensor([(time.perf_counter() - self.start) / 60.0 > self.config.exit_duration_in_mins],
                             dtype=torch.int32, device=device)
         dist.all_reduce(over, op=dist.ReduceOp.MAX)
         return bool(over.item())
 
     def close(self) -> None:
-        if self.args.manual_gc:
+        if self.config.manual_gc:
             gc.enable()
 
 
-def extra_fields(args, num_zeros, params_norm: Optional[float]) -> list:
+def extra_fields(config: LoggingConfig, num_zeros, params_norm: Optional[float]) -> list:
     """``num zeros`` and ``params norm``, placed after ``grad norm`` as Megatron-LM prints them."""
     fields = []
-    if args.log_num_zeros_in_grad:
+    if config.log_num_zeros_in_grad:
         fields.append(("num zeros", "nan" if num_zeros is None else f"{int(num_zeros)}"))
     if params_norm is not None:
         fields.append(("params norm", f"{params_norm:.3f}"))
     return fields
 
 
-def extra_scalars(args, num_zeros, params_norm: Optional[float], memory: dict) -> dict:
+def extra_scalars(config: LoggingConfig, num_zeros, params_norm: Optional[float], memory: dict) -> dict:
     out = {}
-    if args.log_num_zeros_in_grad and num_zeros is not None:
+    if config.log_num_zeros_in_grad and num_zeros is not None:
         out["num-zeros"] = float(num_zeros)
     if params_norm is not None:
         out["params-norm"] = params_norm
-    if args.log_memory_to_tensorboard:
+    if config.log_memory_to_tensorboard:
         out["mem-allocated-bytes"] = memory["allocated"] * 2**20
         out["mem-max-allocated-bytes"] = memory["peak"] * 2**20
     return out
 
 
-def validation_scalars(args, loss: float) -> dict:
+def validation_scalars(config: LoggingConfig, loss: float) -> dict:
     values = {"lm loss validation": loss}
-    if args.log_validation_ppl_to_tensorboard:
+    if config.log_validation_ppl_to_tensorboard:
         values["lm loss validation ppl"] = math.exp(min(20.0, loss))
     return values

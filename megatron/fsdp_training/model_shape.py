@@ -1,4 +1,5 @@
-"""The model's shape as Megatron-Core takes it: ``TransformerConfig`` and ``GPTModel`` fields of the shape flags.
+"""The model's shape as Megatron-Core takes it: the ``TransformerConfig`` fields of the shape flags (the
+``GPTModel`` ones are ``model.ModelBuildConfig``'s).
 
 Llama-, Qwen-, Mistral- and DeepSeek-shaped models (RMSNorm, SwiGLU, rotary embeddings,
 grouped-query attention, qk-layernorm, shared experts, dense and MoE layers mixed, multi-latent
@@ -25,16 +26,17 @@ def swiglu_ffn_hidden_size(hidden_size: int) -> int:
     return int((4 * hidden_size * 2 / 3) / 64) * 64
 
 
-def moe_layer_pattern(args) -> List[int]:
-    """1 for an MoE layer, 0 for a dense one, per layer (Megatron-Core's reading of moe_layer_freq)."""
-    freq = args.moe_layer_freq
-    if isinstance(freq, int):
-        return [1 if i % freq == 0 else 0 for i in range(args.num_layers)]
-    return list(freq)
+def moe_layer_pattern(moe_layer_freq, num_layers: int) -> List[int]:
+    """1 for an MoE layer, 0 for a dense one, per layer (Megatron-Core's reading of ``--moe-layer-freq``: every
+    ``freq``-th layer for an int, else the list itself)."""
+    if isinstance(moe_layer_freq, int):
+        return [1 if i % moe_layer_freq == 0 else 0 for i in range(num_layers)]
+    return list(moe_layer_freq)
 
 
 def transformer_config_fields(args) -> dict:
-    """The TransformerConfig fields these flags set (Megatron-LM's core_transformer_config_from_args)."""
+    """Mapper of the shape flags to their (MLA)TransformerConfig fields (Megatron-LM's core_transformer_config_from_args);
+    ``multi_latent_attention`` selects ``MLATransformerConfig`` (model.py), whose RoPE is YaRN, as Megatron-LM's."""
     import torch.nn.functional as F
 
     fields = dict(
@@ -51,20 +53,7 @@ def transformer_config_fields(args) -> dict:
         fields.update(moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
                       moe_shared_expert_gate=args.moe_shared_expert_gate,
                       moe_router_pre_softmax=args.moe_router_pre_softmax, moe_layer_freq=args.moe_layer_freq)
-    fields.update(deepseek_config_fields(args))
-    return fields
-
-
-def gpt_model_fields(args) -> dict:
-    """The GPTModel arguments these flags set."""
-    return dict(position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
-                rotary_base=args.rotary_base)
-
-
-def deepseek_config_fields(args) -> dict:
-    """The (MLA)TransformerConfig fields of the DeepSeek flags; ``multi_latent_attention`` selects
-    ``MLATransformerConfig`` (model.py), whose RoPE is YaRN, as Megatron-LM's."""
-    fields = {}
+    # the DeepSeek flags
     if args.multi_latent_attention:
         fields.update({name: getattr(args, name) for name in MLA_FIELDS}, multi_latent_attention=True,
                       rotary_base=args.rotary_base, rotary_percent=args.rotary_percent)

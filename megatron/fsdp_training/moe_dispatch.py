@@ -12,8 +12,6 @@ the same decision (``dispatcher_settings``), so what is said and what runs canno
 
 from __future__ import annotations
 
-import argparse
-
 # --moe-flex-dispatcher-backend's choices and the module each needs (Megatron-Core's fused_a2a imports them).
 FLEX_BACKEND_MODULES = {"deepep": "deep_ep", "hybridep": "deep_ep", "ncclep": "transformer_engine"}
 
@@ -27,10 +25,11 @@ def _installed(module: str) -> bool:
         return False
 
 
-def flex_runs_here(args) -> bool:
+def flex_runs_here(backend: str = "deepep") -> bool:
+    """Whether ``--moe-flex-dispatcher-backend``'s kernels can run here."""
     import torch
 
-    module = FLEX_BACKEND_MODULES.get(getattr(args, "moe_flex_dispatcher_backend", "deepep"))
+    module = FLEX_BACKEND_MODULES.get(backend)
     return torch.cuda.is_available() and module is not None and _installed(module)
 
 
@@ -40,7 +39,7 @@ def permute_fusion_runs_here() -> bool:
     return torch.cuda.is_available() and _installed("transformer_engine")
 
 
-def local_spec_without_grouped_gemm(args) -> bool:
+def local_spec_without_grouped_gemm(transformer_impl: str = "transformer_engine") -> bool:
     """Megatron-Core 0.17+ builds ``SequentialMLP`` for ``moe_grouped_gemm`` in its local spec (the CPU spec, or
     ``--transformer-impl local``); 0.16.1's local spec has ``GroupedMLP`` (mcore_releases.HAS_LEGACY_GROUPED_MLP)."""
     import torch
@@ -48,15 +47,16 @@ def local_spec_without_grouped_gemm(args) -> bool:
     from megatron.fsdp.mcore_releases import HAS_LEGACY_GROUPED_MLP  # Megatron-Core itself: not at import (the parser imports this)
 
     return not HAS_LEGACY_GROUPED_MLP and (not torch.cuda.is_available()
-                                           or getattr(args, "transformer_impl", "transformer_engine") == "local")
+                                           or transformer_impl == "local")
 
 
-def dispatcher_settings(args: argparse.Namespace) -> dict:
-    """The TransformerConfig dispatcher fields after the substitutions (one truth for both)."""
-    flex = args.moe_token_dispatcher_type == "flex" and flex_runs_here(args)
+def dispatcher_settings(dispatcher_type: str, flex_backend: str, permute_fusion: bool) -> dict:
+    """The TransformerConfig dispatcher fields after the substitutions (one truth for both): from
+    ``--moe-token-dispatcher-type``, ``--moe-flex-dispatcher-backend`` and ``--moe-permute-fusion``."""
+    flex = dispatcher_type == "flex" and flex_runs_here(flex_backend)
     settings = dict(moe_token_dispatcher_type="flex" if flex else (
-        "alltoall" if args.moe_token_dispatcher_type == "flex" else args.moe_token_dispatcher_type),
-        moe_permute_fusion=bool(getattr(args, "moe_permute_fusion", False)) and permute_fusion_runs_here())
+        "alltoall" if dispatcher_type == "flex" else dispatcher_type),
+        moe_permute_fusion=bool(permute_fusion) and permute_fusion_runs_here())
     if flex:
-        settings["moe_flex_dispatcher_backend"] = args.moe_flex_dispatcher_backend
+        settings["moe_flex_dispatcher_backend"] = flex_backend
     return settings

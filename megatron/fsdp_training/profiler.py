@@ -18,21 +18,19 @@ from typing import Optional
 
 import torch
 
-
-def uses_torch_profiler(args) -> bool:
-    return args.profile and (args.use_pytorch_profiler or not torch.cuda.is_available())
+from .logs.logging_config import LoggingConfig
 
 
 class Profiler:
     """Started before the first iteration, ``step()`` after each; a no-op unless this rank profiles."""
 
-    def __init__(self, args, rank: int, start_iteration: int = 0):
-        self.args = args
-        self.on = args.profile and (not args.profile_ranks or rank in args.profile_ranks)
+    def __init__(self, config: LoggingConfig, rank: int, start_iteration: int = 0):
+        self.config = config
+        self.on = config.profile and (not config.profile_ranks or rank in config.profile_ranks)
         self.torch: Optional[torch.profiler.profile] = None
         self.iteration = start_iteration
-        if self.on and uses_torch_profiler(args):
-            start, end = args.profile_step_start, args.profile_step_end
+        if self.on and config.uses_torch_profiler:
+            start, end = config.profile_step_start, config.profile_step_end
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -41,7 +39,7 @@ class Profiler:
                 schedule=torch.profiler.schedule(wait=max(start - 1 - start_iteration, 0),
                                                  warmup=1 if start > start_iteration else 0,
                                                  active=end - max(start, start_iteration), repeat=1),
-                on_trace_ready=torch.profiler.tensorboard_trace_handler(args.tensorboard_dir),
+                on_trace_ready=torch.profiler.tensorboard_trace_handler(config.tensorboard_dir),
                 record_shapes=True, with_stack=False)
             self.torch.start()
 
@@ -52,11 +50,11 @@ class Profiler:
             return
         if self.torch is not None:
             self.torch.step()
-            if self.iteration >= self.args.profile_step_end:
+            if self.iteration >= self.config.profile_step_end:
                 self.stop()
-        elif self.iteration == self.args.profile_step_start:
+        elif self.iteration == self.config.profile_step_start:
             torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStart())
-        elif self.iteration == self.args.profile_step_end:
+        elif self.iteration == self.config.profile_step_end:
             torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStop())
 
     def stop(self) -> None:

@@ -1,7 +1,8 @@
 """The training loop as an object: Megatron-LM's ``pretrain`` and ``train`` over ``get_forward_backward_func``.
 
 ``Trainer`` holds what a run needs (model chunks, optimizer, schedule, datasets, saver, timers, loop controls,
-profiler, scalar writers) and reads the loop's settings as one typed view (``LoopConfig``). ``setup`` builds the
+profiler, scalar writers) and reads the loop's settings as one typed view (``LoopConfig``); each component gets
+its own view, built once in ``setup`` (``DataConfig``, ``LoggingConfig``, ``BatchRampup``, ...). ``setup`` builds the
 parts, ``load`` restores a checkpoint, ``train_step`` runs one iteration, ``evaluate`` one validation and ``run``
 the loop with its logs and saves. What happens is reported to ``TrainingObserver``s (tests record through one);
 the log lines are Megatron-LM's (docs/training.md).
@@ -16,13 +17,18 @@ from typing import Mapping, Optional, Sequence, Tuple
 import torch.distributed as dist
 
 from . import forward_step as gpt_step, model as model_lib
-from .batch_rampup import global_batch_at
+from .batch_rampup import BatchRampup
 from .checkpointing import non_persistent, save_load as checkpointing
 from .checkpointing.async_save import CheckpointSaver
+from .checkpointing.checkpoint_config import CheckpointConfig
 from .data import datasets as data
+from .data.data_config import DataConfig
 from .job_setup import setup
 from .logs.lines import (IntervalLog, end_of_run_line, format_fields, gather_per_rank, insert_field, memory_line,
                          memory_mib, persistent_line, print_rank_0, reset_peak_memory, summary)
+from .logs.aux_loss_config import AuxLossConfig
+from .logs.logging_config import LoggingConfig
+from .logs.model_size import ModelSize
 from .logs.moe_losses import moe_aux_losses, mtp_losses
 from .logs.throughput import throughput
 from .logs.timers import IterationTimers
@@ -47,11 +53,12 @@ class LoopConfig:
     exit_signal_handler: bool
     global_batch_size: int
     micro_batch_size: int
+    num_micro_batches: int  # of a --global-batch-size step (validation's; a ramped step has fewer)
     data_parallel_size: int
     seq_length: int
-    log_throughput: bool
-    log_params_norm: bool
-    log_timers_to_tensorboard: bool
+    manual_gc: bool
+    manual_gc_interval: int
+    empty_unused_memory_level: int
 
     @classmethod
     def from_args(cls, args) -> "LoopConfig":
@@ -93,6 +100,7 @@ class Trainer:
     def __init__(self, args, observers: Sequence[TrainingObserver] = ()):
         self.args = args
         self.config: Optional[LoopConfig] = None  # read once the arguments are validated (setup)
+        self.checkpoint_config: Optional[CheckpointConfig] = None  # the same (setup)
         self.observers = tuple(observers)
         self.job_start = time.perf_counter()  # --exit-duration-in-mins counts from here, as Megatron-LM's pretrain
         self.model = self.optimizer = self.scheduler = None
@@ -104,43 +112,49 @@ class Trainer:
 
         args = self.args
         self.device, self.tokenizer, self.model, self.optimizer, self.scheduler = setup(args, hold_save=True)
+        self.checkpoint_config = CheckpointConfig.from_args(args)
         self.config = LoopConfig.from_args(args)
-        self.train_ds, self.valid_ds, _test_ds = data.build_datasets(args, self.tokenizer)
+        # the components' views, read after set-up (it sets the padded vocabulary that ModelSize and wandb read)
+        self.rampup = BatchRampup.from_args(args)
+        self.logging = LoggingConfig.from_args(args)
+        self.model_size = ModelSize.from_args(args)
+        self.aux_losses = AuxLossConfig.from_args(args)
+        self.train_ds, self.valid_ds, _test_ds = data.build_datasets(DataConfig.from_args(args), self.tokenizer)
         summary(args, self.model, self.optimizer)
-        self.board = ScalarWriters(args)
-        self.timers = IterationTimers(self.config.log_timers_to_tensorboard)
+        self.board = ScalarWriters(self.logging)
+        self.timers = IterationTimers(self.logging.log_timers_to_tensorboard)
         time_grad_sync(self.model, self.timers)
         self.forward_backward = get_forward_backward_func()
         self.forward_step = gpt_step.make_forward_step(self.device)
-        self.saver = CheckpointSaver(args)
-        self.controls = LoopControls(args, self.job_start)
+        self.saver = CheckpointSaver(self.checkpoint_config)
+        self.controls = LoopControls(self.config, self.job_start)
 
     def close(self) -> None:
         """Release ``--save``'s lock and the non-persistent directories (``checkpointing/ownership.py``)."""
-        checkpointing.release_save_directory(self.args)
-        non_persistent.release(self.args)
+        checkpointing.release_save_directory()  # also after a build that failed once the locks were taken
+        non_persistent.release()
 
     # ------------------------------------------------------------------ pieces of the loop
     def evaluate(self, iteration: int, note: str = "") -> Optional[float]:
         """The validation loss at ``iteration`` (None without a validation set), logged and on the board."""
         c = self.config
-        valid = gpt_step.evaluate(self.forward_backward, self.forward_step, self.model, self.valid_ds, self.args,
+        valid = gpt_step.evaluate(self.forward_backward, self.forward_step, self.model, self.valid_ds, c,
                          (iteration // c.eval_interval - 1) * c.eval_iters * c.global_batch_size)
         if valid is not None:
-            self.board.scalars(iteration, validation_scalars(self.args, valid))
+            self.board.scalars(iteration, validation_scalars(self.logging, valid))
             print_rank_0(f" validation loss at iteration {iteration}{note} | lm loss value: {valid:.6E} |")
         return valid
 
     def load(self) -> Tuple[int, int]:
         """``--load`` (the newer of it and the non-persistent checkpoint); then no save may overwrite a newer
         checkpoint. Returns ``(iteration, consumed samples)``."""
-        args, c = self.args, self.config
-        start, consumed = non_persistent.load_checkpoint(args, self.model, self.optimizer, self.scheduler) \
-            if args.load else (0, 0)
-        checkpointing.check_save_directory(args, start)
-        non_persistent.check_newer(args, start)
+        c, checkpoint = self.config, self.checkpoint_config
+        start, consumed = non_persistent.load_checkpoint(checkpoint, self.model, self.optimizer, self.scheduler) \
+            if checkpoint.load else (0, 0)
+        checkpointing.check_save_directory(checkpoint, start)
+        non_persistent.check_newer(checkpoint, start)
         valid = None
-        if args.load and start and c.eval_interval and start % c.eval_interval == 0:
+        if checkpoint.load and start and c.eval_interval and start % c.eval_interval == 0:
             # The saved run logged this validation loss too: equal values show the load is complete.
             valid = self.evaluate(start, " (loaded checkpoint)")
         self._report("loaded", start, valid)
@@ -149,15 +163,16 @@ class Trainer:
     def train_step(self, iteration: int, consumed: int) -> Tuple[StepResult, Optional[int], Optional[float]]:
         """One iteration from ``consumed`` samples: forward-backward over the global batch's micro-batches, the
         optimizer step and the schedule. Returns the step, the zeros counted in the gradients and the params norm."""
-        args, c = self.args, self.config
+        c = self.config
         start = time.perf_counter()
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        batch = global_batch_at(args, consumed)  # --rampup-batch-size: this iteration's global batch
+        batch = self.rampup.global_batch_at(consumed)  # --rampup-batch-size: this iteration's global batch
         model = self.model if len(self.model) > 1 else self.model[0]
         reduced = self.timers.wrap("forward-backward", self.forward_backward)(
-            forward_step_func=self.forward_step, data_iterator=gpt_step.micro_batches(self.model, self.train_ds, args, consumed),
+            forward_step_func=self.forward_step,
+            data_iterator=gpt_step.micro_batches(self.model, self.train_ds, c.micro_batch_size, consumed),
             model=model, num_microbatches=batch // (c.micro_batch_size * c.data_parallel_size),
             seq_length=c.seq_length, micro_batch_size=c.micro_batch_size, decoder_seq_length=c.seq_length,
             forward_only=False)
@@ -166,9 +181,10 @@ class Trainer:
         ok, grad_norm, num_zeros = self.timers.wrap("optimizer", self.optimizer.step)()
         self.controls.after_step(iteration)
         self.profiler.step()
-        params_norm = model_lib.params_norm(self.model, self.optimizer) if c.log_params_norm else None
+        params_norm = model_lib.params_norm(self.model, self.optimizer) if self.logging.log_params_norm else None
         self.scheduler.step(increment=batch)
-        losses = {"lm loss": gpt_step.mean_loss(reduced), **mtp_losses(args, self.device), **moe_aux_losses(args, self.device)}
+        losses = {"lm loss": gpt_step.mean_loss(reduced), **mtp_losses(self.aux_losses, self.device),
+                  **moe_aux_losses(self.aux_losses, self.device)}
         step = StepResult(iteration, losses, None if grad_norm is None else float(grad_norm), not ok,
                           self.optimizer.param_groups[0]["lr"], batch, time.perf_counter() - start)
         return step, num_zeros, params_norm
@@ -176,20 +192,22 @@ class Trainer:
     def _log_step(self, step: StepResult, num_zeros, params_norm, interval: IntervalLog, consumed: int) -> Optional[float]:
         """The board's scalars every iteration and Megatron-LM's iteration line every ``--log-interval``; returns
         the highest peak memory over ranks when a line was printed."""
-        args, c = self.args, self.config
-        rates = throughput(args, step.seconds, dist.get_world_size(), step.batch) if c.log_throughput else None
+        c = self.config
+        rates = throughput(self.model_size, step.seconds, dist.get_world_size(), step.batch) \
+            if self.logging.log_throughput else None
         peak_mib = memory_mib()["peak"]  # one reading for the board and the log line
         self.board.scalars(step.iteration, iteration_scalars(step, rates, peak_mib))
         self.board.scalars(step.iteration, self.timers.take())
-        self.board.scalars(step.iteration, extra_scalars(args, num_zeros, params_norm, memory_mib()))
+        self.board.scalars(step.iteration, extra_scalars(self.logging, num_zeros, params_norm, memory_mib()))
         if step.iteration % c.log_interval:
             return None
         fields = interval.fields(step.iteration, c.train_iters, consumed, step.learning_rate, step.batch,
                                  step.grad_norm)
-        for name, value in reversed(extra_fields(args, num_zeros, params_norm)):
+        for name, value in reversed(extra_fields(self.logging, num_zeros, params_norm)):
             insert_field(fields, name, value, after="grad norm")
-        if c.log_throughput:  # over the interval, after the elapsed time, where Megatron-LM prints it
-            rates = throughput(args, interval.seconds / max(1, interval.iterations), dist.get_world_size(), step.batch)
+        if self.logging.log_throughput:  # over the interval, after the elapsed time, where Megatron-LM prints it
+            rates = throughput(self.model_size, interval.seconds / max(1, interval.iterations), dist.get_world_size(),
+                               step.batch)
             for name, value in reversed(rates.log_fields()):
                 insert_field(fields, name, value, after="elapsed time per iteration (ms)")
         print_rank_0(format_fields(fields))
@@ -205,7 +223,7 @@ class Trainer:
         iteration. The saver is abandoned (no collective) if the loop raises; the profiler and controls stop."""
         start, consumed = self.load()
         self.saver.prepare(self.model, self.optimizer)  # --async-save: its host staging buffers, once
-        self.profiler = Profiler(self.args, dist.get_rank(), start)
+        self.profiler = Profiler(self.logging, dist.get_rank(), start)
         try:
             return self._loop(start, consumed)
         except BaseException:
@@ -217,7 +235,7 @@ class Trainer:
             self.board.close()
 
     def _loop(self, start: int, consumed: int) -> int:
-        args, c = self.args, self.config
+        c = self.config
         saved_at, consumed_at_start = start, consumed
         exit_signal = ExitSignalHandler() if c.exit_signal_handler else None
         for chunk in self.model:
@@ -232,7 +250,7 @@ class Trainer:
             interval.add(step.seconds, dict(step.losses), skipped=step.skipped)
             self._report("stepped", step)
             if iteration == start + 1:  # the optimizer state exists only now
-                line = persistent_line(args, self.model, self.optimizer)
+                line = persistent_line(self.model, self.optimizer)
                 if line is not None:
                     print_rank_0(" " + line)
             peak = self._log_step(step, num_zeros, params_norm, interval, consumed)
@@ -248,9 +266,10 @@ class Trainer:
             if c.save and ((c.save_interval and iteration % c.save_interval == 0) or exiting):
                 self.saver.save(iteration, consumed, self.model, self.optimizer, self.scheduler)
                 saved_at = iteration
-            elif non_persistent.due(args, iteration):  # as Megatron-LM: where no persistent save runs
+            elif non_persistent.due(self.checkpoint_config, iteration):  # as Megatron-LM: where no persistent save runs
                 self.saver.wait(iteration)  # --async-save: a persistent save in flight first
-                non_persistent.save(args, iteration, consumed, self.model, self.optimizer, self.scheduler)
+                non_persistent.save(self.checkpoint_config, iteration, consumed, self.model, self.optimizer,
+                                    self.scheduler)
             else:
                 self.saver.poll(iteration)
             if exiting:

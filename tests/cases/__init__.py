@@ -1,7 +1,6 @@
-"""The suite's shared cases and checks, in one place an IDE can follow.
+"""The suite's shared helpers: each holds the cases and checks that several test modules run.
 
-Worker-side cases (``fn(ctx, **kwargs)``, run in the gloo pools of
-``megatron/fsdp/testing/pool.py`` and passed to ``WorkerPool.run`` as functions), the models
-and Megatron-Core set-ups they build, and the pytest-side checks and arguments that
-more than one test module uses. Test modules import from here, never from each other.
+Worker-side cases (``fn(ctx, **kwargs)``, run in the gloo pools of ``megatron/fsdp/testing/pool.py``)
+and pytest-side checks. A test module keeps its own cases and reads in one helper at most; a helper
+imports no other module of ``tests/`` (docs/testing.md, "Where things live").
 """

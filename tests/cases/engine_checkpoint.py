@@ -158,3 +158,10 @@ def fresh_optimizer_round_trip(ctx, path: str) -> Dict[str, object]:
     fsdp, opt = wrap(ctx, dataclasses.replace(cfg, seed=7))
     _load(ctx, fsdp, opt, path)
     return {"straight": straight, "resumed": _train(ctx, fsdp, opt, cfg, 0, 2)}
+
+
+def assert_exact_resume(result):
+    """A case's result, checked in the test: weights, compute weights and the continued run as saved."""
+    assert result["params_equal"], "full parameters after load differ from the saved ones"
+    assert result["compute_matches_main"], "compute weights were not rebuilt from the loaded main weights"
+    assert result["resumed"] == result["straight"], (result["resumed"], result["straight"])

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from megatron.fsdp.checkpoint.pieces import flat_boxes
-from tests.cases import engine_checkpoint as cases
 from megatron.fsdp.testing.common import LEVELS, rel
-from tests.cases.parity import assert_exact_resume
+from tests.cases import engine_checkpoint as cases
+from tests.cases.engine_checkpoint import assert_exact_resume
 
 
 def test_flat_boxes_tile_any_range():

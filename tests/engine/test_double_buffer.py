@@ -1,4 +1,4 @@
-"""``fully_shard(double_buffer=True)`` (``--fsdp-double-buffer``): persistent gather buffers, bitwise the same training.
+"""``fully_shard(overlap=Overlap(double_buffer=True))`` (``--fsdp-double-buffer``): persistent gather buffers, bitwise the same training.
 
 Without it a ZeRO-3 unit allocates its full weights at every gather; with it the units
 gather into a few buffers allocated once (``sharding/gather_buffers.py``): each unit finds
@@ -6,11 +6,50 @@ its weights at one address every step, two (or prefetch depth + 1) buffers per s
 nesting depth, and losses, grad norms and parameters equal the run without, bit for bit.
 """
 
+from __future__ import annotations
+
+import dataclasses
+
 import pytest
 import torch
 
+import megatron.fsdp as mfsdp
 from megatron.fsdp.sharding.gather_buffers import Candidate, nesting_depth, plan
-from tests.cases.double_buffer import with_and_without
+from megatron.fsdp.testing.engine_training import RunConfig, make_batches, train_step, wrap, GLOBAL_MICRO_BATCH
+
+
+def _at_its_buffer(storage):
+    buffer = storage.gather_buffer
+    return None if buffer is None else storage.full.data_ptr() == buffer.tensor.data_ptr()
+
+
+def _train(ctx, cfg: RunConfig, **fully_shard_kwargs) -> dict:
+    """Train ``cfg``; also, per unit, whether its weights were at its gather buffer's address at every forward."""
+    fsdp, opt = wrap(ctx, cfg, **fully_shard_kwargs)
+    addresses = {unit.name: set() for unit in fsdp.units if unit.storage.releases}
+    for unit in fsdp.units:
+        if unit.name in addresses and unit.name != "<root>":
+            unit.module.register_forward_hook(
+                lambda _m, _a, _o, u=unit: addresses[u.name].add(_at_its_buffer(u.storage)))
+    losses, norms = [], []
+    for step in make_batches(cfg.steps, cfg.micro_batches, GLOBAL_MICRO_BATCH):
+        loss, norm = train_step(ctx, fsdp, opt, step, cfg)
+        losses.append(loss)
+        norms.append(norm)
+    params = fsdp.full_state_dict()  # a collective: every rank
+    buffers = {id(u.storage.gather_buffer) for u in fsdp.units if u.storage.gather_buffer is not None}
+    return {"losses": losses, "grad_norms": norms, "params": params if ctx.rank == 0 else None,
+            "at_buffer": {name: sorted(found, key=str) for name, found in addresses.items() if found},
+            "buffers": len(buffers), "compute_bytes": fsdp.memory_report().compute_weights,
+            "buffered_units": [u.name for u in fsdp.units if u.storage.gather_buffer is not None]}
+
+
+def with_and_without(ctx, prefetch: int = 1, **cfg_fields) -> dict:
+    """The run without double buffering, then with it (same model, batches, seed)."""
+    cfg = dataclasses.replace(RunConfig(), **cfg_fields)
+    overlap = mfsdp.Overlap(forward_prefetch=prefetch, backward_prefetch=prefetch)
+    return {"plain": _train(ctx, cfg, overlap=overlap),
+            "double": _train(ctx, cfg, overlap=dataclasses.replace(overlap, double_buffer=True))}
 
 
 def _assert_bitwise(plain, double):

@@ -11,9 +11,36 @@ import dataclasses
 import pytest
 
 import megatron.fsdp as mfsdp
-from megatron.fsdp.testing.engine import expert_layout, expert_outside_unit
+from megatron.fsdp.testing.engine_training import GLOBAL_MICRO_BATCH, build_model, train_step, wrap
 from megatron.fsdp.testing.engine_training import RunConfig
-from tests.cases.parity import FP32_RTOL, assert_parity, reference, run
+from megatron.fsdp.testing.models import Block, make_batches
+from tests.cases.engine_shared import FP32_RTOL, assert_parity, reference, run
+
+
+def expert_layout(ctx):
+    """Dense ZeRO-3 with an expert section at ZeRO-1 on the same ranks: units, levels, ledger axes."""
+    cfg = RunConfig(strategy="optim_grads_params", expert_strategy="optim", micro_batches=2, steps=1)
+    fsdp, opt = wrap(ctx, cfg)
+    for step in make_batches(cfg.steps, cfg.micro_batches, GLOBAL_MICRO_BATCH):
+        train_step(ctx, fsdp, opt, step, cfg)
+    experts = [u for u in fsdp.units if u.storage.section == "expert"]
+    return {
+        "expert_units": [u.name for u in experts],
+        "expert_params": [n for u in experts for n in u.param_names],
+        "levels": {name: str(s.levels) for name, s in fsdp.sections.items()},
+        "expert_axes": sorted({axis for _kind, axis in fsdp.ledger.summary() if axis.startswith("expert")}),
+    }
+
+
+def expert_outside_unit(ctx):
+    """An expert parameter in the root unit cannot be gathered with its layer: a clear error on every rank."""
+    model = build_model(RunConfig())
+    experts = mfsdp.ExpertSharding(lambda name, p: name.startswith("embed"), mfsdp.DataParallelMesh(ctx.group))
+    try:
+        mfsdp.fully_shard(model, unit_modules=(Block,), mesh=ctx.group, experts=experts)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 REFERENCE = RunConfig(strategy="no_shard", micro_batches=3)

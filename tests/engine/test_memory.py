@@ -5,7 +5,7 @@ import torch
 
 from megatron.fsdp.testing import engine as cases
 from megatron.fsdp.testing.common import LEVELS
-from tests.cases.parity import assert_memory_matches_theory
+from tests.cases.engine_shared import assert_memory_matches_theory, gather_schedule
 from tests.cases.level_matrix import covering
 
 
@@ -19,7 +19,7 @@ def test_persistent_bytes_match_theory(pool, strategy, world_size, bf16):
 
 
 def test_no_full_parameters_remain_after_zero3_backward(pool):
-    result = pool.run(cases.gather_schedule, size=3, micro_batches=2, recompute=True)[0]
+    result = pool.run(gather_schedule, size=3, micro_batches=2, recompute=True)[0]
     assert result["resident_after_step"] == []
     assert result["transient_grads_after_step"] == []
 

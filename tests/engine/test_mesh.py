@@ -5,10 +5,11 @@ import dataclasses
 import pytest
 
 import megatron.fsdp as mfsdp
-from megatron.fsdp.testing import engine as cases
 from megatron.fsdp.sharding.strategy import parse_mesh_strategy, valid_pairs
+from megatron.fsdp.testing import engine as cases
 from megatron.fsdp.testing.engine_training import RunConfig
-from tests.cases.parity import FP32_RTOL, assert_memory_matches_theory, assert_parity, reference, run
+from tests.cases.engine_shared import (FP32_RTOL, assert_memory_matches_theory, assert_parity, forgotten_no_sync,
+                                       reference, run)
 from tests.cases.level_matrix import covering
 
 
@@ -81,7 +82,7 @@ def test_persistent_bytes_match_formulas(pool, pair, bf16):
 
 @pytest.mark.parametrize("outer", ["no_shard", "optim"])
 def test_forgotten_no_sync_still_reduces_across_domains(pool, outer):
-    result = pool.run(cases.forgotten_no_sync, size=4, strategy="optim_grads_params", mesh=(2, 2),
+    result = pool.run(forgotten_no_sync, size=4, strategy="optim_grads_params", mesh=(2, 2),
                       outer_strategy=outer)[0]
     cfg = RunConfig(strategy="no_shard", micro_batches=2, steps=3)
     assert_parity(result, reference(cfg), FP32_RTOL, 1e-5)

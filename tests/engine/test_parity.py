@@ -7,7 +7,7 @@ import torch
 
 from megatron.fsdp.testing.common import LEVELS, rel
 from megatron.fsdp.testing.engine_training import RunConfig
-from tests.cases.parity import FP32_RTOL, assert_parity, reference, run
+from tests.cases.engine_shared import FP32_RTOL, assert_parity, reference, run
 from tests.cases.level_matrix import covering
 
 

@@ -10,13 +10,31 @@ import gc
 import os
 import subprocess
 import sys
+import threading
 import weakref
 
 import torch
 
-from tests.cases.harness import environment_after_setting, pid_after_starting_threads
 from megatron.fsdp.testing.pool import _release_leftovers
 from megatron.fsdp_training.testing.pools import pool_of
+
+
+_held = threading.Event()
+
+
+def pid_after_starting_threads(ctx, threads: int = 0) -> int:
+    """Start ``threads`` idle threads that outlive the case (as a leaked group's threads do); return the pid."""
+    for _ in range(threads):
+        threading.Thread(target=_held.wait, daemon=True).start()
+    return os.getpid()
+
+
+def environment_after_setting(ctx, name: str, value: str) -> "str | None":
+    """Return what ``name`` was when the case started, then set it to ``value`` (as a Megatron-Core model
+    sets ``NVTE_*_ATTN`` for its attention backend)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    return before
 
 
 class _Keep(torch.autograd.Function):
@@ -76,7 +94,7 @@ def test_a_closed_pool_leaves_the_temp_folder_as_it_found_it(tmp_path):
     """A fresh process that starts a pool, runs a case and closes it leaves nothing in its TMPDIR
     (no ``mfsdp-pool-*`` folders behind)."""
     script = ("from megatron.fsdp.testing.pool import WorkerPool\n"
-              "from tests.cases.harness import environment_after_setting, pid_after_starting_threads\n"
+              "from tests.engine.test_pool_hygiene import pid_after_starting_threads\n"
               "pool = WorkerPool(1)\n"
               "pool.run(pid_after_starting_threads)\n"
               "pool.close()\n")

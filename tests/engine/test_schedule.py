@@ -1,17 +1,82 @@
 """The collective schedule, read from the ledger: what is gathered and reduced, when, and how much."""
 
 import pytest
+import torch
 
-from megatron.fsdp.testing import engine as cases
+import megatron.fsdp as mfsdp
 from megatron.fsdp.testing.common import LEVELS
-from megatron.fsdp.testing.engine_training import RunConfig
-from tests.cases.parity import assert_parity, reference
+from megatron.fsdp.testing.engine import GRAD_KINDS, grad_traffic
+from megatron.fsdp.testing.engine_training import GLOBAL_MICRO_BATCH, RunConfig, build_model, local_slice, train_step, wrap
+from megatron.fsdp.testing.models import MLP, Block, make_batches
+from tests.cases.engine_shared import assert_parity, forgotten_no_sync, gather_schedule, reference
+
+
+def post_backward_hooks(ctx, micro_batches: int = 2):
+    """ZeRO-3: what a ``register_post_backward_hook`` hook sees at each call (the unit, whether its
+    weights are released and its reduction issued), one step with the hook, one after ``remove()``."""
+    cfg = RunConfig(strategy="optim_grads_params", micro_batches=micro_batches, steps=2)
+    fsdp, opt = wrap(ctx, cfg)
+    fsdp.ledger.trace = True
+    by_name = {u.name: u for u in fsdp.units}
+    calls = []
+
+    def hook(name):
+        reduced = sum(1 for e in fsdp.ledger.events if e.kind in GRAD_KINDS and e.tag == name)
+        calls.append((name, by_name[name].storage.resident, reduced))
+    handle = fsdp.register_post_backward_hook(hook)
+    first, second = make_batches(cfg.steps, cfg.micro_batches, GLOBAL_MICRO_BATCH)
+    train_step(ctx, fsdp, opt, first, cfg)
+    with_hook = list(calls)
+    handle.remove()
+    train_step(ctx, fsdp, opt, second, cfg)
+    return {"calls": with_hook, "after_remove": len(calls) - len(with_hook),
+            "units": [u.name for u in fsdp.units if u.num_trainable]}
+
+
+def max_resident_units(ctx, steps: int = 2):
+    """Largest number of units holding full ZeRO-3 weights at any forward or backward hook."""
+    cfg = RunConfig(strategy="optim_grads_params", micro_batches=1, steps=steps)
+    model = build_model(cfg)
+    peak = [0]
+    holder = {}
+
+    def observe(*_args):
+        if "fsdp" in holder:
+            peak[0] = max(peak[0], sum(u.storage.resident for u in holder["fsdp"].units))
+
+    for m in model.modules():
+        if isinstance(m, (Block, MLP)):
+            m.register_forward_pre_hook(lambda *a: observe())
+            m.register_forward_hook(lambda *a: observe())
+            m.register_full_backward_pre_hook(lambda *a: observe())
+    fsdp = mfsdp.fully_shard(model, strategy=cfg.strategy, unit_modules=(Block, MLP), mesh=ctx.group)
+    holder["fsdp"] = fsdp
+    opt = mfsdp.FullyShardedOptimizer(fsdp, torch.optim.AdamW, lr=1e-3)
+    for step in make_batches(cfg.steps, 1, GLOBAL_MICRO_BATCH):
+        train_step(ctx, fsdp, opt, step, cfg)
+    return {"peak": peak[0], "units": len(fsdp.units)}
+
+
+def eval_forward(ctx, strategy: str):
+    """A forward under no_grad between steps: the same loss as with grad, nothing left gathered."""
+    cfg = RunConfig(strategy=strategy, micro_batches=1, steps=2)
+    fsdp, opt = wrap(ctx, cfg)
+    batches = make_batches(cfg.steps, 1, GLOBAL_MICRO_BATCH)
+    train_step(ctx, fsdp, opt, batches[0], cfg)
+    tokens, targets = batches[1][0]
+    with torch.no_grad():
+        eval_loss = fsdp(local_slice(ctx, tokens), local_slice(ctx, targets)).item()
+    resident = [u.name for u in fsdp.units if fsdp.strategy.shard_params and u.storage.resident]
+    train_loss = fsdp(local_slice(ctx, tokens), local_slice(ctx, targets))
+    train_loss.backward()
+    opt.step()
+    return {"eval": eval_loss, "train": train_loss.item(), "resident_after_eval": resident}
 
 
 @pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("micro_batches", [1, 3])
 def test_zero3_gathers_each_unit_once_per_forward_and_backward(pool, micro_batches, recompute):
-    result = pool.run(cases.gather_schedule, size=2, micro_batches=micro_batches, recompute=recompute)[0]
+    result = pool.run(gather_schedule, size=2, micro_batches=micro_batches, recompute=recompute)[0]
     assert len(result["per_micro_batch"]) == micro_batches
     # The last block's forward ends last (after its nested MLP's), so the backward starts with it.
     last = [u for u in result["units"] if u.count(".") == 1][-1]
@@ -30,7 +95,7 @@ def test_zero3_gathers_each_unit_once_per_forward_and_backward(pool, micro_batch
 def test_post_backward_hook_runs_once_per_unit_after_its_reduction(pool):
     """``register_post_backward_hook``: every unit, every micro-batch's backward, weights released and
     reduction issued by then (the point the job trims its heap at); ``remove()`` stops it."""
-    result = pool.run(cases.post_backward_hooks, size=2, micro_batches=2)[0]
+    result = pool.run(post_backward_hooks, size=2, micro_batches=2)[0]
     names = [name for name, _, _ in result["calls"]]
     assert sorted(names) == sorted(result["units"] * 2), names
     half = len(names) // 2
@@ -49,7 +114,7 @@ def test_prefetch_overlaps_every_gather(pool):
 
     The first pass, other depths and the bound on gathered units: tests/engine/test_overlap.py.
     """
-    result = pool.run(cases.gather_schedule, size=2, micro_batches=1, recompute=False, steps=3)[0]
+    result = pool.run(gather_schedule, size=2, micro_batches=1, recompute=False, steps=3)[0]
     non_root = len(result["units"]) - 1
     for phase in ("forward", "backward"):
         stats = result["gather_stats"][phase]
@@ -59,7 +124,7 @@ def test_prefetch_overlaps_every_gather(pool):
 
 def test_gathered_units_are_bounded(pool):
     """Root + a block + its nested MLP + one prefetched unit at most; never the whole model."""
-    result = pool.run(cases.max_resident_units, size=2)[0]
+    result = pool.run(max_resident_units, size=2)[0]
     assert result["units"] == 5
     assert result["peak"] <= 4
 
@@ -68,7 +133,7 @@ def test_gathered_units_are_bounded(pool):
 @pytest.mark.parametrize("strategy", LEVELS)
 def test_gradient_traffic_equals_theory_plus_padding(pool, strategy, world_size):
     micro_batches = 3
-    result = pool.run(cases.grad_traffic, size=world_size, strategy=strategy, micro_batches=micro_batches)[0]
+    result = pool.run(grad_traffic, size=world_size, strategy=strategy, micro_batches=micro_batches)[0]
     overhead = result["grad_bytes"]["dp_shard"] / result["theory_bytes"]["dp_shard"] - 1
     assert 0 <= overhead < 0.01, result
     assert result["grad_bytes"]["dp_outer"] == 0
@@ -81,7 +146,7 @@ def test_gradient_traffic_equals_theory_plus_padding(pool, strategy, world_size)
 
 
 def test_single_rank_issues_no_collective(pool):
-    result = pool.run(cases.grad_traffic, size=1, strategy="optim_grads_params", micro_batches=2)[0]
+    result = pool.run(grad_traffic, size=1, strategy="optim_grads_params", micro_batches=2)[0]
     assert result["calls_after_micro_batch"] == {"dp_shard": [0, 0], "dp_outer": [0, 0]}
     assert result["grad_bytes"] == {"dp_shard": 0, "dp_outer": 0}
 
@@ -89,12 +154,12 @@ def test_single_rank_issues_no_collective(pool):
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
 def test_forgotten_no_sync_is_reduced_at_step(pool, strategy):
     cfg = RunConfig(strategy=strategy, micro_batches=2, steps=3)
-    result = pool.run(cases.forgotten_no_sync, size=3, strategy=strategy)[0]
+    result = pool.run(forgotten_no_sync, size=3, strategy=strategy)[0]
     assert_parity(result, reference(cfg), 1e-5, 1e-5)
 
 
 @pytest.mark.parametrize("strategy", LEVELS)
 def test_no_grad_forward_between_steps(pool, strategy):
-    for result in pool.run(cases.eval_forward, size=2, strategy=strategy):
+    for result in pool.run(eval_forward, size=2, strategy=strategy):
         assert result["eval"] == result["train"]
         assert result["resident_after_eval"] == []

@@ -6,15 +6,34 @@ schedule hooks differ. Losses and grad norms must agree within 1e-5 relative.
 """
 
 import pytest
+import torch
 
-from megatron.fsdp_training.testing.adapter import eval_leaves_nothing_gathered, fsdp_run
-from tests.cases.baselines import megatron_ddp
 from megatron.fsdp.testing.common import LEVELS, rel
-from megatron.fsdp_training.testing.gpt import STEPS, TOPOLOGIES, Topology
+from megatron.fsdp_training.testing.adapter import build, fsdp_run, wire_fsdp_hooks
+from megatron.fsdp_training.testing.gpt import (ROWS_PER_DP_RANK, SEQ_LENGTH, STEPS, TOPOLOGIES, Topology, data_iterator,
+                                                forward_step, make_batches, parallel, tiny_gpt_config)
+from tests.cases.baselines import megatron_ddp
 from tests.cases.level_matrix import covering
 
 
 RTOL = 1e-5
+
+
+def eval_leaves_nothing_gathered(ctx, topology: Topology, strategy: str) -> dict:
+    """A forward-only pass through Megatron's schedule (evaluation) releases every unit."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    with parallel(ctx, topology):
+        config = tiny_gpt_config(topology)
+        model, optimizer = build(config, topology, strategy)
+        wire_fsdp_hooks(model, config, optimizer)
+        batches = make_batches(1, 2, ROWS_PER_DP_RANK * topology.dp(ctx.size))
+        with torch.no_grad():
+            get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=data_iterator(batches[0]),
+                model=model[0], num_microbatches=2, seq_length=SEQ_LENGTH,
+                micro_batch_size=ROWS_PER_DP_RANK, decoder_seq_length=SEQ_LENGTH, forward_only=True)
+        return {"resident": [u.name for m in model for u in m.fsdp.units if u.storage.resident]}
 
 
 def _baseline(pool, name):

@@ -147,7 +147,7 @@ def engine_ledger(ctx, micro_batches: int, hidden: int = 64, units: int = 3):
     for inner, outer in configs:
         torch.manual_seed(0)
         module = torch.nn.Sequential(*[torch.nn.Linear(hidden, hidden) for _ in range(units)])
-        where = dict(process_group=ctx.group) if outer is None else dict(mesh=ctx.meshes[(2, 2)], outer_strategy=outer)
+        where = dict(mesh=ctx.group) if outer is None else dict(mesh=ctx.meshes[(2, 2)], outer_strategy=outer)
         model = mfsdp.fully_shard(module, strategy=inner, unit_modules=(torch.nn.Linear,),
                                   mixed_precision=mfsdp.MixedPrecision(param_dtype=torch.bfloat16), **where)
         opt = mfsdp.FullyShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)

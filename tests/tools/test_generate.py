@@ -78,15 +78,14 @@ def test_a_directory_without_a_checkpoint_is_refused(tmp_path):
 
 def test_the_load_line_says_generation_not_fine_tuning():
     """generate.py loads weights only (``--finetune``'s load); the load line names its purpose."""
-    import argparse
     import inspect
 
     from megatron.fsdp_training.checkpointing.compatibility import weights_only_suffix
 
-    assert weights_only_suffix(argparse.Namespace(finetune=False)) == ""
-    assert weights_only_suffix(argparse.Namespace(finetune=True)) == " for fine-tuning"
+    assert weights_only_suffix(finetune=False) == ""
+    assert weights_only_suffix(finetune=True) == " for fine-tuning"
     assert 'weights_only_purpose = True, "generation"' in inspect.getsource(generate.run)
-    assert weights_only_suffix(argparse.Namespace(finetune=True, weights_only_purpose="generation")) == " for generation"
+    assert weights_only_suffix(finetune=True, purpose="generation") == " for generation"
 
 
 # NullTokenizer --vocab-size 63: ids 0..62 and the end of document 63, the 64 rows of this model

@@ -21,18 +21,16 @@ import dataclasses
 import json
 import os
 import re
-import shlex
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.cases.hf import finetune_first_batch, megatron_logits
 from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
-from megatron.fsdp.commands import PRETRAIN
 from megatron.fsdp_training.tools.checkpoint_tools import convert, hf_convert
-from megatron.fsdp_training.tools.checkpoint_tools.hf_io import SafetensorsReader
+from tests.cases.hf import (ZERO3, exported_again_equals, finetune_from_hf, from_hf_with_flags, megatron_logits,
+                            tensors)
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,17 +41,11 @@ LLAMA = ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", 
          "--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
          "--rotary-base", "500000"]
 MIXTRAL = LLAMA[:-2] + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48"]
-ZERO3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
 MODELS = {  # name -> (model flags, the sharded layout it is trained and saved at, model type)
     "gpt2": ([], ["--tensor-model-parallel-size", "2"], "gpt2"),
     "llama": (LLAMA, ["--pipeline-model-parallel-size", "2"], "llama"),
     "mixtral": (MIXTRAL, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"], "mixtral"),
 }
-
-
-def _tensors(directory):
-    reader = SafetensorsReader(directory)
-    return {k: reader.read(k) for k in reader.entries}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -96,7 +88,7 @@ def _export_matches_megatron_logits(pool, tmp_path, name):
     hf_convert.from_hf(str(hf_dir), str(back))
     again = tmp_path / "hf2"
     hf_convert.to_hf(str(back), str(again))
-    first, second = _tensors(hf_dir), _tensors(again)
+    first, second = tensors(hf_dir), tensors(again)
     assert sorted(first) == sorted(second)
     assert all(first[k].dtype == second[k].dtype and torch.equal(first[k], second[k]) for k in first)
     assert json.loads((hf_dir / "config.json").read_text()) == json.loads((again / "config.json").read_text())
@@ -119,25 +111,6 @@ def _byte_bpe(directory, text_dir):
     text_dir.mkdir()
     (text_dir / "a.txt").write_text("def f(x):\n    return x\n" * 20)
     train_tokenizer([str(text_dir / "a.txt")], 257, str(directory))
-
-
-def finetune_from_hf(pool, hf, hf_dir, ckpt, capsys, iterations):
-    """``convert.py from-hf`` of ``hf`` (saved in ``hf_dir``), then the command it prints at ZeRO-3 on the
-    pool: (that command, what ``finetune_first_batch`` returned, the HF model's loss on the first batch),
-    the first iteration's loss checked equal to HF's (1e-5 relative)."""
-    convert.main(["from-hf", str(hf_dir), str(ckpt)])
-    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("train from it with: "))
-    command = shlex.split(line[len("train from it with: "):])
-    assert command[:4] == [PRETRAIN, "--load", str(ckpt), "--finetune"]
-    argv = command[1:] + ["--mock-data", "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters",
-                          str(iterations), "--lr", "1e-2", "--eval-iters", "1", "--seed", "5"] + ZERO3
-    got = pool.run(finetune_first_batch, timeout=300, argv=argv)[0]
-    assert got["start_iteration"] == 0 and bool(got["loss_mask"].all())
-    with torch.no_grad():
-        logits = hf(got["tokens"]).logits
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), got["labels"].reshape(-1))
-    assert abs(got["losses"][0] - loss.item()) <= 1e-5 * loss.item(), (got["losses"], loss.item())
-    return command, got, loss.item()
 
 
 def test_finetune_from_a_huggingface_model_has_its_loss(mcore_pool, tmp_path, capsys):
@@ -285,32 +258,6 @@ def test_qwen2_qkv_biases_and_qwen2_moe_round_trip(tmp_path):
         if name.startswith("qwen2_moe"):
             assert "model.layers.1.mlp.experts.3.down_proj.weight" in out and "model.layers.0.mlp.gate_proj.weight" in out
         assert float(model.state_dict()["model.layers.0.self_attn.k_proj.bias"].abs().max()) > 0.1
-
-
-def from_hf_with_flags(model, tmp_path, name, expected_flags, pre_softmax):
-    """``model`` saved in ``tmp_path/name`` -> from-hf into ``tmp_path/name-ckpt``: the printed flags hold
-    ``expected_flags``, and ``--moe-router-pre-softmax`` exactly when ``pre_softmax``."""
-    model.save_pretrained(tmp_path / name)
-    report, arch = hf_convert.from_hf(str(tmp_path / name), str(tmp_path / f"{name}-ckpt"))
-    flags = arch.megatron_flags()
-    assert all(f in flags for f in expected_flags), (name, flags)
-    assert ("--moe-router-pre-softmax" in flags) == pre_softmax, flags
-    return report, arch, flags
-
-
-def exported_again_equals(model, ckpt, out, tokens):
-    """to-hf of ``ckpt`` (from-hf of ``model``) into ``out``: transformers loads it with no key missing,
-    unexpected or mismatched, every tensor is ``model``'s bitwise and so are the logits; returns the tensors."""
-    from transformers import AutoModelForCausalLM
-
-    hf_convert.to_hf(str(ckpt), str(out))
-    again, info = AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
-    assert all(not info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), (out, info)
-    state, loaded = model.state_dict(), again.state_dict()
-    assert sorted(loaded) == sorted(state) and all(torch.equal(loaded[k], state[k]) for k in state), out
-    with torch.no_grad():
-        assert torch.equal(model(tokens).logits, again.eval()(tokens).logits), out
-    return _tensors(out)
 
 
 def test_qwen2_moe_from_hf_matches_megatron_logits(mcore_pool, tmp_path):

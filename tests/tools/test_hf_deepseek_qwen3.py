@@ -21,14 +21,11 @@ import json
 import pytest
 import torch
 
-from tests.cases.deepseek_cases import DEEPSEEK_MODEL
 from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
-from tests.cases.hf import megatron_logits
-from tests.tools.test_hf_checkpoints import exported_again_equals, finetune_from_hf, from_hf_with_flags
 from megatron.fsdp_training.tools.checkpoint_tools import convert, hf_convert
-from megatron.fsdp_training.tools.checkpoint_tools.hf_io import SafetensorsReader
+from tests.cases.hf import (DEEPSEEK_MODEL, ZERO3, exported_again_equals, finetune_from_hf, from_hf_with_flags,
+                            megatron_logits, tensors)
 
-ZERO3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
 EP2 = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
 # The DeepSeek-V3 test model with what transformers' DeepseekV3 fixes: latent norms' epsilon 1e-6, and a
 # group scored by its top 2 experts (Megatron-Core: top topk / group_topk, so top-k 4 of 2 groups).
@@ -57,11 +54,6 @@ def _without_mtp(flags):
     return out
 
 
-def _tensors(directory):
-    reader = SafetensorsReader(directory)
-    return {k: reader.read(k) for k in reader.entries}
-
-
 @pytest.mark.parametrize("name", list(MODELS))
 def test_export_from_the_job_matches_its_logits(mcore_pool, tmp_path, name):
     from transformers import AutoModelForCausalLM
@@ -82,7 +74,7 @@ def test_export_from_the_job_matches_its_logits(mcore_pool, tmp_path, name):
                          tokens=tokens)[0]
     assert got["missing"] == [] and got["unexpected"] == [], got
     model, info = AutoModelForCausalLM.from_pretrained(str(hf_dir), output_loading_info=True)
-    mtp = sorted(k for k in _tensors(hf_dir) if k.startswith("model.layers.2."))
+    mtp = sorted(k for k in tensors(hf_dir) if k.startswith("model.layers.2."))
     if name == "deepseek_v3":  # the MTP layer as the Hub stores it, which transformers does not load
         assert config["num_nextn_predict_layers"] == 1 and config["rope_interleave"] is True
         assert {"model.layers.2.eh_proj.weight", "model.layers.2.enorm.weight", "model.layers.2.hnorm.weight",
@@ -110,7 +102,7 @@ def test_export_from_the_job_matches_its_logits(mcore_pool, tmp_path, name):
     if name == "deepseek_v3":
         assert "MTP: 1 layer(s) read from model.layers.2.*" in report.note
     hf_convert.to_hf(str(back), str(again))
-    first, second = _tensors(hf_dir), _tensors(again)
+    first, second = tensors(hf_dir), tensors(again)
     assert sorted(first) == sorted(second)
     assert all(first[k].dtype == second[k].dtype and torch.equal(first[k], second[k]) for k in first)
     assert json.loads((again / "config.json").read_text()) == config

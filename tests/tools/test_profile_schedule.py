@@ -11,7 +11,7 @@ from tools import profile_schedule as ps
 def test_profiled_step_on_a_2x2_mesh(pool, tmp_path):
     results = pool.run(ps.profile_case, size=4, timeout=300, model_size="tiny",
                        level="optim_grads_params", outer="optim_grads_params", mesh=(2, 2), bf16=False,
-                       train_iters=3, start=1, end=3, overlap={}, out=str(tmp_path))
+                       overlap={}, steps=ps.ProfiledSteps(train_iters=3, start=1, end=3, out=str(tmp_path)))
     trace = json.loads((tmp_path / "trace_rank0.json").read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     names = {e.get("name") for e in events}

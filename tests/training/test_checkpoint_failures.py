@@ -1,18 +1,101 @@
 """Checkpoints under failure: damaged files, a full disk, stale temporaries, bad paths,
 fault-injection specs and the exit signal handler. Each case gets one line a user can act on."""
 
+from __future__ import annotations
+
 import os
+import shutil
 import socket
 import subprocess
 import sys
+from pathlib import Path
+from typing import Dict, List
 
 import pytest
+import torch.distributed as dist
 
-from megatron.fsdp_training.checkpointing import files
 from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
+from megatron.fsdp_training.checkpointing import files
 from megatron.fsdp_training.testing.job import B8, MODEL, ROOT, fsdp, pretrain
-from tests.cases.job_failures import damaged_loads, full_disk_saves, sigterm_mid_training
+from megatron.fsdp_training.testing.megatron_case import megatron_case
 from megatron.fsdp_training.testing.pools import pool_of
+from tests.cases.job_checkpoint import full_disk_saves
+
+
+def _damage(directory: Path, how: str) -> None:
+    root = directory.parent
+    distcp = sorted(directory.glob("*.distcp"))[0]
+    if how == "truncate":
+        with open(distcp, "r+b") as f:
+            f.truncate(distcp.stat().st_size // 2)
+    elif how == "overwrite":  # same size, finite floats: only a checksum can tell
+        import struct
+        with open(distcp, "r+b") as f:
+            f.seek(min(4096, distcp.stat().st_size // 4))
+            f.write(struct.pack("<4096f", *([0.5] * 4096)))
+    elif how == "no_metadata":
+        (directory / ".metadata").unlink()
+    elif how == "binary_tracker":
+        (root / "latest_checkpointed_iteration.txt").write_bytes(b"\x00\x9f\xff garbage")
+
+
+def damaged_loads(ctx, argv: List[str], directory: str, damages: List[str]) -> Dict[str, str]:
+    """For each kind of damage: apply it to the newest checkpoint (a pristine copy restored first), try --load."""
+    from megatron.fsdp_training.checkpointing import save_load as checkpointing
+    from megatron.fsdp_training.checkpointing.checkpoint_config import CheckpointConfig
+    from megatron.fsdp_training.arguments import parse_args
+    from megatron.fsdp_training.job_setup import setup
+
+    root = Path(directory)
+    newest = root / f"iter_{int((root / 'latest_checkpointed_iteration.txt').read_text()):07d}"
+    pristine = root.parent / (root.name + "_pristine")
+    args = parse_args(argv + ["--load", directory])
+    out = {}
+    with megatron_case():
+        _, _, model, optimizer, scheduler = setup(args)
+        if dist.get_rank() == 0:
+            shutil.copytree(root, pristine)
+        for how in damages:
+            if dist.get_rank() == 0:
+                shutil.rmtree(root)
+                shutil.copytree(pristine, root)
+                _damage(newest, how)
+            dist.barrier()
+            try:
+                checkpointing.load_checkpoint(CheckpointConfig.from_args(args), model, optimizer, scheduler)
+                out[how] = None
+            except checkpointing.CheckpointError as exc:
+                out[how] = str(exc)
+            dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(root)
+            shutil.copytree(pristine, root)
+    return out
+
+
+def sigterm_mid_training(ctx, argv: List[str], at_iteration: int) -> Dict[str, object]:
+    """Rank 1 (only) gets SIGTERM during iteration ``at_iteration``; with --exit-signal-handler all ranks save and stop."""
+    import os
+    import signal
+
+    from megatron.fsdp_training import forward_step
+    from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
+
+    calls = {"n": 0}
+    original = forward_step.mean_loss
+
+    def mean_loss(reduced):
+        calls["n"] += 1
+        if calls["n"] == at_iteration and dist.get_rank() == dist.get_world_size() - 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler only records it
+        return original(reduced)
+
+    forward_step.mean_loss = mean_loss
+    try:
+        history = pretrain_in_pool(ctx, argv)
+    finally:
+        forward_step.mean_loss = original
+    return {"iterations": len(history["losses"]), "handler_restored": signal.getsignal(signal.SIGTERM)}
 
 
 def test_damaged_checkpoints_name_the_file_and_the_previous_good_one(tmp_path):

@@ -6,9 +6,27 @@ so a call that passes no group splits every sequence over all ranks; a model tra
 error (only the losses differ). ``megatron/fsdp/mcore_releases.py`` always passes the CP group.
 """
 
+from __future__ import annotations
+
+from typing import Dict
+
 import pytest
 
-from tests.cases.context_parallel import cp_batch_slices
+
+def cp_batch_slices(ctx) -> Dict[str, object]:
+    from megatron.core import parallel_state as ps
+    from megatron.fsdp_training.data.datasets import get_batch
+    from megatron.fsdp_training.testing.gpt import Topology, data_iterator, make_batches, parallel
+
+    topology = Topology(cp=2)
+    with parallel(ctx, topology):
+        dp = topology.dp(ctx.size)
+        unsplit = next(data_iterator(make_batches(1, 1, global_micro_batch_size=2 * dp)[0]))
+        got = get_batch(iter([dict(unsplit)]))
+        return {"cp_rank": ps.get_context_parallel_rank(), "cp_size": ps.get_context_parallel_world_size(),
+                "dp_rank": ps.get_data_parallel_rank(),
+                "unsplit": {k: v.tolist() for k, v in unsplit.items()},
+                "got": {k: v.tolist() for k, v in got.items()}}
 
 
 def _expected(values, cp_size: int, cp_rank: int, dim: int):

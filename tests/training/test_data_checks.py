@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
-from tests.training.test_data_splits import SMALL, _corpus
+from tests.cases.corpus import SMALL, corpus
 
 
 def _validate(argv):
@@ -25,7 +25,7 @@ def _validate(argv):
 
 def _corpus_in(directory):
     directory.mkdir(exist_ok=True)
-    return _corpus(directory, 10)
+    return corpus(directory, 10)
 
 
 def _rewritten(prefix, dtype):
@@ -37,7 +37,7 @@ def _rewritten(prefix, dtype):
 def test_bin_and_idx_must_agree_on_the_token_dtype(tmp_path, capsys):
     from megatron.fsdp_training.training import main
 
-    prefix = _corpus(tmp_path, 10)
+    prefix = corpus(tmp_path, 10)
     _validate(["--data-path", prefix])  # the intact pair passes
     _rewritten(prefix, np.int32)
     argv = ["--data-path", prefix]
@@ -87,8 +87,9 @@ def _mount(directory, options):
 
 def test_a_read_only_data_cache_is_refused_unless_it_holds_the_caches(tmp_path):
     from megatron.fsdp_training.data import datasets as data
+    from megatron.fsdp_training.data.data_config import DataConfig
 
-    prefix = _corpus(tmp_path, 10)
+    prefix = corpus(tmp_path, 10)
     ro, cache = tmp_path / "ro", tmp_path / "cache"
     _mount(ro, "ro")
     _mount(cache, "rw")
@@ -100,12 +101,14 @@ def test_a_read_only_data_cache_is_refused_unless_it_holds_the_caches(tmp_path):
             _validate(["--mock-data", "--data-cache-path", str(ro / "sub")])
         # a cache built once, then made read-only: read without writing, so it is no reason to refuse
         args = _validate(["--data-path", prefix, "--data-cache-path", str(cache)])
-        built = data.build_datasets(args, data.build_tokenizer(args))
+        config = DataConfig.from_args(args)
+        built = data.build_datasets(config, data.build_tokenizer(config.tokenizer))
         assert sorted(p.name.split("-", 1)[1] for p in cache.glob("*-description.txt")) == [
             "GPTDataset-train-description.txt", "GPTDataset-valid-description.txt"]
         subprocess.run(["mount", "-o", "remount,ro", str(cache)], check=True)
         args = _validate(["--data-path", prefix, "--data-cache-path", str(cache)])
-        again = data.build_datasets(args, data.build_tokenizer(args))
+        config = DataConfig.from_args(args)
+        again = data.build_datasets(config, data.build_tokenizer(config.tokenizer))
         assert [len(d) for d in again[:2]] == [len(d) for d in built[:2]]
         assert (again[0][0]["tokens"] == built[0][0]["tokens"]).all()
         del built, again  # (their indexes are memory maps of the mounted files)

@@ -7,28 +7,11 @@ under an alarm so that a regression fails in seconds instead of hanging the suit
 import contextlib
 import signal
 
-import numpy as np
 import pytest
 
 from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
 from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
-
-
-SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
-         "--micro-batch-size", "1", "--train-iters", "2", "--tokenizer-type", "ByteLevelTokenizer"]
-
-
-def _corpus(directory, documents: int, tokens_per_document: int = 200) -> str:
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    prefix = str(directory / f"corpus{documents}_text_document")
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
-    rng = np.random.default_rng(documents)
-    for _ in range(documents):
-        doc = rng.integers(0, 256, tokens_per_document).astype(np.uint16)
-        builder.add_document(doc, [doc.size])
-    builder.finalize(prefix + ".idx")
-    return prefix
+from tests.cases.corpus import SMALL, corpus
 
 
 @contextlib.contextmanager
@@ -47,7 +30,7 @@ def _no_hang(seconds: int = 60):
 @pytest.fixture(scope="module")
 def corpora(tmp_path_factory):
     d = tmp_path_factory.mktemp("corpus")
-    return {n: _corpus(d, n) for n in (10, 40)}
+    return {n: corpus(d, n) for n in (10, 40)}
 
 
 def test_small_corpus_errors_name_the_split_and_a_working_split(corpora, capsys):
@@ -76,14 +59,17 @@ def test_small_corpus_errors_name_the_split_and_a_working_split(corpora, capsys)
 def test_default_split_builds_only_used_splits(corpora):
     """40 documents at 969,30,1: the test split has none; it is unused, so it is not built (no hang)."""
     from megatron.fsdp_training.data import datasets as data
+    from megatron.fsdp_training.data.data_config import DataConfig
 
     args = validate_args(parse_args(SMALL + ["--data-path", corpora[40]]), 1)
     with _no_hang():
-        train, valid, test = data.build_datasets(args, data.build_tokenizer(args))
+        config = DataConfig.from_args(args)
+        train, valid, test = data.build_datasets(config, data.build_tokenizer(config.tokenizer))
     assert test is None and len(train) >= args.train_iters * args.global_batch_size and len(valid) >= 1
     args = validate_args(parse_args(SMALL + ["--data-path", corpora[40], "--eval-iters", "0"]), 1)
     with _no_hang():
-        assert data.build_datasets(args, data.build_tokenizer(args))[1:] == [None, None]
+        config = DataConfig.from_args(args)
+        assert data.build_datasets(config, data.build_tokenizer(config.tokenizer))[1:] == [None, None]
 
 
 def test_small_corpus_default_split_trains_on_4_ranks(mcore_pool, corpora):

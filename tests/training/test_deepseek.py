@@ -1,4 +1,4 @@
-"""DeepSeek-V3's shape on fully-sharded state (tests/cases/deepseek_cases.py's tiny model: MLA,
+"""DeepSeek-V3's shape on fully-sharded state (tests/cases/hf.py's DEEPSEEK_MODEL: MLA,
 one MTP layer, sigmoid routing with the expert bias, group-limited top-k, a shared expert, a dense first
 layer) through pretrain_gpt.py: --use-megatron-fsdp against Megatron-Core DDP with the same flags, 10
 iterations, lm loss, MTP loss and grad norm within 1e-5 per iteration; the expert bias equal on every
@@ -8,11 +8,38 @@ DP 4 ZeRO-3 -> DP 2 ZeRO-1); the meta-device build bitwise equal to the eager on
 import pytest
 
 from megatron.fsdp.testing.common import LEVELS, rel
-from tests.cases.level_matrix import full_matrix
-from tests.cases.deepseek_cases import DEEPSEEK_MODEL, dispatcher, meta_build_equals_eager
 from megatron.fsdp_training.testing.job import assert_exact_resume, fsdp
 from megatron.fsdp_training.testing.pools import pool_of
 from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
+from tests.cases.hf import DEEPSEEK_MODEL
+from tests.cases.level_matrix import full_matrix
+
+
+def dispatcher(name: str, ep: int):
+    """The token dispatcher and expert-parallel size (``flex``: substituted by alltoall on this machine)."""
+    return ["--moe-token-dispatcher-type", name, "--expert-model-parallel-size", str(ep)]
+
+
+def meta_build_equals_eager(ctx, argv) -> list:
+    """Build the job's model twice in the pool, eagerly and with --init-model-with-meta-device, and name
+    every unit storage or buffer that differs (bitwise) on this rank: empty when the builds are equal."""
+    import torch
+
+    from megatron.fsdp_training.job_setup import setup
+    from megatron.fsdp_training.arguments import parse_args
+    from megatron.fsdp_training.testing.megatron_case import megatron_case
+
+    built = []
+    for extra in ([], ["--init-model-with-meta-device"]):
+        with megatron_case():
+            _device, _tokenizer, model, _optimizer, _scheduler = setup(parse_args(argv + extra))
+            state = {}
+            for k, chunk in enumerate(model):
+                state.update({f"{k}/{u.name}": u.storage.main.clone() for u in chunk.fsdp.units})
+                state.update({f"{k}/buffer {n}": b.clone() for n, b in chunk.fsdp.module.named_buffers()})
+            built.append(state)
+    eager, meta = built
+    return sorted(set(eager) ^ set(meta)) + [k for k in eager if k in meta and not torch.equal(eager[k], meta[k])]
 
 RTOL = 1e-5
 CURVES = ("losses", "mtp_1 loss", "grad_norms", "seq_load_balancing_loss", "valid")

@@ -1,14 +1,90 @@
 """FP8 training (Megatron-LM's --fp8-* flags) without Transformer Engine: the rules at start-up, the CPU FP8 layers'
 delayed scaling, megatron.fsdp against Megatron-Core DDP under the same recipe, and checkpoints that resume."""
 
+from __future__ import annotations
+
 import pytest
 
 from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
 from megatron.fsdp_training.arguments.precision_flags import fp8_start_up_line
 from megatron.fsdp_training.arguments.substitutions import substitution_line
-from tests.cases.fp8_layer_cases import FP8_PARITY, delayed_scaling_case
-from megatron.fsdp_training.testing.job import assert_exact_resume, fsdp, pretrain
+from megatron.fsdp_training.testing.job import MODEL, assert_exact_resume, fsdp, pretrain
 from megatron.fsdp_training.testing.pools import pool_of
+
+
+# One micro-batch per rank and step on 2 ranks, no clipping: the gradient sums of DDP and of every
+# megatron.fsdp level are then the same additions, so FP8 runs (whose rounding amplifies one-ulp
+# differences) can be compared bitwise. fp32 compute: Megatron-Core's bf16 (Float16Module) and the
+# engine's differ by bf16 roundings of their own.
+FP8_PARITY = MODEL + ["--micro-batch-size", "4", "--global-batch-size", "8", "--clip-grad", "0"]
+
+
+def delayed_scaling_case(ctx, history_len: int, algo: str) -> dict:
+    """One ``Fp8ColumnParallelLinear`` (hybrid, delayed) on every rank of the pool, three training steps with
+    rank-dependent inputs and a validation forward between them; returns what the layer holds and what it
+    should hold (the max over ranks of each step's amaxes, TE's window and scale rule), and the GEMM output of
+    the third step against the product of the operands quantized with the scales of step 2."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron.fsdp.mcore_cpu.cuda_standins import enable_cpu_mode
+    from megatron.fsdp.mcore_cpu.fp8_matmul import Fp8Recipe
+    from megatron.fsdp.mcore_cpu.fp8_linears import Fp8ColumnParallelLinear, Fp8StepEnd
+    from megatron.fsdp.precision import fp8
+    from megatron.fsdp_training.testing.megatron_case import megatron_case
+
+    with megatron_case():
+        ps.initialize_model_parallel()
+        enable_cpu_mode(1)
+        rank = dist.get_rank()
+        config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                                   gradient_accumulation_fusion=False)
+        recipe = Fp8Recipe(format="hybrid", recipe="delayed", amax_history_len=history_len, amax_compute_algo=algo)
+        torch.manual_seed(0)
+        layer = Fp8ColumnParallelLinear(32, 64, config=config, init_method=torch.nn.init.normal_, bias=False,
+                                        gather_output=False, fp8_recipe=recipe)
+        step_end = Fp8StepEnd([layer])
+        seen = {"input": [], "weight": [], "grad": []}  # the global amax of each step
+        out = {}
+        for step in range(3):
+            generator = torch.Generator().manual_seed(100 * step + rank)
+            x = (torch.randn(8, 2, 32, generator=generator) * (1 + rank + step)).requires_grad_()
+            dy = torch.randn(8, 2, 64, generator=generator) * (3 - step + rank)
+            scales = layer.fp8_forward_scale.clone(), layer.fp8_backward_scale.clone()
+            y, _ = layer(x)
+            y.backward(dy)
+            if step == 2:
+                qx = fp8.quantize_per_tensor(x.detach().reshape(-1, 32), scales[0][0], "e4m3")
+                qw = fp8.quantize_per_tensor(layer.weight.detach(), scales[0][1], "e4m3")
+                want = (qx.dequantize() @ qw.dequantize().t()).reshape(8, 2, 64)
+                out["output_matches"] = torch.equal(y.detach(), want)
+                qdy = fp8.quantize_per_tensor(dy.reshape(-1, 64), scales[1][0], "e5m2")
+                out["dgrad_matches"] = torch.equal(x.grad.reshape(-1, 32), qdy.dequantize() @ qw.dequantize())
+            for name, t in (("input", x), ("weight", layer.weight), ("grad", dy)):
+                a = fp8.amax(t).reshape(1)
+                dist.all_reduce(a, op=dist.ReduceOp.MAX)
+                seen[name].append(float(a))
+            layer.eval()
+            with torch.no_grad():
+                layer(torch.full((8, 2, 32), 1e4))  # validation: quantizes, records nothing
+            layer.train()
+            step_end()
+        want_scales = []
+        for name, fmt in (("input", 448.0), ("weight", 448.0), ("grad", 57344.0)):
+            window = seen[name][-history_len:] if algo == "max" else seen[name][-1:]
+            want_scales.append(fmt / max(window))
+        out["scales"] = layer.fp8_forward_scale.tolist() + layer.fp8_backward_scale.tolist()
+        out["want_scales"] = [float(torch.tensor(s, dtype=torch.float32)) for s in want_scales]
+        out["history"] = layer.fp8_forward_history[:, 0].tolist()
+        out["seen_input"] = seen["input"]
+        layer.bfloat16()  # Megatron-Core's Float16Module: the weights become bf16, the scaling state stays fp32
+        out["state_dtypes"] = sorted({str(b.dtype) for n, b in layer.named_buffers() if n.startswith("fp8_")})
+        out["weight_dtype"] = str(layer.weight.dtype)
+        out["ledger_gathers"] = step_end.ledger.calls("all_gather") if dist.get_world_size() > 1 else None
+        return out
 
 HYBRID_DELAYED = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "4", "--fp8-amax-compute-algo", "max"]
 RECIPES = {"delayed": HYBRID_DELAYED, "mxfp8": ["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"],
@@ -133,8 +209,6 @@ def test_delayed_fp8_checkpoints_resume_exactly_and_at_another_dp_size(delayed_r
 def test_which_fp8_state_a_load_takes():
     """The histories load only under the same recipe (format, recipe, window, algorithm, margin, where the weights'
     histories live); otherwise one line says whether they are not loaded or start fresh."""
-    from argparse import Namespace
-
     from megatron.fsdp_training.checkpointing.fp8_state import is_scaling_state, plan
 
     delayed = dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=4, fp8_amax_compute_algo="max",
@@ -142,8 +216,8 @@ def test_which_fp8_state_a_load_takes():
     keys = ["model.decoder.layers.0.mlp.linear_fc1.weight", "model.decoder.layers.0.mlp.linear_fc1.fp8_forward_history",
             "model.decoder.layers.0.mlp.linear_fc1.weight._fp8_amax_history"]
     assert [is_scaling_state(k) for k in keys] == [False, True, True]
-    assert plan(delayed, keys, Namespace(**delayed), "C") == plan({}, [], Namespace(fp8=None), "C")
-    assert plan(delayed, keys, Namespace(**delayed), "C").load
+    assert plan(delayed, keys, delayed, "C") == plan({}, [], dict(fp8=None), "C")
+    assert plan(delayed, keys, delayed, "C").load
     for change, said in ((dict(fp8=None), "this run has FP8 off: its FP8 amax histories and scales are not loaded"),
                          (dict(fp8_recipe="mxfp8"), "this run has --fp8-format hybrid --fp8-recipe mxfp8 "
                                                     "--fp8-param-gather: its FP8 amax histories and scales are not"),
@@ -151,11 +225,11 @@ def test_which_fp8_state_a_load_takes():
                                                         "--fp8-param-gather: the checkpoint's FP8 amax histories"),
                          (dict(fp8_margin=1), "this run's start fresh"),
                          (dict(use_megatron_fsdp=False), "this run's start fresh")):
-        got = plan(delayed, keys, Namespace(**dict(delayed, **change)), "C")
+        got = plan(delayed, keys, dict(delayed, **change), "C")
         assert not got.load and said in got.line, (change, got)
-    fresh = plan(dict(fp8=None), keys[:1], Namespace(**delayed), "C")
+    fresh = plan(dict(fp8=None), keys[:1], delayed, "C")
     assert not fresh.load and "start fresh (the checkpoint has none)" in fresh.line
-    converted = plan(delayed, keys[:1], Namespace(**delayed), "C")  # an FP8 run's weights, converted: no histories
+    converted = plan(delayed, keys[:1], delayed, "C")  # an FP8 run's weights, converted: no histories
     assert not converted.load and "holds no FP8 amax histories (converted from a run with" in converted.line
 
 

@@ -119,32 +119,32 @@ def test_honoured_flags_change_the_configs_that_are_built():
     from megatron.fsdp.mcore.muon import MegatronMuon, muon_kwargs
     from megatron.fsdp.optim.newton_schulz import COEFFICIENT_SETS
     from megatron.fsdp_training import model as model_lib
-    from megatron.fsdp_training.batch_rampup import global_batch_at
+    from megatron.fsdp_training.batch_rampup import BatchRampup
 
     overlap = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
-    assert model_lib.baseline_ddp_config(_args(overlap), 1000).bucket_size is None  # Megatron-Core's own default
-    assert model_lib.baseline_ddp_config(_args(overlap + ["--ddp-bucket-size", "300"]), 1000).bucket_size == 300
-    assert model_lib.baseline_ddp_config(_args(overlap + ["--ddp-num-buckets", "4"]), 1000).bucket_size == 250
+    assert model_lib.ddp_config(_args(overlap), 1000).bucket_size is None  # Megatron-Core's own default
+    assert model_lib.ddp_config(_args(overlap + ["--ddp-bucket-size", "300"]), 1000).bucket_size == 300
+    assert model_lib.ddp_config(_args(overlap + ["--ddp-num-buckets", "4"]), 1000).bucket_size == 250
     vpp = overlap + ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
                      "--num-layers-per-virtual-pipeline-stage", "1"]
     aligned, independent = _args(vpp, world=4), _args(vpp + ["--no-align-param-gather"], world=4)
-    assert model_lib.baseline_ddp_config(aligned, 1).align_param_gather is True
-    assert model_lib.baseline_ddp_config(independent, 1).align_param_gather is False
+    assert model_lib.ddp_config(aligned, 1).align_param_gather is True
+    assert model_lib.ddp_config(independent, 1).align_param_gather is False
     assert _args(overlap).align_param_gather is False  # Megatron-LM: no interleaved schedule, nothing to align
 
     class Chunk:
         def __init__(self):
             self.start_param_sync = object()
     chunks = [Chunk(), Chunk()]
-    assert model_lib.param_sync_func(aligned, chunks) == [c.start_param_sync for c in chunks]
-    assert model_lib.param_sync_func(independent, chunks) is None
+    assert model_lib.param_sync_func(model_lib.ddp_config(aligned, 1), chunks) == [c.start_param_sync for c in chunks]
+    assert model_lib.param_sync_func(model_lib.ddp_config(independent, 1), chunks) is None
 
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, bf16=True)
     base = ["--use-megatron-fsdp", "--bf16"]
     for dtype, main in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("auto", torch.bfloat16)):
-        ddp = model_lib.fsdp_ddp_config(_args(base + ["--megatron-fsdp-main-params-dtype", dtype]))
+        ddp = model_lib.ddp_config(_args(base + ["--megatron-fsdp-main-params-dtype", dtype]), 1)
         assert ddp.megatron_fsdp_main_params_dtype == main and mixed_precision(config, ddp).main_dtype == main
-    auto_fp32 = model_lib.fsdp_ddp_config(_args(["--use-megatron-fsdp", "--megatron-fsdp-main-params-dtype", "auto"]))
+    auto_fp32 = model_lib.ddp_config(_args(["--use-megatron-fsdp", "--megatron-fsdp-main-params-dtype", "auto"]), 1)
     assert auto_fp32.megatron_fsdp_main_params_dtype == torch.float32
 
     muon = _args(["--use-megatron-fsdp", "--optimizer", "muon"])
@@ -159,7 +159,7 @@ def test_honoured_flags_change_the_configs_that_are_built():
     # 32-token samples: 0:4 then 8 from 256 tokens (sample 8); 40 samples are 4, 4, 8, 8, 8, 8 (6 iterations)
     steps = _args(["--seq-length", "32", "--micro-batch-size", "2", "--step-batch-size-schedule", "0:4 256:8", "--train-samples", "40"])
     assert steps.step_batch_sizes == [(0, 4), (8, 8)] and steps.global_batch_size == 8 and steps.train_iters == 6
-    assert [global_batch_at(steps, c) for c in (0, 4, 7, 8, 16)] == [4, 4, 4, 8, 8]
+    assert [BatchRampup.from_args(steps).global_batch_at(c) for c in (0, 4, 7, 8, 16)] == [4, 4, 4, 8, 8]
     big = _args(["--seq-length", "32", "--micro-batch-size", "2", "--step-batch-size-schedule", "0:8 1.5K:16 2K:12", "--train-iters", "3"])
     assert big.step_batch_sizes == [(0, 8), (46, 16), (62, 12)] and big.global_batch_size == 12
 

@@ -119,14 +119,15 @@ def test_rampup_batch_size_follows_megatron_core():
     calculator gives each iteration's batch, and the job's schedule the same (7 iterations, its
     update_train_iters)."""
     from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
-    from megatron.fsdp_training.batch_rampup import global_batch_at
+    from megatron.fsdp_training.batch_rampup import BatchRampup
 
     args = validate_args(parse_args(_ramp_argv()), 2)
+    rampup = BatchRampup.from_args(args)
     calculator = RampupBatchsizeNumMicroBatchesCalculator(8, 2, 2, False, 1, 4, 4, 16)
     consumed = 0
     for expected in RAMPUP_BATCHES:
         calculator.update(consumed, consistency_check=True)
-        assert calculator.get_current_global_batch_size() == expected == global_batch_at(args, consumed), consumed
+        assert calculator.get_current_global_batch_size() == expected == rampup.global_batch_at(consumed), consumed
         consumed += expected
     assert args.train_iters == len(RAMPUP_BATCHES)
 
@@ -134,12 +135,12 @@ def test_rampup_batch_size_follows_megatron_core():
 def test_rampup_batch_size_matches_ddp():
     """The ramp-up (Megatron-LM's rule: 4, 4, 4, 4, 8, 8, 8, checked against Megatron-Core 0.16.1's own calculator
     above): ZeRO-3 trains each iteration's batch as Megatron-Core's DDP does, within 1e-5, and logs each batch size."""
-    from megatron.fsdp_training.batch_rampup import global_batch_at
+    from megatron.fsdp_training.batch_rampup import BatchRampup
 
     args = validate_args(parse_args(_ramp_argv()), 2)
     expected, consumed = [], 0
     for _ in range(args.train_iters):
-        expected.append(global_batch_at(args, consumed))
+        expected.append(BatchRampup.from_args(args).global_batch_at(consumed))
         consumed += expected[-1]
     assert expected == RAMPUP_BATCHES
     base = pretrain(2, _ramp_argv())
@@ -234,13 +235,13 @@ def test_megatron_lm_rules_stop_start_up_with_one_line(argv, pattern):
 
 def test_sample_based_length_and_the_fusion_fields():
     from megatron.fsdp_training.arguments.model_flags import transformer_config_fields
-    from megatron.fsdp_training.batch_rampup import scheduler_steps
+    from megatron.fsdp_training.batch_rampup import ScheduleLengths
 
     args = validate_args(parse_args(["--mock-data", "--train-samples", "100", "--global-batch-size", "8",
                                      "--lr-warmup-samples", "16", "--no-rope-fusion", "--apply-layernorm-1p",
                                      "--recompute-granularity", "selective", "--recompute-modules", "core_attn",
                                      "mlp"]), 2)
-    assert args.train_iters == 12 and scheduler_steps(args) == dict(lr_warmup_steps=16, lr_decay_steps=100,
+    assert args.train_iters == 12 and ScheduleLengths.from_args(args).in_samples() == dict(lr_warmup_steps=16, lr_decay_steps=100,
                                                                     wd_incr_steps=100)
     fields = transformer_config_fields(args, cpu=True)
     assert fields["layernorm_zero_centered_gamma"] and fields["recompute_modules"] == ["core_attn", "mlp"]
@@ -253,7 +254,7 @@ def test_sample_based_length_and_the_fusion_fields():
     assert "--dist-ckpt-strictness log_all -> raise_all" in line
     iters = validate_args(parse_args(["--mock-data", "--train-iters", "5", "--lr-warmup-iters", "1",
                                       "--global-batch-size", "8"]), 2)
-    assert scheduler_steps(iters) == dict(lr_warmup_steps=8, lr_decay_steps=40, wd_incr_steps=40)
+    assert ScheduleLengths.from_args(iters).in_samples() == dict(lr_warmup_steps=8, lr_decay_steps=40, wd_incr_steps=40)
 
 
 def test_everyday_flags_train_as_megatron_lm(tmp_path):
@@ -312,15 +313,18 @@ def test_weighted_data_path_and_a_dataset_per_split(tmp_path):
     """--data-path 0.3 A 0.7 B blends the two by weight; --train-data-path A --valid-data-path B builds each
     split from its own prefix (no --split); --no-mmap-bin-files reads the .bin files without mmap."""
     from megatron.fsdp_training.data import datasets as data
+    from megatron.fsdp_training.data.data_config import DataConfig
 
     a, b = _small_corpus(tmp_path, "a"), _small_corpus(tmp_path, "bb")
     small = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
              "--micro-batch-size", "1", "--train-iters", "2", "--tokenizer-type", "ByteLevelTokenizer",
              "--eval-iters", "1", "--no-mmap-bin-files"]
     args = validate_args(parse_args(small + ["--data-path", "0.3", a, "0.7", b, "--split", "90,10,0"]), 1)
-    train, valid, _ = data.build_datasets(args, data.build_tokenizer(args))
+    config = DataConfig.from_args(args)
+    train, valid, _ = data.build_datasets(config, data.build_tokenizer(config.tokenizer))
     assert [d.dataset_path for d in train.datasets] == [a, b]
     assert np.allclose(train.weights, [0.3, 0.7]) and not train.datasets[0].dataset.mmap
     args = validate_args(parse_args(small + ["--train-data-path", a, "--valid-data-path", b]), 1)
-    train, valid, test = data.build_datasets(args, data.build_tokenizer(args))
+    config = DataConfig.from_args(args)
+    train, valid, test = data.build_datasets(config, data.build_tokenizer(config.tokenizer))
     assert train.dataset_path == a and valid.dataset_path == b and test is None

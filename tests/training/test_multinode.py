@@ -3,17 +3,35 @@
 srun stand-in) is one 4-rank job, bitwise the one-node run; under HSDP (``--num-distributed-optimizer-instances 2``) the shard axis lies inside a node and the
 replica axis across nodes."""
 
+from __future__ import annotations
+
 import os
 import socket
 import subprocess
-import sys
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from megatron.fsdp_training.testing.job import LINE, ROOT, pretrain
 from megatron.fsdp_training.testing.pools import pool_of
-from tests.cases.multinode import hsdp_rank_layout
+
+
+def hsdp_rank_layout(ctx, ranks_per_node: int, instances: int = 2, ep: int = 1) -> dict:
+    """The adapter's dense and expert axes under ``--num-distributed-optimizer-instances instances``,
+    as global ranks, and the node (``rank // ranks_per_node``) of each."""
+    from megatron.fsdp.mcore.distributed_index import FSDPDistributedIndex
+    from megatron.fsdp_training.testing.gpt import Topology, parallel
+
+    with parallel(ctx, Topology(instances=instances, ep=ep)):
+        index = FSDPDistributedIndex.from_parallel_state(instances, instances)
+
+        def ranks(group):
+            return dist.get_process_group_ranks(group)
+        axes = {"dp_shard": ranks(index.mesh.inner_group), "dp_outer": ranks(index.mesh.outer_group),
+                "expt_dp_shard": ranks(index.expert_mesh.inner_group),
+                "expt_dp_outer": ranks(index.expert_mesh.outer_group)}
+    return {name: [(r, r // ranks_per_node) for r in group] for name, group in axes.items()}
 
 SCRIPT = os.path.join(ROOT, "examples", "sbatch_pretrain.sh")
 # srun's stand-in: records its command, then runs it once per "node" (SLURM_NODEID k), all at once.

@@ -9,9 +9,14 @@ a non-persistent directory holding another run's checkpoints is refused, every b
 --load holding only non_persistent/ is found without the flags; a full disk is one line, nothing left.
 """
 
+from __future__ import annotations
+
+import contextlib
+import io
 import re
 import shutil
 import subprocess
+from typing import Dict, List
 
 import pytest
 
@@ -20,9 +25,69 @@ from megatron.fsdp_training.checkpointing import files, ownership
 from megatron.fsdp_training.checkpointing.non_persistent import _common_iterations
 from megatron.fsdp_training.testing.job import B8, MODEL, fork_launch, fsdp, pretrain, tree_hashes
 from megatron.fsdp_training.testing.pools import pool_of
-from tests.cases.job_resume import start_error
-from tests.cases.job_failures import full_disk_saves
-from tests.cases.non_persistent import crashed_after, local_write_fails
+from tests.cases.job_checkpoint import full_disk_saves, start_error
+
+
+class Crash(RuntimeError):
+    """What stops the run: as if the job had been killed after the iteration's saves."""
+
+
+def crashed_after(ctx, argv: List[str], iteration: int) -> Dict[str, object]:
+    """``pretrain`` on ``argv``, stopped at the start of iteration ``iteration + 1`` (after iteration ``iteration``
+    and its saves): whether it crashed there, and rank 0's log."""
+    from megatron.fsdp_training import trainer, training
+    from megatron.fsdp_training.arguments import parse_args
+    from megatron.fsdp_training.testing.megatron_case import megatron_case
+
+    original = trainer.BatchRampup  # what the loop asks for each iteration's batch
+
+    class Crashing(original):
+        def global_batch_at(self, consumed):
+            if consumed >= iteration * self.global_batch_size:
+                raise Crash(f"stopped after iteration {iteration}")
+            return super().global_batch_at(consumed)
+
+    log = io.StringIO()
+    crashed = False
+    trainer.BatchRampup = Crashing
+    try:
+        with megatron_case(), contextlib.redirect_stdout(log):
+            training.pretrain(parse_args(argv))
+    except Crash:
+        crashed = True
+    finally:
+        trainer.BatchRampup = original
+    return {"crashed": crashed, "log": log.getvalue()}
+
+
+def local_write_fails(ctx, argv: List[str], rank: int, iteration: int) -> Dict[str, object]:
+    """``pretrain`` on ``argv`` (local non-persistent saves), with ``rank``'s write of ``iteration`` failing: the
+    one-line error every rank stops with."""
+    import torch.distributed as dist
+
+    from megatron.fsdp_training import training
+    from megatron.fsdp_training.arguments import parse_args
+    from megatron.fsdp_training.checkpointing import non_persistent
+    from megatron.fsdp_training.checkpointing.files import CheckpointError
+    from megatron.fsdp_training.testing.megatron_case import megatron_case
+
+    original = non_persistent._write_local
+
+    def failing(config, root, at, *rest):
+        if at == iteration and dist.get_rank() == rank:
+            raise OSError(28, "No space left on device")
+        return original(config, root, at, *rest)
+
+    non_persistent._write_local = failing
+    error = None
+    try:
+        with megatron_case(), contextlib.redirect_stdout(io.StringIO()):
+            training.pretrain(parse_args(argv))
+    except CheckpointError as exc:
+        error = str(exc)
+    finally:
+        non_persistent._write_local = original
+    return {"error": error}
 
 ARGV = MODEL + B8 + fsdp("optim_grads_params")
 LOCAL = ["--non-persistent-save-interval", "2", "--non-persistent-ckpt-type", "local"]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
+from megatron.fsdp_training.logs.model_size import ModelSize
 from megatron.fsdp_training.logs.throughput import num_floating_point_operations, throughput
 from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
 from tools.train_hf_tokenizer import train_tokenizer
@@ -45,8 +46,8 @@ def test_throughput_against_a_hand_count():
     f = args.ffn_hidden_size
     assert f == 128
     hand = _hand_flops(8, 32, 64, 2, q=64, kv=32, ffn_gemms=[f, f, f] * 2, vocab=384)
-    assert num_floating_point_operations(args, 8) == pytest.approx(hand, rel=1e-12)
-    rates = throughput(args, elapsed_seconds=0.5, world_size=4)
+    assert num_floating_point_operations(ModelSize.from_args(args), 8) == pytest.approx(hand, rel=1e-12)
+    rates = throughput(ModelSize.from_args(args), elapsed_seconds=0.5, world_size=4, batch=args.global_batch_size)
     assert rates.tflops_per_gpu == pytest.approx(hand / 0.5 / 4 / 1e12, rel=1e-12)
     assert rates.tokens_per_second_per_rank == 8 * 32 / 0.5 / 4
     assert [name for name, _ in rates.log_fields()] == ["throughput per GPU (TFLOP/s/GPU)", "tokens per second per rank"]
@@ -55,7 +56,7 @@ def test_throughput_against_a_hand_count():
     moe = _args(["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
                  "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "[0,1]", "--kv-channels", "8"])
     hand = _hand_flops(8, 32, 64, 2, q=32, kv=16, ffn_gemms=[128] * 3 + [64] * 3 * 2 + [32] * 3, vocab=384)
-    assert num_floating_point_operations(moe, 8) == pytest.approx(hand, rel=1e-12)
+    assert num_floating_point_operations(ModelSize.from_args(moe), 8) == pytest.approx(hand, rel=1e-12)
 
 
 # ------------------------------------------------------------ start-up checks

@@ -5,25 +5,52 @@ case that changes files works on a copy. The jobs run in the Megatron pool (the 
 parsed command line); the two jobs at once and the killed job run as real launches (``fork_launch.py``).
 """
 
+from __future__ import annotations
+
 import json
 import re
 import shutil
-import signal
 import subprocess
-import time
 import types
 from pathlib import Path
+from typing import Dict, List
 
 import pytest
+import torch.distributed as dist
 
+from megatron.fsdp.commands import CONVERT
 from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
 from megatron.fsdp_training.checkpointing import files, ownership
-from megatron.fsdp.commands import CONVERT
 from megatron.fsdp_training.testing.job import B8, MODEL, fork_launch, fsdp, pretrain, tree_hashes
+from megatron.fsdp_training.testing.megatron_case import megatron_case
 from megatron.fsdp_training.testing.pools import pool_of
-from tests.cases.job_checkpoint import load_error
-from tests.cases.job_resume import save_size_estimate, start_error
 from megatron.fsdp_training.tools.checkpoint_tools import inspect as ckpt_inspect
+from tests.cases.job_checkpoint import load_error, start_error
+
+
+def save_size_estimate(ctx, argv: List[str]) -> Dict[str, int]:
+    """Train and save once (``argv`` has ``--save``): the save's size estimate, and the bytes it wrote."""
+    from megatron.fsdp_training.arguments import parse_args
+    from megatron.fsdp_training.checkpointing import files, paths, save_load
+    from megatron.fsdp_training.training import pretrain
+
+    args = parse_args(argv)
+    estimates = []
+    estimate = save_load.estimate_bytes
+
+    def recording(state, group=None):
+        estimates.append(estimate(state, group))
+        return estimates[-1]
+    save_load.estimate_bytes = recording
+    try:
+        with megatron_case():
+            pretrain(args)
+    finally:
+        save_load.estimate_bytes = estimate
+    dist.barrier()
+    root = Path(args.save)
+    written = paths.directory_bytes(files.checkpoint_dir(root, files.read_tracker(root)))
+    return {"estimate": estimates[-1], "written": written}
 
 SIX = MODEL + B8 + fsdp("optim") + ["--train-iters", "6", "--eval-interval", "6"]
 LR = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| learning rate: ([0-9.E+-]+) \|")
@@ -63,7 +90,7 @@ def _expected_lrs(argv, iterations):
 
     args = validate_args(parse_args(argv), 2)
     args.use_checkpoint_opt_param_scheduler = False
-    sched = model_lib.scheduler(args, types.SimpleNamespace(param_groups=[{}]))
+    sched = model_lib.scheduler(model_lib.ScheduleConfig.from_args(args), types.SimpleNamespace(param_groups=[{}]))
     assert isinstance(sched, OptimizerParamScheduler)
     return [sched.get_lr({}) for _ in iterations if sched.step(args.global_batch_size) is None]
 

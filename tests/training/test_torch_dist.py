@@ -87,7 +87,7 @@ def test_torch_dist_baseline_to_fsdp_and_back(tmp_path, monkeypatch, capsys, lay
                 convert.main(["from-torch-dist", str(td), str(tmp_path / "wrong"), "--iteration", "5"])
         # a layout it does not slice (TP or PP > 1): the weights only, said in one line with the fix
         with monkeypatch.context() as m:
-            m.setattr(torch_dist_dp_layout, "_problem", lambda args: "--tensor-model-parallel-size 2")
+            m.setattr(torch_dist_dp_layout.SavedLayout, "problem", lambda layout: "--tensor-model-parallel-size 2")
             convert.main(["from-torch-dist", str(td), str(tmp_path / "weights"), "--iteration", "5"])
         assert re.search(r"optimizer state not converted: .*tensor-model-parallel-size 2.*"
                          r"--dist-ckpt-optim-fully-reshardable; load the result with --no-load-optim",

@@ -105,7 +105,8 @@ def _floor(config, chunks, bf16: bool):
 
 def _wrap(system: str, config, chunks, bf16: bool):
     """(model chunks, optimizer, wire) as ``wrap_and_optimize`` returns them, for every mcore system."""
-    from megatron.fsdp_training.model import wrap_and_optimize
+    from megatron.fsdp_training import model as model_lib
+    from megatron.fsdp_training.initialize import gloo_twin_groups
 
     if system == FLOOR:
         return _floor(config, chunks, bf16)
@@ -115,7 +116,9 @@ def _wrap(system: str, config, chunks, bf16: bool):
             raise ValueError(f"unknown mcore-workload system {system!r}")
     if system == "mfsdp_v1":  # wrap_and_optimize applies Float16Module itself for Megatron's DDP
         return _megatron_fsdp_v1(config, _float16(config, chunks) if bf16 else chunks, args)
-    return wrap_and_optimize(args, config, chunks)
+    return model_lib.wrap_and_optimize(
+        config, chunks, model_lib.ddp_config(args, model_lib.parameter_count(chunks)), model_lib.optimizer_config(args),
+        model_lib.optimizer_precision(args), gloo_twin_groups(args.disable_gloo_process_groups))
 
 
 def _float16(config, chunks):
@@ -153,17 +156,14 @@ def _engine_figures(model, optimizer):
     return [e.ledger for e in engines], lambda: sum(e.memory_report(engine_opt).total for e in engines)
 
 
-def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, threads: int,
-        job_allocator: bool = False) -> dict:
+def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, worker: M.WorkerSetting) -> dict:
     """Build ``system`` on Megatron's GPTModel of ``size_name``; train; return this rank's figures.
 
-    ``job_allocator``: glibc set up as ``initialize`` sets it for pretrain_gpt.py
-    (``allocator.apply_job_setting``); ``wrap_and_optimize`` then adds the job's heap trim.
+    ``worker.job_allocator``: glibc set up as ``initialize`` sets it for pretrain_gpt.py
+    (``allocator.apply_job_setting``); ``wrap_and_optimize`` then adds the job's heap trim (``run.py``
+    refuses the threshold without the trim for this workload).
     """
-    M.prepare_worker(threads)
-    if job_allocator:
-        from megatron.fsdp_training.allocator import apply_job_setting
-        apply_job_setting()
+    worker.apply()
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.fsdp.mcore_cpu.cuda_standins import cpu_layer_spec
     from megatron.fsdp_training.model import gpt_chunks

@@ -173,6 +173,36 @@ def prepare_worker(threads: int) -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+@dataclasses.dataclass(frozen=True)
+class WorkerSetting:
+    """How a worker process is set up before it builds a system; what it sets stays for the process.
+
+    ``threads`` per rank; ``upcast_bf16``: bf16 linears and attention through fp32 kernels
+    (``bf16_support``), for CPUs that emulate bf16 matrix products; ``job_allocator``: the training
+    job's allocator setting (``megatron.fsdp_training.allocator``): glibc's mmap threshold fixed and,
+    unless ``trim`` is False, the heap trimmed after each unit's backward (``trim`` None: as
+    ``job_allocator``).
+    """
+
+    threads: int
+    upcast_bf16: bool = False
+    job_allocator: bool = False
+    trim: Optional[bool] = None
+
+    @property
+    def trims(self) -> bool:
+        return self.job_allocator if self.trim is None else self.trim
+
+    def apply(self) -> None:
+        prepare_worker(self.threads)
+        if self.job_allocator:  # the job's whole setting with the trim; its threshold alone without
+            from megatron.fsdp_training.allocator import apply_job_setting, fix_mmap_threshold
+            (apply_job_setting if self.trims else fix_mmap_threshold)()
+        if self.upcast_bf16:
+            from tools.bench.bf16_support import upcast_bf16_kernels
+            upcast_bf16_kernels()
+
+
 # ---------------------------------------------------------------- memory
 
 def _proc_status_kib(field: str) -> Optional[int]:

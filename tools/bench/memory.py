@@ -6,7 +6,7 @@
 Trains the torch workload (``tools/bench/torch_case.py``: the same model, optimizer and
 mixed-precision policy as ``run.py``) under FSDP2 ``fully_shard`` and this engine at
 ``optim_grads_params``, with fp32 optimizer state and again with bf16 state
-(``FullyShardedOptimizer(..., state_dtype=torch.bfloat16)``; FSDP2 has no such option), with
+(``FullyShardedOptimizer(..., precision=OptimizerPrecision(bf16, bf16))``; FSDP2 has no such option), with
 the training job's two ZeRO-3 flags as engine options (``+bf16_reduce``: gradients reduced in
 bf16, ``--grad-reduce-in-bf16``; ``+double_buffer``: persistent gather buffers,
 ``--fsdp-double-buffer``), and
@@ -116,8 +116,9 @@ def run_all(args, log=print) -> List[Dict]:
     records = []
     for ranks in args.ranks:
         for arena in args.arenas:
-            settings = dict(bf16=True, threads=max(1, (os.cpu_count() or 1) // ranks), upcast_bf16=args.upcast,
-                            job_allocator=arena in ("default", "threshold"), trim=arena == "default")
+            settings = dict(bf16=True, worker=M.WorkerSetting(
+                max(1, (os.cpu_count() or 1) // ranks), upcast_bf16=args.upcast,
+                job_allocator=arena in ("default", "threshold"), trim=arena == "default"))
 
             def spawn(systems):
                 """A pool, with one discarded tiny step per system: imports and one-time allocations."""

@@ -77,9 +77,9 @@ def _instrument(model, phases: _Phases) -> None:
         block.register_forward_hook(post)
 
 
-def case(ctx, system: str, size_name: str, warmup: int, threads: int, upcast_bf16: bool = True,
-         job_allocator: bool = True, trim: Optional[bool] = None) -> dict:
-    """Worker-pool case: ``warmup`` steps, then one step with a mark at every boundary."""
+def case(ctx, system: str, size_name: str, warmup: int, worker) -> dict:
+    """Worker-pool case: ``warmup`` steps, then one step with a mark at every boundary (``worker``: a
+    ``measure.WorkerSetting``)."""
     import torch
     import torch.distributed as dist
 
@@ -87,14 +87,7 @@ def case(ctx, system: str, size_name: str, warmup: int, threads: int, upcast_bf1
     from tools.bench import torch_case as T
     from tools.bench.spec import SIZES
 
-    M.prepare_worker(threads)
-    trim = job_allocator if trim is None else trim
-    if job_allocator:  # the job's whole setting with the trim; its threshold alone without
-        from megatron.fsdp_training.allocator import apply_job_setting, fix_mmap_threshold
-        (apply_job_setting if trim else fix_mmap_threshold)()
-    if upcast_bf16:
-        from tools.bench.bf16_support import upcast_bf16_kernels
-        upcast_bf16_kernels()
+    worker.apply()
     shape = SIZES[size_name]
     gen = torch.Generator().manual_seed(T.SEED + dist.get_rank())
     tokens = torch.randint(0, shape.vocab, (shape.rows, shape.seq + 1), generator=gen)
@@ -102,7 +95,7 @@ def case(ctx, system: str, size_name: str, warmup: int, threads: int, upcast_bf1
     model = T.build_model(size_name)
     root, *blocks = T.unit_params(model)
     sizes = {"params": sum(p.numel() for p in model.parameters()), "root_params": root, "largest_unit": max(blocks)}
-    built = T.build_system(system, model, tokens, bf16=True, trim=trim)
+    built = T.build_system(system, model, tokens, bf16=True, trim=worker.trims)
     for _ in range(warmup):
         built.step()
     M.trim_heap()
@@ -159,7 +152,7 @@ def zero3_bound(floor_rows: List[tuple], sizes: dict, world: int) -> Dict[str, f
     forward through the backward in FSDP2 and here) and the last block. Prefetching, staging
     and allocator slack come on top. A peak target below this bound cannot be met by the
     sharding; only a smaller model footprint (activation recomputation, a chunked loss) or
-    smaller state (``state_dtype=torch.bfloat16``) gets under it.
+    smaller state (bf16 moments, ``OptimizerPrecision``) gets under it.
     """
     from tools.bench.spec import theory_persistent
 
@@ -223,18 +216,19 @@ def main(argv: Optional[List[str]] = None) -> Dict:
 
     upcast = args.upcast_bf16 == "yes" or (args.upcast_bf16 == "auto" and not native_bf16()[0])
 
-    job, trim = args.allocator in ("default", "threshold"), args.allocator == "default"
+    from tools.bench.measure import WorkerSetting
+
+    worker = WorkerSetting(max(1, (os.cpu_count() or 1) // args.ranks), upcast_bf16=upcast,
+                           job_allocator=args.allocator in ("default", "threshold"), trim=args.allocator == "default")
     pool = WorkerPool(args.ranks, start_timeout=900.0)
-    threads = max(1, (os.cpu_count() or 1) // args.ranks)
     profiles = {}
     target = case
     try:
         for system in args.systems:  # one discarded tiny run each: imports and one-time allocations
-            pool.run(target, timeout=600.0, system=system, size_name="tiny", warmup=1, threads=threads,
-                     job_allocator=job, trim=trim, upcast_bf16=upcast)
+            pool.run(target, timeout=600.0, system=system, size_name="tiny", warmup=1, worker=worker)
         for system in args.systems:
             per_rank = pool.run(target, timeout=3600.0, system=system, size_name=args.size, warmup=args.warmup,
-                                threads=threads, job_allocator=job, trim=trim, upcast_bf16=upcast)
+                                worker=worker)
             profiles[system] = merge(per_rank)
             sizes = {k: per_rank[0][k] for k in ("params", "root_params", "largest_unit")}
             if args.out:

@@ -6,7 +6,7 @@ Same model, same data, same run: per world size it times the optimizer step
 (``optimizer.step()``: norm, clip, AdamW, Muon, install) and the whole training
 step for three optimizers, round-robin:
 
-* ``ours``: ``FullyShardedOptimizer(..., matrix_optimizer=torch.optim.Muon)``;
+* ``ours``: ``FullyShardedOptimizer(..., matrix=PerMatrixOptimizer(torch.optim.Muon, ...))``;
   each matrix's owner receives the pieces (all-to-all-v per unit and direction),
   runs Newton-Schulz, sends the result pieces back;
 * ``gather-to-all``: Moonlight's Distributed Muon on sharded state, implemented
@@ -79,9 +79,9 @@ def case(ctx, system: str, hidden: int, layers: int, warmup: int, steps: int, th
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = TinyLM(hidden=hidden, layers=layers, heads=4)
-    fsdp = mfsdp.fully_shard(model, strategy="optim_grads_params", unit_modules=(Block, MLP), process_group=ctx.group)
+    fsdp = mfsdp.fully_shard(model, strategy="optim_grads_params", unit_modules=(Block, MLP), mesh=ctx.group)
     adamw = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    muon = {} if system == "adamw" else dict(matrix_optimizer=torch.optim.Muon, matrix_kwargs=MUON)
+    muon = {} if system == "adamw" else dict(matrix=mfsdp.PerMatrixOptimizer(torch.optim.Muon, MUON))
     opt = mfsdp.FullyShardedOptimizer(fsdp, torch.optim.AdamW, clip_grad=1.0, **muon, **adamw)
     if system == "gather-to-all":
         opt.matrix.step = lambda overlap_with=None: gather_to_all_step(opt.matrix, overlap_with)

@@ -11,8 +11,8 @@ import statistics
 from typing import Dict, List, Optional
 
 from megatron.fsdp.sharding.quantized_gather import WIRE_ALIGN
-from tools.bench.spec import (ENGINE_ROWS, FLOOR, HOLDS_LAST_UNIT, LABELS, OURS_FP8, PEERS, gather_recipe_of,
-                              reduce_bytes_of, theory_bytes, theory_persistent)
+from tools.bench.spec import (ENGINE_ROWS, FLOOR, HOLDS_LAST_UNIT, LABELS, OURS_FP8, PEERS, ParamCounts,
+                              gather_recipe_of, reduce_bytes_of, theory_bytes, theory_persistent)
 from tools.fsdp_planner import QUANTIZED_GATHER_BYTES
 
 MIB = 1024 * 1024
@@ -82,9 +82,9 @@ def aggregate(runs: List[dict]) -> List[dict]:
             own_persistent_bytes=sample.get("own_persistent_bytes"),
             peak_bytes=_median_or_none([_max_or_none(p["peak_bytes"] for p in r["per_rank"]) for r in ok]),
             bytes=collectives, bytes_source="ledger" if ours else "torch.distributed counter",
-            bytes_theory=theory_bytes(system, params, root, ranks, compute_bytes, reduce_bytes_of(system),
-                                      sample.get("last_unit_params", 0),  # absent from runs before it was held
-                                      **{key: sample.get(key, 0) for key in QUANTIZED_KEYS}),
+            bytes_theory=theory_bytes(system, ParamCounts(
+                params, root, sample.get("last_unit_params", 0),  # absent from runs before it was held
+                **{key: sample.get(key, 0) for key in QUANTIZED_KEYS}), ranks, compute_bytes, reduce_bytes_of(system)),
             wire_padding=fp8_wire_padding(system, ranks, compute_bytes, sample),
             wire_bytes=wire, wire_source=wire_source,
         )

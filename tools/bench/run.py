@@ -37,6 +37,7 @@ if _ROOT not in sys.path:
 from megatron.fsdp.testing import RankError, WorkerTimeout  # noqa: E402
 from tools.bench import plot, report  # noqa: E402
 from tools.bench import mcore_case, nv_fsdp, torch_case  # noqa: E402
+from tools.bench import measure as M  # noqa: E402
 from tools.bench.spec import FP8_OPTIONS, NV_FSDP, SIZES, SYSTEMS, option_of, runs_at  # noqa: E402
 
 
@@ -153,9 +154,9 @@ class _Pool:
     def __init__(self, workload: str, ranks: int, dtype: str, threads: int, timeout: float,
                  allocator: str = "glibc"):
         self.case, self.ranks, self.timeout = CASES[workload], ranks, timeout
-        self.settings = dict(bf16=dtype == "bf16", threads=threads, job_allocator=allocator != "glibc")
-        if allocator == "threshold":
-            self.settings["trim"] = False
+        worker = M.WorkerSetting(threads, job_allocator=allocator != "glibc",
+                                 trim=False if allocator == "threshold" else None)
+        self.settings = dict(bf16=dtype == "bf16", worker=worker)
         self.pool = None
 
     def _spawn(self):

@@ -16,11 +16,11 @@ LEVELS = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 OURS = tuple(f"ours:{level}" for level in LEVELS)
 # The engine options the training job's two flags turn on, as rows of their own at ZeRO-3:
 # ``--grad-reduce-in-bf16`` (gradients reduced in bf16: MixedPrecision(grad_reduce_dtype=bf16),
-# half the reduce-scatter bytes) and ``--fsdp-double-buffer`` (fully_shard(double_buffer=True):
+# half the reduce-scatter bytes) and ``--fsdp-double-buffer`` (fully_shard(overlap=Overlap(double_buffer=True)):
 # persistent gather buffers). ``ours:<level>+<option>``.
 OPTIONS = ("bf16_reduce", "double_buffer")
 OURS_OPTIONS = tuple(f"ours:optim_grads_params+{option}" for option in OPTIONS)
-# The quantized parameter gather at ZeRO-3 (fully_shard(param_gather=QuantizedParamGather(...)), the job's
+# The quantized parameter gather at ZeRO-3 (MixedPrecision(param_gather=QuantizedParamGather(...)), the job's
 # ``--fp8-param-gather``), bf16 compute: the default selection, every trainable nn.Linear weight (the blocks'
 # qkv, proj, fc1, fc2; the root's embeddings, norms and tied head stay bf16). ``fp8_gather``: per-tensor FP8
 # under "delayed" with history 1, most_recent: Megatron-LM's defaults (--fp8-recipe delayed,
@@ -115,9 +115,22 @@ SIZES = {
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP_GRAD = 1e-4, (0.9, 0.95), 1e-8, 0.1, 1.0
 
 
-def theory_bytes(system: str, params: int, root_params: int, world: int, compute_bytes: int,
-                 reduce_bytes: int = 4, last_unit_params: int = 0, quantized_params: int = 0,
-                 last_unit_quantized: int = 0, quantized_tensors: int = 0) -> Dict[str, int]:
+@dataclasses.dataclass(frozen=True)
+class ParamCounts:
+    """A workload's parameter counts the byte formulas read (a worker reports each under its field's name):
+    all of them, the root unit's, the last unit's, and of those the weights gathered quantized
+    (``torch_case.quantized_counts``) and their tensor count."""
+
+    params: int
+    root_params: int
+    last_unit_params: int = 0
+    quantized_params: int = 0
+    last_unit_quantized: int = 0
+    quantized_tensors: int = 0
+
+
+def theory_bytes(system: str, counts: ParamCounts, world: int, compute_bytes: int,
+                 reduce_bytes: int = 4) -> Dict[str, int]:
     """Minimum bytes per collective kind for one step of one micro-batch (ledger convention).
 
     Bytes are those of the full buffer a collective works on. Gradients are reduced once
@@ -138,20 +151,21 @@ def theory_bytes(system: str, params: int, root_params: int, world: int, compute
     level = LEVEL_OF.get(system)
     if world == 1 or level is None:
         return {}
+    params, root_params = counts.params, counts.root_params
     grads = reduce_bytes * params
     if level == "no_shard":
         return {"all_reduce": grads}
     if level in ("optim", "optim_grads"):
         return {"reduce_scatter": grads, "all_gather": compute_bytes * params}
-    held = last_unit_params if system in HOLDS_LAST_UNIT else 0
+    held = counts.last_unit_params if system in HOLDS_LAST_UNIT else 0
     out = {"reduce_scatter": grads, "all_gather": compute_bytes * (2 * params - root_params - held)}
     recipe = gather_recipe_of(system)
     if recipe is not None:
-        held_quantized = last_unit_quantized if held else 0
-        saved = (compute_bytes - QUANTIZED_GATHER_BYTES[recipe]) * (2 * quantized_params - held_quantized)
+        held_quantized = counts.last_unit_quantized if held else 0
+        saved = (compute_bytes - QUANTIZED_GATHER_BYTES[recipe]) * (2 * counts.quantized_params - held_quantized)
         out["all_gather"] = round(out["all_gather"] - saved)
         if recipe != "mxfp8":
-            out["all_reduce"] = 4 * quantized_tensors
+            out["all_reduce"] = 4 * counts.quantized_tensors
     return out
 
 

@@ -11,7 +11,7 @@ reduction. ``run`` is a worker-pool case (``megatron/fsdp/testing/pool.py``).
 from __future__ import annotations
 
 import contextlib
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -98,15 +98,16 @@ def wrap_ours(model: torch.nn.Module, level: str, bf16: bool, state_dtype=None, 
     if option in FP8_OPTIONS and not bf16:
         raise ValueError(f"{option} (--fp8-param-gather) needs bf16 compute: FP8 gathers replace bf16 gathers "
                          "(run with --dtype bf16)")
-    mp = mfsdp.MixedPrecision(param_dtype=torch.bfloat16, main_dtype=torch.float32, grad_reduce_dtype=(
-        torch.bfloat16 if option == "bf16_reduce" else torch.float32)) if bf16 else None
     recipe = GATHER_RECIPES.get(option)
     gather = None if recipe is None else mfsdp.QuantizedParamGather(
         recipe=recipe, amax_history_len=1, amax_compute_algo="most_recent")
+    mp = mfsdp.MixedPrecision(param_dtype=torch.bfloat16, main_dtype=torch.float32, grad_reduce_dtype=(
+        torch.bfloat16 if option == "bf16_reduce" else torch.float32), param_gather=gather) if bf16 else None
     wrapped = mfsdp.fully_shard(model, strategy=level, unit_modules=(Block,), mixed_precision=mp,
-                                double_buffer=option == "double_buffer", param_gather=gather)
+                                overlap=mfsdp.Overlap(double_buffer=option == "double_buffer"))
     optimizer = mfsdp.FullyShardedOptimizer(wrapped, torch.optim.AdamW, lr=LR, betas=BETAS, eps=EPS,
-                                            weight_decay=WEIGHT_DECAY, clip_grad=CLIP_GRAD, state_dtype=state_dtype)
+                                            weight_decay=WEIGHT_DECAY, clip_grad=CLIP_GRAD,
+                                            precision=mfsdp.OptimizerPrecision.of(state_dtype))
     return wrapped, optimizer
 
 
@@ -221,25 +222,13 @@ def build_system(system: str, model: torch.nn.Module, tokens: torch.Tensor, bf16
     raise ValueError(f"unknown torch-workload system {system!r}")
 
 
-def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, threads: int,
-        upcast_bf16: bool = False, job_allocator: bool = False, trim: Optional[bool] = None) -> dict:
+def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, worker: M.WorkerSetting) -> dict:
     """Build ``system`` on ``size_name``, train ``warmup + steps`` steps, return this rank's figures.
 
-    ``upcast_bf16``: bf16 linears and attention through fp32 kernels (``bf16_support``), for
-    CPUs that emulate bf16 matrix products; it stays installed in the worker process.
-    ``job_allocator``: the training job's allocator setting (``megatron.fsdp_training.allocator``),
-    whatever the system: glibc's mmap threshold fixed (process-wide, it stays set) and, unless
-    ``trim`` is False, the heap trimmed after each unit's backward (``trim`` None: as
-    ``job_allocator``).
+    ``worker``: the process's threads, bf16 kernels and allocator setting (the job's, whatever the
+    system, when ``worker.job_allocator``).
     """
-    M.prepare_worker(threads)
-    trim = job_allocator if trim is None else trim
-    if job_allocator:  # the job's whole setting with the trim; its threshold alone without
-        from megatron.fsdp_training.allocator import apply_job_setting, fix_mmap_threshold
-        (apply_job_setting if trim else fix_mmap_threshold)()
-    if upcast_bf16:
-        from tools.bench.bf16_support import upcast_bf16_kernels
-        upcast_bf16_kernels()
+    worker.apply()
     M.COUNTER.install()
     shape = SIZES[size_name]
     gen = torch.Generator().manual_seed(SEED + dist.get_rank())
@@ -249,7 +238,7 @@ def run(ctx, system: str, size_name: str, bf16: bool, warmup: int, steps: int, t
     params, units, quantized = sum(p.numel() for p in model.parameters()), unit_params(model), quantized_counts(model)
     root = units[0]
     with nv_fsdp.cpu_peer() if system in NV_FSDP else contextlib.nullcontext():
-        built = build_system(system, model, tokens, bf16, trim=trim)
+        built = build_system(system, model, tokens, bf16, trim=worker.trims)
         result = M.measure(built, warmup, steps, base_tensors, base_rss)
         del built, model
     M.trim_heap()

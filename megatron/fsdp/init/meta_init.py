@@ -12,6 +12,7 @@ eager build and the measured memory: docs/meta_init.md.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
 import mmap
 from typing import Callable, Optional, Sequence, Tuple
@@ -19,6 +20,17 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch
 
 InitFn = Callable[[torch.nn.Module], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class MetaInit:
+    """How ``fully_shard`` materialises a module built on the meta device: on ``device`` (default: the
+    current CUDA device, else CPU), each submodule initialised by ``init_weights(submodule)`` (default:
+    its own ``reset_parameters()``). For a module that is not on meta, ``device`` (if given) must be
+    where its parameters are, and ``init_weights`` must be None."""
+
+    device: Optional[torch.device] = None
+    init_weights: Optional[InitFn] = None
 
 
 def is_on_meta(module: torch.nn.Module) -> bool:
@@ -62,7 +74,8 @@ def check_meta_module(module: torch.nn.Module, init_weights: Optional[InitFn]) -
                     raise ValueError(
                         f"{kind} {full!r} is on the meta device and {owner} has no reset_parameters() to "
                         f"initialise it; give {owner} a reset_parameters() that sets it, or pass "
-                        "fully_shard(..., init_weights=fn) where fn(submodule) initialises each submodule's "
+                        "fully_shard(..., meta_init=MetaInit(init_weights=fn)) where fn(submodule) initialises each "
+                        "submodule's "
                         "own parameters and buffers")
 
 
@@ -223,4 +236,4 @@ class MetaMaterialiser:
         how = "init_weights" if self.init_weights is not None else f"{type(m).__name__}.reset_parameters()"
         return (f"{kind} {name!r} of {owner} ({type(m).__name__}) was on the meta device and {how} did not set "
                 f"it; make {how} initialise every parameter and buffer the module holds directly, or pass "
-                "fully_shard(..., init_weights=fn) that does")
+                "fully_shard(..., meta_init=MetaInit(init_weights=fn)) that does")

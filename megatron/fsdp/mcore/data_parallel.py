@@ -35,7 +35,7 @@ from megatron.fsdp import mcore_releases as compat
 from . import ddp_fields
 from .checkpoint_keys import CheckpointKeys, ParallelRanks, chunk_keys, split_rules, tp_placements
 from .distributed_index import FSDPDistributedIndex
-from .fp8_gather import fp8_gather_arguments
+from .fp8_gather import fp8_param_gather
 from .meta_build import recipe_of
 from .overlap import overlap_arguments
 
@@ -168,7 +168,7 @@ def _tied_embedding_units(module: torch.nn.Module):
 
 
 def meta_init_arguments(module: torch.nn.Module) -> dict:
-    """``fully_shard``'s ``init_weights`` for a chunk built by ``build_on_meta_device`` (else nothing).
+    """``fully_shard``'s ``meta_init`` for a chunk built by ``build_on_meta_device`` (else nothing).
 
     The chunk is then materialised unit by unit and each submodule initialised by
     replaying what Megatron-Core's constructors did to it (``meta_build.py``).
@@ -185,7 +185,7 @@ def meta_init_arguments(module: torch.nn.Module) -> dict:
     if late:
         warn_once(f"meta-device initialisation: {late} draw random numbers out of module order in their "
                   "constructors; their weights will differ from an eager build's (still equal across DP sizes)")
-    return dict(init_weights=recipe.init_weights)
+    return dict(meta_init=mfsdp.MetaInit(init_weights=recipe.init_weights))
 
 
 class FullyShardedDataParallel(_BaseDataParallel):
@@ -217,15 +217,15 @@ class FullyShardedDataParallel(_BaseDataParallel):
             unit_modules=units,
             mesh=self.index.mesh,
             outer_strategy=ddp_config.outer_dp_sharding_strategy if instances > 1 else None,
-            mixed_precision=mp,
             average_grads=average,
             experts=self._expert_sharding(module, experts, average),
-            # Persistent gather buffers (Megatron-Core's field; gather_buffers.py in the engine).
-            double_buffer=bool(getattr(ddp_config, "fsdp_double_buffer", False)
-                               or getattr(ddp_config, "megatron_fsdp_max_pool_double_buffer", False)),
             # --fp8-param-gather: the FP8 layers' weights gathered as FP8 bytes + scales (fp8_gather.py)
-            **fp8_gather_arguments(config, ddp_config, module),
-            overlap=mfsdp.Overlap(**overlap_arguments(ddp_config, module, unit_classes)),
+            mixed_precision=dataclasses.replace(mp, param_gather=fp8_param_gather(config, ddp_config, module)),
+            overlap=mfsdp.Overlap(
+                **overlap_arguments(ddp_config, module, unit_classes),
+                # Persistent gather buffers (Megatron-Core's field; gather_buffers.py in the engine).
+                double_buffer=bool(getattr(ddp_config, "fsdp_double_buffer", False)
+                                   or getattr(ddp_config, "megatron_fsdp_max_pool_double_buffer", False))),
             **meta_init_arguments(module),
         ))
 

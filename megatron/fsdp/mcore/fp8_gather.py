@@ -1,6 +1,6 @@
 """Which weights megatron.fsdp gathers in FP8 under ``--fp8-param-gather``, and with which recipe.
 
-``fp8_gather_arguments(config, ddp_config, module)`` is ``fully_shard``'s ``param_gather`` for one
+``fp8_param_gather(config, ddp_config, module)`` is ``MixedPrecision``'s ``param_gather`` for one
 model chunk (``DistributedDataParallelConfig.fp8_param_gather``, Megatron-Core's field for the flag):
 
 * the CPU FP8 layers (``mcore_cpu/fp8_linears.py``): their GEMM weights, with the recipe they were built with;
@@ -17,7 +17,7 @@ Blockwise scaling is not gathered in FP8 (a 128 x 128 tile spans rows a shard bo
 from __future__ import annotations
 
 import re
-from typing import Set
+from typing import Optional, Set
 
 import torch
 
@@ -40,8 +40,9 @@ def _te_weights(module: torch.nn.Module) -> Set[int]:
             for name, p in m.named_parameters(recurse=False) if _TE_WEIGHT.fullmatch(name) and p.requires_grad}
 
 
-def fp8_gather_arguments(config, ddp_config, module: torch.nn.Module) -> dict:
-    """``dict(param_gather=QuantizedParamGather(...))`` for ``fully_shard``, or ``{}`` without FP8 gathers."""
+def fp8_param_gather(config, ddp_config, module: torch.nn.Module) -> Optional[mfsdp.QuantizedParamGather]:
+    """``MixedPrecision.param_gather`` for ``fully_shard``: a ``QuantizedParamGather``, or None without FP8
+    gathers."""
     layers, ids = _cpu_fp8_weights(module)
     asked = bool(getattr(ddp_config, "fp8_param_gather", False))
     gathered_by_layers = sorted({layer.fp8_recipe.param_gather for layer in layers})
@@ -49,7 +50,7 @@ def fp8_gather_arguments(config, ddp_config, module: torch.nn.Module) -> dict:
         raise ValueError("the FP8 layers' recipe and DistributedDataParallelConfig.fp8_param_gather disagree on "
                          "whether megatron.fsdp gathers their weights in FP8: build both from --fp8-param-gather")
     if not asked:
-        return {}
+        return None
     if layers:
         recipe = layers[0].fp8_recipe
         name, history, algo, margin = recipe.recipe, recipe.amax_history_len, recipe.amax_compute_algo, recipe.margin
@@ -60,6 +61,6 @@ def fp8_gather_arguments(config, ddp_config, module: torch.nn.Module) -> dict:
     else:
         raise ValueError("DistributedDataParallelConfig.fp8_param_gather=True but the model has no FP8 layers: "
                          "train with --fp8-format (Transformer Engine's layers, or the CPU FP8 layers)")
-    return dict(param_gather=mfsdp.QuantizedParamGather(
+    return mfsdp.QuantizedParamGather(
         recipe=name, fmt="e4m3", amax_history_len=history, amax_compute_algo=algo, margin=margin,
-        quantize=lambda _name, param: id(param) in ids))
+        quantize=lambda _name, param: id(param) in ids)

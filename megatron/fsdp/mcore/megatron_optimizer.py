@@ -188,12 +188,10 @@ def get_fsdp_optimizer(config: OptimizerConfig, model_chunks: List[torch.nn.Modu
     engine = mfsdp.FullyShardedOptimizer(
         engines, cls, clip_grad=config.clip_grad, **decoupled_lr_groups(config, model_chunks),
         no_weight_decay=no_weight_decay_cond or mfsdp.megatron_no_weight_decay,
-        counts_in_norm=_counts_in_norm(index.tp_rank),
         # With experts in the model every stage joins the expert norm, also a stage without MoE layers.
-        norm_groups=[index.mp],
-        expert_norm_groups=[index.expt_mp] if getattr(model_chunks[0].config, "num_moe_experts", None) else None,
-        state_dtype={"exp_avg": precision.exp_avg_dtype, "exp_avg_sq": precision.exp_avg_sq_dtype},
-        main_grads_dtype=precision.main_grads_dtype, **kwargs)
+        grad_norm=mfsdp.GradNorm(_counts_in_norm(index.tp_rank), groups=[index.mp], expert_groups=[index.expt_mp]
+                                 if getattr(model_chunks[0].config, "num_moe_experts", None) else None),
+        precision=precision, **kwargs)
     # Keys Megatron's OptimizerParamScheduler reads from every param group (the matrix group decays);
     # Megatron-Core's decoupled groups carry --decoupled-lr / --decoupled-min-lr as their max/min lr.
     # ``default_config``: the groups on the command line's schedule (Megatron-LM >= 0.19 logs their lr).
@@ -220,7 +218,7 @@ def decoupled_lr_groups(config: OptimizerConfig, model_chunks) -> dict:
 
     def group(name: str, _param) -> str:  # the chunks share names; only chunks holding the layer have it
         return DECOUPLED if name in names else ""
-    return dict(param_group=group, group_options={DECOUPLED: {"lr": config.decoupled_lr}})
+    return dict(labelled_groups=mfsdp.LabelledGroups(group, {DECOUPLED: {"lr": config.decoupled_lr}}))
 
 
 def muon_engine_kwargs(config: OptimizerConfig, engines, index) -> dict:
@@ -230,6 +228,7 @@ def muon_engine_kwargs(config: OptimizerConfig, engines, index) -> dict:
     from megatron.core import parallel_state
 
     expert_tp = parallel_state.get_expert_tensor_parallel_group(check_initialized=False)
-    return dict(matrix_optimizer=MegatronMuon, matrix_kwargs=muon_kwargs(config),
-                matrix_params=megatron_matrix_params, matrix_split=grouped_gemm_split([e.module for e in engines]),
-                matrix_shards=tensor_parallel_shards(config.muon_tp_mode, engines[0].ledger, index.tp, expert_tp))
+    return dict(matrix=mfsdp.PerMatrixOptimizer(
+        MegatronMuon, muon_kwargs(config), params=megatron_matrix_params,
+        split=grouped_gemm_split([e.module for e in engines]),
+        shards=tensor_parallel_shards(config.muon_tp_mode, engines[0].ledger, index.tp, expert_tp)))

@@ -9,7 +9,8 @@ library; instead :func:`build_on_meta_device` runs the model's constructors unde
 ``torch.device("meta")`` and records, per tensor, what the constructors did to it:
 
 * calls of ``_initialize_affine_weight_cpu`` / ``_gpu`` (replayed with the same
-  arguments: the same ``init_method``, stride, TP rank, RNG-tracker fork);
+  arguments: the same ``init_method``, stride, TP rank, RNG-tracker fork; where the CPU one's
+  master weight is the parameter, drawn into the parameter directly: ``_affine_replay``);
 * in-place ops on a parameter or buffer (``normal_``, ``fill_``, ``zero_``,
   ``uniform_``... from ``init_method(param)``, bias zeroing, torch modules'
   ``reset_parameters``), with the view they hit;
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import sys
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -183,7 +185,7 @@ def _patched_affine_inits(tape: _Tape):
             with tape.suppress():
                 result = _original(weight, *args, **kwargs)  # on meta: sets TP attributes, draws nothing
             if not tape.suppressed:
-                tape.add(weight, _Record(_name, lambda t: _original(t, *args, **kwargs)))
+                tape.add(weight, _Record(_name, _affine_replay(_name, _original, args, kwargs)))
             return result
         for module in list(sys.modules.values()):
             if getattr(module, "__name__", "").startswith("megatron.core") and getattr(module, name, None) is original:
@@ -194,6 +196,32 @@ def _patched_affine_inits(tape: _Tape):
     finally:
         for module, name, original in patched:
             setattr(module, name, original)
+
+
+def _affine_replay(name: str, original: Callable, args, kwargs) -> Callable[[torch.Tensor], None]:
+    """The replay of one affine-initialiser call: the call itself, except where the CPU initialiser's
+    master weight is the parameter (one TP partition, stride 1, fp32): then ``init_method`` draws into
+    the parameter directly, the same draws in the same order, without the master weight and its
+    ``torch.cat`` (two more copies of the weight, the largest transient of the build)."""
+    as_called = lambda t: original(t, *args, **kwargs)  # noqa: E731
+    if name != "_initialize_affine_weight_cpu":
+        return as_called
+    call = inspect.signature(original).bind(None, *args, **kwargs)
+    call.apply_defaults()
+    a = call.arguments
+    if not {"output_size", "input_size", "init_method", "stride", "params_dtype", "rank", "world_size"} <= set(a):
+        return as_called  # a release whose initialiser takes other arguments: replayed as it is
+
+    def replay(t: torch.Tensor) -> None:
+        world_size = a["world_size"]
+        if a["rank"] is None:
+            world_size = sys.modules["megatron.core.tensor_parallel.layers"].get_tensor_model_parallel_world_size()
+        if (world_size == 1 and a["stride"] == 1 and t.dtype == a["params_dtype"] == torch.float32
+                and tuple(t.shape) == (a["output_size"], a["input_size"]) and t.is_contiguous()):
+            a["init_method"](t)
+        else:
+            as_called(t)
+    return replay
 
 
 @contextlib.contextmanager

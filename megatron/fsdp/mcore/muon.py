@@ -28,6 +28,7 @@ distributed optimizer anyway. This module maps Megatron-LM's flags onto
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -52,22 +53,35 @@ def muon_scale(mode: str, rows: int, cols: int) -> float:
     raise ValueError(f"--muon-scale-mode {mode!r}: expected one of {', '.join(SCALE_MODES)}")
 
 
+@dataclasses.dataclass(frozen=True)
+class MuonScale:
+    """The update scale: ``extra_factor * muon_scale(mode, rows, cols)`` (``--muon-scale-mode``,
+    ``--muon-extra-scale-factor``)."""
+
+    mode: str = "spectral"
+    extra_factor: float = 1.0
+
+    def __post_init__(self):
+        muon_scale(self.mode, 1, 1)  # validates the mode
+        object.__setattr__(self, "extra_factor", float(self.extra_factor))
+
+
 class MegatronMuon(torch.optim.Muon):
-    """``torch.optim.Muon`` whose step size is ``lr * extra_scale_factor * muon_scale(scale_mode, shape)`` and
+    """``torch.optim.Muon`` whose step size is ``lr * scale.extra_factor * muon_scale(scale.mode, shape)`` and
     whose Newton-Schulz iterations take ``coefficient_type``'s triples (one per iteration)."""
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.9,
-                 nesterov: bool = False, ns_steps: int = 5, scale_mode: str = "spectral",
-                 extra_scale_factor: float = 1.0, coefficient_type: str = "quintic"):
-        muon_scale(scale_mode, 1, 1)  # validates the mode
+                 nesterov: bool = False, ns_steps: int = 5, scale: MuonScale = MuonScale(),
+                 coefficient_type: str = "quintic"):
+        scale_mode, extra_scale_factor = scale.mode, scale.extra_factor
         if ns_steps < 1:
             raise ValueError(f"--muon-num-ns-steps must be at least 1, got {ns_steps}")
         super().__init__(params, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                          ns_steps=ns_steps, ns_coefficients=per_step_coefficients(coefficient_type, ns_steps))
-        self.defaults.update(scale_mode=scale_mode, extra_scale_factor=float(extra_scale_factor))
+        self.defaults.update(scale_mode=scale_mode, extra_scale_factor=extra_scale_factor)
         for group in self.param_groups:
             group.setdefault("scale_mode", scale_mode)
-            group.setdefault("extra_scale_factor", float(extra_scale_factor))
+            group.setdefault("extra_scale_factor", extra_scale_factor)
 
     @staticmethod
     def adjusted_lr(group, shape) -> float:
@@ -98,7 +112,7 @@ def megatron_matrix_params(name: str, param: torch.nn.Parameter) -> bool:
 
 
 def grouped_gemm_split(modules):
-    """``matrix_split`` for the engine: legacy ``GroupedMLP`` weights hold one matrix per local expert.
+    """``PerMatrixOptimizer.split`` for the engine: legacy ``GroupedMLP`` weights hold one matrix per local expert.
 
     Its forward views ``weight1`` [hidden, experts x ffn'] as ``(experts, hidden, ffn')`` and
     ``weight2`` [experts x ffn, hidden] as ``(experts, ffn, hidden)``: each expert's matrix is a
@@ -132,12 +146,12 @@ def grouped_gemm_split(modules):
 def muon_kwargs(config) -> dict:
     return dict(lr=config.lr, weight_decay=config.weight_decay, momentum=config.muon_momentum,
                 nesterov=compat.muon_nesterov(config), ns_steps=config.muon_num_ns_steps,
-                scale_mode=config.muon_scale_mode, extra_scale_factor=config.muon_extra_scale_factor,
+                scale=MuonScale(config.muon_scale_mode, config.muon_extra_scale_factor),
                 coefficient_type=compat.muon_coefficient_type(config))
 
 
 def tensor_parallel_shards(mode: str, ledger, tp_group, expert_tp_group):
-    """``matrix_shards`` for the engine: ``None`` (blockwise) or the TP shards of each matrix (duplicated)."""
+    """``PerMatrixOptimizer.shards`` for the engine: ``None`` (blockwise) or the TP shards of each matrix (duplicated)."""
     if mode not in TP_MODES:
         raise ValueError(f"--muon-tp-mode {mode!r} is not supported by megatron.fsdp; use one of {', '.join(TP_MODES)}")
     if mode == "blockwise":

@@ -58,11 +58,14 @@ class SDPACoreAttention(MegatronModule):
     the causal mask comes from token positions. Exact, not a ring: for numerics, O(s) memory.
     """
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type,
-                 attention_dropout=None, softmax_scale=None, cp_comm_type=None,
-                 pg_collection=None, k_channels=None, v_channels=None):
-        # k_channels/v_channels: multi-latent attention's query/key and value head sizes differ;
-        # SDPA reads them from the tensors (MLA passes its own YaRN softmax_scale).
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale=None, pg_collection=None, **read_from_tensors):
+        # ``read_from_tensors``: DotProductAttention's keywords SDPA has no use for: k_channels/v_channels
+        # (multi-latent attention's query/key and value head sizes differ; SDPA reads them from the tensors,
+        # MLA passes its own YaRN softmax_scale) and cp_comm_type (K/V are always all-gathered here).
+        unknown = sorted(set(read_from_tensors) - {"k_channels", "v_channels", "cp_comm_type"})
+        if unknown:
+            raise TypeError(f"SDPACoreAttention got an unexpected keyword argument {unknown[0]!r}")
         super().__init__(config=config)
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise NotImplementedError("SDPACoreAttention supports softmax_type='vanilla' only")

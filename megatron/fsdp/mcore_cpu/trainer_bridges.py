@@ -105,7 +105,7 @@ def patch_device_queries() -> None:
 
 def install_megatron_training() -> None:
     """Bridge ``megatron.training`` to CPU (see the module docstring). Idempotent; no-op with CUDA."""
-    if torch.cuda.is_available() or not once("cpu_trainer.megatron_training"):
+    if torch.cuda.is_available() or not once("trainer_bridges.megatron_training"):
         return
     from megatron.training import arguments, initialize, training
     from megatron.training import utils as training_utils
@@ -159,7 +159,7 @@ def install_megatron_training() -> None:
 
 def install_bridge() -> None:
     """Bridge Megatron-Bridge's trainer to CPU (see the module docstring). Idempotent; no-op with CUDA."""
-    if torch.cuda.is_available() or not once("cpu_trainer.bridge"):
+    if torch.cuda.is_available() or not once("trainer_bridges.bridge"):
         return
     from megatron.bridge.training import initialize, setup
 

@@ -26,6 +26,8 @@ from .matrix_checkpoint import check_matrix_state_dict, matrix_state_dict, split
 from .matrix_whole import make_matrix_optimizer
 from ..wrap.module import FullyShardedModule
 from ..precision.optimizer_state import OptimizerPrecision, attach_grad, detach_grad
+from .old_optimizer_keywords import take_old_keywords
+from .optimizer_options import GradNorm, LabelledGroups, PerMatrixOptimizer
 
 Models = Union[FullyShardedModule, Sequence[FullyShardedModule]]
 MATRIX = "matrix"  # the decay-class flag of matrix parameters: kept out of the elementwise optimizer
@@ -35,6 +37,12 @@ def _real_groups(groups: Sequence) -> list:
     return [g for g in groups if g is not None and dist.get_world_size(g) > 1]
 
 
+def _checked(value, kind: type, keyword: str):
+    if value is not None and not isinstance(value, kind):
+        raise TypeError(f"{keyword} must be a megatron.fsdp.{kind.__name__}, got {type(value).__name__}")
+    return value
+
+
 def _mesh_key(model: FullyShardedModule):
     return [(name, s.levels, s.inner.size, s.outer.size) for name, s in model.sections.items()]
 
@@ -42,41 +50,41 @@ def _mesh_key(model: FullyShardedModule):
 class FullyShardedOptimizer:
     """Wraps ``optimizer_cls`` over the main-weight shards of ``models``.
 
-    ``counts_in_norm(name, param)`` says whether a parameter's gradient counts in the
-    global norm on this rank (default: all); ``norm_groups`` are further
-    process groups the squared norm is summed over (e.g. tensor and pipeline
-    model parallel groups, whose ranks hold different parameters), and
-    ``expert_norm_groups`` the same for the expert section (default: ``norm_groups``).
+    ``clip_grad`` clips the global gradient norm; ``grad_norm=GradNorm(counts_in_norm, groups,
+    expert_groups)`` says which gradients count in it on this rank and over which further process
+    groups it is summed (``optimizer_options.py``).
 
-    ``matrix_optimizer`` (Muon, or another per-matrix optimizer) steps the
-    parameters ``matrix_params(name, param)`` selects, each matrix on one owner
-    rank (docs/muon.md); ``matrix_split(name, param)`` may return the
-    ``(rows, cols)`` of the consecutive row-major matrices one parameter's
-    storage holds (grouped-GEMM expert weights: one matrix per expert), and
-    ``matrix_shards`` the tensor-parallel shards of a matrix (``duplicated`` mode).
+    ``matrix=PerMatrixOptimizer(optimizer, kwargs, params, shards, split)`` (Muon, or another
+    per-matrix optimizer) steps the parameters ``params(name, param)`` selects, each matrix on one
+    owner rank (docs/muon.md).
 
-    ``state_dtype`` (a dtype, or ``{"exp_avg": ..., "exp_avg_sq": ...}``) and
-    ``main_grads_dtype`` (the gradient accumulators' dtype) other than fp32 keep Adam/AdamW
-    state or gradients in bf16 and update in fp32 (``precision/optimizer_state.py``); the default
-    runs ``optimizer_cls`` unchanged.
+    ``precision=OptimizerPrecision(exp_avg_dtype, exp_avg_sq_dtype, main_grads_dtype)`` other than
+    fp32 keeps Adam/AdamW state or gradients in bf16 and updates in fp32
+    (``precision/optimizer_state.py``); the default runs ``optimizer_cls`` unchanged.
 
-    ``param_group(name, param)`` may put a parameter in a labelled group of its own and
-    ``group_options`` give each label its hyperparameters (e.g. ``{"decoupled": {"lr": 5e-4}}``:
-    Megatron-LM's ``--decoupled-lr`` for the embedding and output layer); ``""`` is the default
-    group. The inner optimizer's groups are the default's (decay, no decay) then each label's
-    in ``group_options`` order, the same on every rank (empty ones kept); ``group_labels[g]``
-    says the ``(label, no_weight_decay)`` of group ``g``. Their hyperparameters are checkpointed
-    per group like the default ones.
+    ``labelled_groups=LabelledGroups(label, options)``: ``label(name, param)`` may put a parameter in a
+    labelled group of its own and ``options`` give each label its hyperparameters (e.g.
+    ``{"decoupled": {"lr": 5e-4}}``: Megatron-LM's ``--decoupled-lr`` for the embedding and output
+    layer); ``""`` is the default group. The inner optimizer's groups are the default's (decay, no
+    decay) then each label's in ``options`` order, the same on every rank (empty ones kept);
+    ``group_labels[g]`` says the ``(label, no_weight_decay)`` of group ``g``. Their hyperparameters are
+    checkpointed per group like the default ones.
+
+    The keywords of the previous release (``counts_in_norm``, ``norm_groups``, ``expert_norm_groups``,
+    ``matrix_*``, ``state_dtype``, ``main_grads_dtype``, ``param_group``, ``group_options``) still work
+    for one release, with a ``DeprecationWarning`` (``old_optimizer_keywords.py``).
     """
 
     def __init__(self, models: Models, optimizer_cls: Callable = torch.optim.AdamW, clip_grad: float = 0.0,
-                 no_weight_decay: Optional[Callable] = None, counts_in_norm: Optional[Callable] = None,
-                 norm_groups: Sequence = (), expert_norm_groups: Optional[Sequence] = None,
-                 matrix_optimizer: Optional[Callable] = None, matrix_kwargs: Optional[dict] = None,
-                 matrix_params: Optional[Callable] = None, matrix_shards: Optional[Callable] = None,
-                 matrix_split: Optional[Callable] = None, state_dtype=None, main_grads_dtype: Optional[torch.dtype] = None,
-                 param_group: Optional[Callable] = None, group_options: Optional[Dict[str, dict]] = None,
-                 **optimizer_kwargs):
+                 no_weight_decay: Optional[Callable] = None, grad_norm: Optional[GradNorm] = None,
+                 matrix: Optional[PerMatrixOptimizer] = None, precision: Optional[OptimizerPrecision] = None,
+                 labelled_groups: Optional[LabelledGroups] = None, **optimizer_kwargs):
+        options = take_old_keywords(dict(grad_norm=grad_norm, matrix=matrix, precision=precision,
+                                         labelled_groups=labelled_groups), optimizer_kwargs)
+        grad_norm = _checked(options["grad_norm"], GradNorm, "grad_norm") or GradNorm()
+        matrix = _checked(options["matrix"], PerMatrixOptimizer, "matrix")
+        precision = _checked(options["precision"], OptimizerPrecision, "precision") or OptimizerPrecision()
+        labelled_groups = _checked(options["labelled_groups"], LabelledGroups, "labelled_groups") or LabelledGroups()
         self.models: List[FullyShardedModule] = [models] if isinstance(models, FullyShardedModule) else list(models)
         if not self.models or not all(isinstance(m, FullyShardedModule) for m in self.models):
             raise TypeError("FullyShardedOptimizer needs the model(s) returned by megatron.fsdp.fully_shard")
@@ -85,15 +93,16 @@ class FullyShardedOptimizer:
             if _mesh_key(m) != _mesh_key(first):
                 raise ValueError("all models of one FullyShardedOptimizer must share the same meshes and levels")
         self.model = first
-        self.precision = OptimizerPrecision.of(state_dtype, main_grads_dtype)
+        self.precision = precision
         main_dtype = first.mixed_precision.main_dtype
         optimizer_cls = self.precision.optimizer_class(optimizer_cls, main_dtype)
         for model in self.models:
             for unit in model.units:
                 unit.storage.set_main_grads_dtype(self.precision.main_grads_dtype or main_dtype)
         self.clip_grad = float(clip_grad)
-        self.norm_groups = _real_groups(norm_groups)
-        self.expert_norm_groups = self.norm_groups if expert_norm_groups is None else _real_groups(expert_norm_groups)
+        self.norm_groups = _real_groups(grad_norm.groups)
+        self.expert_norm_groups = (self.norm_groups if grad_norm.expert_groups is None
+                                   else _real_groups(grad_norm.expert_groups))
         # The model-parallel groups the squared norm is also summed over, as ledger axes.
         self._norm_axes = {section: [CommAxis(f"{section}_norm_group{k}", group, first.ledger)
                                      for k, group in enumerate(self.expert_norm_groups if section == EXPERT
@@ -102,12 +111,10 @@ class FullyShardedOptimizer:
         # Given expert norm groups but no expert section here (a pipeline stage of dense layers only,
         # DeepSeek's first layers): this rank still joins the expert norm's sums over those groups,
         # with nothing to add, or the stages that hold experts would wait for it.
-        self._absent_expert_axes = [] if expert_norm_groups is None or EXPERT in first.sections else [
+        self._absent_expert_axes = [] if grad_norm.expert_groups is None or EXPERT in first.sections else [
             CommAxis(f"{EXPERT}_norm_group{k}", group, first.ledger) for k, group in enumerate(self.expert_norm_groups)]
         weight_decay = optimizer_kwargs.get("weight_decay", 0.0)
-        group_options = dict(group_options or {})
-        if "" in group_options:
-            raise ValueError("group_options: the label '' is the default group (its options are the keyword arguments)")
+        group_options = labelled_groups.options
         labels = [""] + list(group_options)
         groups = {MATRIX: []}
         groups.update({(label, nwd): [] for label in labels for nwd in (False, True)})
@@ -120,13 +127,13 @@ class FullyShardedOptimizer:
         self._norm_grads: Dict[str, List[torch.Tensor]] = {name: [] for name in first.sections}
         self._norm_weights: Dict[str, List[torch.Tensor]] = {name: [] for name in first.sections}
         # Matrix parameters (Muon): stepped by matrix_optimizer.py, outside the elementwise runs.
-        self.matrix = None if matrix_optimizer is None else make_matrix_optimizer(
-            self.models, matrix_optimizer, matrix_kwargs, matrix_params, matrix_shards, matrix_split)
+        self.matrix = None if matrix is None else make_matrix_optimizer(
+            self.models, matrix.optimizer, matrix.kwargs, matrix.params, matrix.shards, matrix.split)
         for k, model in enumerate(self.models):
             for unit in model.units:
                 s = unit.storage
                 flags = [MATRIX if self.matrix is not None and self.matrix.is_matrix(k, name)
-                         else (self._label(param_group, slot.spec, labels),
+                         else (self._label(labelled_groups.label, slot.spec, labels),
                                self._no_decay(no_weight_decay, slot.spec))
                          for name, slot in zip(unit.param_names, s.layout.slots)]
                 lo, hi = s.regions.main
@@ -136,12 +143,12 @@ class FullyShardedOptimizer:
                     self._grad_of.append((weight, grad))
                     groups[key].append(weight)
                     self._grads.append(grad)
-                    if counts_in_norm is None:
+                    if grad_norm.counts_in_norm is None:
                         self._norm_grads[s.section].append(grad)
                         self._norm_weights[s.section].append(weight)
-                if counts_in_norm is not None:
+                if grad_norm.counts_in_norm is not None:
                     for name, slot, param in zip(unit.param_names, s.layout.slots, s.params):
-                        if slot.spec.trainable and counts_in_norm(name, param):
+                        if slot.spec.trainable and grad_norm.counts_in_norm(name, param):
                             piece = model.main_grad_piece(name)
                             if piece.numel():
                                 self._norm_grads[s.section].append(piece)
@@ -167,7 +174,8 @@ class FullyShardedOptimizer:
             return ""
         label = rule(spec.name, torch.nn.Parameter(torch.empty(spec.shape, device="meta"), spec.trainable)) or ""
         if label not in labels:
-            raise ValueError(f"param_group put {spec.name} in group {label!r}, which group_options does not define")
+            raise ValueError(f"LabelledGroups.label put {spec.name} in group {label!r}, which "
+                             "LabelledGroups.options does not define")
         return label
 
     @staticmethod

@@ -130,12 +130,13 @@ class PrecisionAwareAdam(torch.optim.Adam):
     exp_avg_dtype: torch.dtype = torch.float32
     exp_avg_sq_dtype: torch.dtype = torch.float32
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
-                 foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
-                 decoupled_weight_decay=False):
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                         foreach=foreach, maximize=maximize, capturable=capturable, differentiable=differentiable,
-                         fused=fused, decoupled_weight_decay=decoupled_weight_decay)
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, *,
+                 decoupled_weight_decay=False, **adam_flags):
+        """``adam_flags``: the rest of ``torch.optim.Adam``'s keywords (``amsgrad``, ``foreach``, ``maximize``,
+        ``capturable``, ``differentiable``, ``fused``), handed to it as they are (it refuses unknown ones);
+        those this step does not implement are refused below when set."""
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         decoupled_weight_decay=decoupled_weight_decay, **adam_flags)
         for flag in ("amsgrad", "maximize", "capturable", "differentiable"):
             if any(group.get(flag) for group in self.param_groups):
                 raise ValueError(f"{type(self).__name__} does not implement {flag}=True")

@@ -1,6 +1,6 @@
 """``QuantizedParamGather``: which parameters a unit gathers in FP8, and with which recipe.
 
-``fully_shard(..., param_gather=QuantizedParamGather(...))`` (Megatron-LM's ``--fp8-param-gather``)
+``MixedPrecision(param_gather=QuantizedParamGather(...))`` (Megatron-LM's ``--fp8-param-gather``)
 gathers the selected weights as FP8 bytes plus their scales instead of bf16: half the bytes of
 ZeRO-3's dominant traffic. The value names the recipe the way Megatron-LM's flags do
 (``--fp8-recipe``, ``--fp8-amax-history-len``, ``--fp8-amax-compute-algo``, ``--fp8-margin``);

@@ -36,16 +36,22 @@ class Overlap:
     or two while the newest reduction has a later stage to issue (HSDP, HFSDP,
     ZeRO-3 x ZeRO-3), so that stage is issued at the next compute end and lands
     during the backward after it instead of being waited as soon as it is issued.
+    ``double_buffer=True``: ZeRO-3 units gather into persistent buffers allocated once (two per
+    section and nesting depth, or the prefetch depth + 1) instead of allocating at every gather
+    (``gather_buffers.py``; Megatron-LM's ``--fsdp-double-buffer``).
     """
 
     forward_prefetch: int = 1
     backward_prefetch: int = 1
     reductions_in_flight: Optional[int] = None
+    double_buffer: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.double_buffer, bool):
+            raise ValueError(f"double_buffer must be True or False, got {self.double_buffer!r}")
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if value is None and field.name == "reductions_in_flight":
+            if field.name == "double_buffer" or value is None and field.name == "reductions_in_flight":
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{field.name} must be an integer >= 0, got {value!r}")

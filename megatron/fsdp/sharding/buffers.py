@@ -36,11 +36,12 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ..collectives.comm import CommAxis, Handle, staged
+from ..precision.mixed_precision import UnitDtypes
 from ..precision.param_gather import QuantizedParamGather
+from .experts import Section
 from .layout import FlatLayout
 from .quantized_gather import QuantizedGather
 from .regions import UnitRegions, trainable_part, unit_regions
-from .strategy import MeshStrategy
 
 
 def _free(tensor: torch.Tensor) -> None:
@@ -91,18 +92,22 @@ class Residency(enum.Enum):
 
 
 class UnitStorage:
-    def __init__(self, layout: FlatLayout, params: List[torch.nn.Parameter], levels: MeshStrategy,
-                 inner: CommAxis, outer: CommAxis, compute_dtype: torch.dtype, main_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype, device: torch.device, average_grads: bool = True,
-                 section: str = "dense", grad_scale: float = 1.0,
-                 param_gather: Optional[QuantizedParamGather] = None, quantized: Sequence[int] = ()):
+    """``section``: the mesh axes, levels and gradient rule of the unit's section (``experts.py``);
+    ``dtypes``: its compute, main and reduce dtypes; ``param_gather`` gathers the layout slots
+    ``quantized`` in FP8."""
+
+    def __init__(self, layout: FlatLayout, params: List[torch.nn.Parameter], section: Section, dtypes: UnitDtypes,
+                 device: torch.device, param_gather: Optional[QuantizedParamGather] = None,
+                 quantized: Sequence[int] = ()):
         assert len(params) == len(layout.slots)
+        levels, inner, outer = section.levels, section.inner, section.outer
+        compute_dtype, main_dtype = dtypes.compute, dtypes.main
         self.layout, self.params, self.levels = layout, params, levels
         self.inner, self.outer = inner, outer
-        self.compute_dtype, self.main_dtype, self.reduce_dtype = compute_dtype, main_dtype, reduce_dtype
-        self.average_grads = average_grads
-        self.section = section          # "dense" or "expert": which mesh and norm groups it belongs to
-        self.grad_scale = grad_scale    # applied once per step after the reductions (experts.py)
+        self.compute_dtype, self.main_dtype, self.reduce_dtype = compute_dtype, main_dtype, dtypes.reduce
+        self.average_grads = section.average_grads
+        self.section = section.name     # "dense" or "expert": which mesh and norm groups it belongs to
+        self.grad_scale = section.grad_scale  # applied once per step after the reductions (experts.py)
         # FP8 gathers (``param_gather``, the layout slots ``quantized``) write dequantized weights into the
         # compute buffer: the main weights must be a copy of their own, also for an fp32 model.
         quantizes = param_gather is not None and len(quantized) > 0

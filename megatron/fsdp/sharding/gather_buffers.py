@@ -1,4 +1,4 @@
-"""Persistent gather buffers (``fully_shard(..., double_buffer=True)``, Megatron-LM's ``--fsdp-double-buffer``).
+"""Persistent gather buffers (``Overlap(double_buffer=True)``, Megatron-LM's ``--fsdp-double-buffer``).
 
 Without them a ZeRO-3 unit allocates its full compute buffer at every gather and releases
 it after use. With them, the full buffers of the units that release live in a few buffers

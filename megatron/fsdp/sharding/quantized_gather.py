@@ -1,6 +1,6 @@
 """The FP8 parameter gather of one unit: quantize this rank's main shard, all-gather bytes, dequantize.
 
-With ``fully_shard(..., param_gather=QuantizedParamGather(...))`` a unit's selected weights travel
+With ``MixedPrecision(param_gather=QuantizedParamGather(...))`` a unit's selected weights travel
 as FP8 instead of the compute dtype. Everything else about the unit stays: its flat layout (under
 MXFP8 every parameter start and shard boundary is a multiple of 32 elements, so a shard never
 splits a block), its gradient path (the gradient of the dequantized compute weight is reduced into

@@ -125,14 +125,15 @@ def reference_training(model: torch.nn.Module, cfg: RunConfig, optimizers, step_
     return {"losses": losses, "grad_norms": norms, "params": params}
 
 
-def wrap(ctx, cfg: RunConfig, **fully_shard_kwargs):
+def wrap(ctx, cfg: RunConfig, param_gather: Optional[mfsdp.QuantizedParamGather] = None, **fully_shard_kwargs):
+    """``param_gather`` goes into the run's ``MixedPrecision``; the other keywords to ``fully_shard``."""
     model = build_model(cfg)
-    mp = mfsdp.MixedPrecision(param_dtype=torch.bfloat16) if cfg.bf16 else None
+    mp = mfsdp.MixedPrecision(param_dtype=torch.bfloat16 if cfg.bf16 else None, param_gather=param_gather)
     if cfg.mesh is not None:
         assert ctx.size == cfg.mesh[0] * cfg.mesh[1], "run a mesh case on exactly N * M ranks"
         where = dict(mesh=ctx.meshes[cfg.mesh], outer_strategy=cfg.outer_strategy)
     else:
-        where = dict(process_group=ctx.group)
+        where = dict(mesh=ctx.group)
     if cfg.expert_strategy is not None:
         mesh = ctx.meshes[cfg.expert_mesh] if cfg.expert_mesh else mfsdp.DataParallelMesh(ctx.group)
         where["experts"] = mfsdp.ExpertSharding(
@@ -143,11 +144,11 @@ def wrap(ctx, cfg: RunConfig, **fully_shard_kwargs):
                              **fully_shard_kwargs)
     cls, kwargs = OPTIMIZERS[cfg.optimizer]
     dtypes = mfsdp.precision.optimizer_state.DTYPE_NAMES
-    precision = {key: dtypes[value] for key, value in (("state_dtype", cfg.state_dtype),
-                                                       ("main_grads_dtype", cfg.main_grads_dtype)) if value}
+    precision = mfsdp.OptimizerPrecision.of(dtypes[cfg.state_dtype] if cfg.state_dtype else None,
+                                            dtypes[cfg.main_grads_dtype] if cfg.main_grads_dtype else None)
     if cfg.labelled_lr is not None:
-        kwargs = dict(kwargs, param_group=labelled, group_options={LABEL: {"lr": cfg.labelled_lr}})
-    opt = mfsdp.FullyShardedOptimizer(fsdp, cls, clip_grad=cfg.clip_grad, **precision, **kwargs)
+        kwargs = dict(kwargs, labelled_groups=mfsdp.LabelledGroups(labelled, {LABEL: {"lr": cfg.labelled_lr}}))
+    opt = mfsdp.FullyShardedOptimizer(fsdp, cls, clip_grad=cfg.clip_grad, precision=precision, **kwargs)
     return fsdp, opt
 
 

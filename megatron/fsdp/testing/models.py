@@ -81,32 +81,6 @@ def make_batches(steps: int, micro_batches: int, global_micro_batch: int, seq: i
     return out
 
 
-class Positions(nn.Module):
-    """Learned positions initialised by ``reset_parameters`` (TinyLM's ``pos`` is drawn in its constructor)."""
-
-    def __init__(self, seq: int, hidden: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(seq, hidden))
-        self.reset_parameters()
-
-    def reset_parameters(self):
-        nn.init.normal_(self.weight, std=0.02)
-
-
-class Scale(nn.Module):
-    """A frozen parameter and a buffer, both set by ``reset_parameters``."""
-
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(hidden), requires_grad=False)
-        self.register_buffer("offset", torch.empty(1))
-        self.reset_parameters()
-
-    def reset_parameters(self):
-        nn.init.uniform_(self.weight, 0.5, 1.5)
-        nn.init.normal_(self.offset, std=0.01)
-
-
 class ResetBlock(Block):
     """``Block`` without its constructor-drawn parameter: everything initialises through ``reset_parameters``."""
 
@@ -118,30 +92,3 @@ class ResetBlock(Block):
         self.proj = nn.Linear(hidden, hidden)
         self.norm2 = nn.LayerNorm(hidden)
         self.mlp = MLP(hidden)
-
-
-class ResetLM(nn.Module):
-    """A model whose eager build and meta-device build draw the same random numbers.
-
-    Tied head (tied after construction, as most models do it: the head still draws
-    its own weight first), a frozen parameter, a buffer, nested units
-    (``ResetBlock`` holds an ``MLP``).
-    """
-
-    def __init__(self, vocab: int = 67, hidden: int = 32, heads: int = 4, layers: int = 2, seq: int = 8):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, hidden)
-        self.pos = Positions(seq, hidden)
-        self.blocks = nn.ModuleList(ResetBlock(hidden, heads) for _ in range(layers))
-        self.norm = nn.LayerNorm(hidden)
-        self.scale = Scale(hidden)
-        self.head = nn.Linear(hidden, vocab, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, tokens, targets):
-        x = self.embed(tokens) + self.pos.weight[: tokens.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        x = self.norm(x) * self.scale.weight + self.scale.offset
-        logits = self.head(x)
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))

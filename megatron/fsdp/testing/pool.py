@@ -5,7 +5,7 @@ torchrun per assertion would not fit in its time budget. The pool keeps N
 processes with an initialised default group plus one subgroup per size
 ``1..N``, so a case can run on the first ``k`` ranks, and the two-axis meshes
 of ``MESH_SHAPES``. A case is a module-level function ``fn(ctx, **kwargs)``
-(most live in ``tests/cases/``), passed to ``run`` itself; ``ctx`` carries the rank,
+(in the test modules and their helpers), passed to ``run`` itself; ``ctx`` carries the rank,
 the group and its size. Results come back pickled, one per rank.
 
 A case that does not finish within its timeout is treated as a hang: the pool

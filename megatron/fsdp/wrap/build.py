@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 import weakref
 from typing import Callable, Dict, Iterable, List, Optional, Tuple, Type
 
@@ -25,10 +24,11 @@ from ..collectives.comm import CommAxis, Ledger, collective
 from ..sharding.experts import DENSE, EXPERT, ExpertSharding, Section
 from ..sharding.layout import ParamSpec, build_layout
 from ..sharding.mesh import DataParallelMesh
-from ..init.meta_init import MetaMaterialiser, check_meta_module, is_on_meta, target_device
+from ..init.meta_init import MetaInit, MetaMaterialiser, check_meta_module, is_on_meta, target_device
 from ..precision.mixed_precision import MixedPrecision
 from ..precision.param_gather import QuantizedParamGather
 from .module import FullyShardedModule
+from .old_shard_keywords import new_form
 from ..init.replicas import broadcast_from_rank0
 from ..schedule.runtime import Overlap, Schedule
 from ..sharding.strategy import MeshStrategy, parse_mesh_strategy
@@ -90,85 +90,56 @@ def _assign_params(module: torch.nn.Module, unit_names: List[str]):
     return by_unit
 
 
-_OVERLAP_KEYWORDS = ("forward_prefetch", "backward_prefetch", "reductions_in_flight")
-_warned_overlap_keywords = False
-
-
-def _overlap_of(overlap: Optional[Overlap], deprecated: dict) -> Overlap:
-    """``overlap``, or one built from the deprecated keywords (warned once per process)."""
-    global _warned_overlap_keywords
-    unknown = sorted(set(deprecated) - set(_OVERLAP_KEYWORDS))
-    if unknown:
-        raise TypeError(f"fully_shard() got an unexpected keyword argument {unknown[0]!r}")
-    if overlap is not None and not isinstance(overlap, Overlap):
-        raise TypeError(f"overlap must be a megatron.fsdp.Overlap, got {type(overlap).__name__}")
-    if not deprecated:
-        return overlap if overlap is not None else Overlap()
-    if overlap is not None:
-        raise ValueError(f"pass overlap=Overlap(...) or {', '.join(sorted(deprecated))}, not both")
-    if not _warned_overlap_keywords:
-        _warned_overlap_keywords = True
-        warnings.warn(f"fully_shard({', '.join(f'{k}=' for k in sorted(deprecated))}...) is deprecated: "
-                      "pass overlap=Overlap(...)", DeprecationWarning, stacklevel=3)
-    return Overlap(**deprecated)
-
-
 @collective("fully_shard")
 def fully_shard(
     module: torch.nn.Module,
     strategy="optim_grads_params",
     unit_modules: Optional[Iterable[Type[torch.nn.Module]]] = None,
-    process_group=None,
+    mesh=None,
     mixed_precision: Optional[MixedPrecision] = None,
     no_weight_decay: Callable[[str, torch.nn.Parameter], bool] = megatron_no_weight_decay,
-    mesh: Optional[DataParallelMesh] = None,
     outer_strategy=None,
     average_grads: bool = True,
     experts: Optional[ExpertSharding] = None,
     overlap: Optional[Overlap] = None,
-    device: Optional[torch.device] = None,
-    init_weights: Optional[Callable[[torch.nn.Module], None]] = None,
-    double_buffer: bool = False,
-    param_gather: Optional[QuantizedParamGather] = None,
+    meta_init: Optional[MetaInit] = None,
     **deprecated,
 ) -> FullyShardedModule:
     """Shard ``module``'s parameters, gradients and optimizer state over the data-parallel ranks.
 
-    ``process_group`` gives a flat mesh; ``mesh`` a two-axis one, with
-    ``strategy`` the inner level and ``outer_strategy`` the outer level.
+    ``mesh``: a process group (a flat mesh; default: the world) or a ``DataParallelMesh`` (two axes,
+    ``strategy`` the inner level and ``outer_strategy`` the outer level).
     ``average_grads=False`` sums gradients over ranks instead of averaging
     (for per-token loss normalisation, scaled later by ``scale_gradients``).
     ``experts`` puts expert parameters in their own section: own mesh, own
     levels, own gradient scale (see ``experts.py``).
-    ``overlap=Overlap(forward_prefetch, backward_prefetch, reductions_in_flight)``
-    (units gathered ahead; gradient reductions issued before the oldest is waited)
-    sets how far communication runs ahead of compute (default ``Overlap()``). The
-    three as keyword arguments of ``fully_shard`` still work for one release, with a
-    ``DeprecationWarning``.
-    A module on the ``meta`` device is materialised on ``device`` (default: the
-    current CUDA device, else CPU) one submodule at a time, each initialised by
-    ``init_weights(submodule)`` or its own ``reset_parameters()`` in
+    ``overlap=Overlap(forward_prefetch, backward_prefetch, reductions_in_flight, double_buffer)``
+    (units gathered ahead; gradient reductions issued before the oldest is waited; persistent
+    gather buffers) sets how far communication runs ahead of compute (default ``Overlap()``).
+    ``mixed_precision=MixedPrecision(..., param_gather=QuantizedParamGather(recipe, ...))`` gathers
+    the GEMM weights it selects in FP8 (``megatron.fsdp.quantized_weight(param)`` gives that form).
+    The keywords of the previous release (``process_group``, ``forward_prefetch``,
+    ``backward_prefetch``, ``reductions_in_flight``, ``double_buffer``, ``param_gather``, ``device``,
+    ``init_weights``) still work for one release, with a ``DeprecationWarning`` (``old_shard_keywords.py``).
+    A module on the ``meta`` device is materialised as ``meta_init=MetaInit(device, init_weights)``
+    says: on ``device`` (default: the current CUDA device, else CPU) one submodule at a time, each
+    initialised by ``init_weights(submodule)`` or its own ``reset_parameters()`` in
     ``module.modules()`` order and copied straight into this rank's shards: the
     build peaks at the persistent state plus at most one unit (``meta_init.py``).
-    ``double_buffer=True`` gathers ZeRO-3 units into persistent buffers allocated once
-    (two per section and nesting depth, or the prefetch depth + 1) instead of allocating
-    at every gather (``gather_buffers.py``; Megatron-LM's ``--fsdp-double-buffer``).
-    ``param_gather=QuantizedParamGather(recipe, ...)`` gathers the GEMM weights it selects as FP8
-    bytes plus scales and computes with their dequantization (``quantized_gather.py``; Megatron-LM's
-    ``--fp8-param-gather``); ``megatron.fsdp.quantized_weight(param)`` gives the FP8 form itself.
     Every check that can fail runs before the first collective; the first
     collective here (a digest of parameter names, shapes and dtypes) makes all
     ranks fail together when the models differ. Then, as DDP does, every
     parameter is overwritten with rank 0's values along each data-parallel axis
     (``replicas.py``), so replicas that were built differently cannot diverge.
     """
-    if mesh is not None and process_group is not None:
-        raise ValueError("pass either process_group (a flat mesh) or mesh (two axes), not both")
-    levels = parse_mesh_strategy(strategy, outer_strategy, mesh is not None and mesh.has_outer)
-    overlap = _overlap_of(overlap, deprecated)
-    mp = mixed_precision if mixed_precision is not None else MixedPrecision()
-    if not isinstance(mp, MixedPrecision):
-        raise TypeError(f"mixed_precision must be a megatron.fsdp.MixedPrecision, got {type(mp).__name__}")
+    mesh, mp, overlap, meta_init = new_form(mesh, mixed_precision, overlap, meta_init, deprecated)
+    meta_init = meta_init if meta_init is not None else MetaInit()
+    device, init_weights = meta_init.device, meta_init.init_weights
+    mesh = _mesh_of(mesh)
+    levels = parse_mesh_strategy(strategy, outer_strategy, mesh.has_outer)
+    overlap = overlap if overlap is not None else Overlap()
+    mp = mp if mp is not None else MixedPrecision()
+    param_gather = mp.param_gather
     if isinstance(module, FullyShardedModule):
         raise ValueError("module is already wrapped by fully_shard")
     classes, instances = _unit_selectors(unit_modules)
@@ -191,10 +162,6 @@ def fully_shard(
         if not p.is_floating_point():
             raise TypeError(f"parameter {name!r} has non-floating dtype {p.dtype}; only floating parameters can be sharded")
     quantized = _quantized_names(module, named, param_gather)
-    if mesh is None:
-        if process_group is None and dist.is_available() and dist.is_initialized():
-            process_group = dist.group.WORLD
-        mesh = DataParallelMesh(process_group, None)
     ledger = Ledger()
     inner = CommAxis("dp_shard", mesh.inner_group, ledger)
     outer = CommAxis("dp_outer", mesh.outer_group, ledger)
@@ -248,7 +215,7 @@ def fully_shard(
             placed.append(gather_buffers.Candidate(units[-1].name, section.name, -1 if not uname else
                                                    gather_buffers.nesting_depth(uname, unit_names),
                                                    storage.layout.padded_size, storage.compute_dtype))
-    if double_buffer:
+    if overlap.double_buffer:
         _use_gather_buffers(units, placed, max(overlap.forward_prefetch, overlap.backward_prefetch), device)
     for unit in units:  # the first FP8 quantization (scales from global amaxes, the gathers ZeRO-1/2 keep)
         if unit.storage.fp8 is not None:
@@ -268,6 +235,16 @@ def fully_shard(
     _hook_direct_calls(module, units, runtime)
     sections = {DENSE: dense} if expert is None else {DENSE: dense, EXPERT: expert}
     return FullyShardedModule(module, runtime, units, sections, mp)
+
+
+def _mesh_of(mesh) -> DataParallelMesh:
+    """``mesh`` as a ``DataParallelMesh``: a process group is a flat mesh, None the world (or, without
+    torch.distributed, a mesh of this process alone)."""
+    if isinstance(mesh, DataParallelMesh):
+        return mesh
+    if mesh is None and dist.is_available() and dist.is_initialized():
+        mesh = dist.group.WORLD
+    return DataParallelMesh(mesh, None)
 
 
 def _use_gather_buffers(units: List[FSDPUnit], placed, depth: int, device: torch.device) -> None:
@@ -399,14 +376,12 @@ def _linear_weights(module: torch.nn.Module) -> Callable[[str, torch.nn.Paramete
 def _unit_storage(plist, section: Section, mp: MixedPrecision, no_weight_decay, device,
                   param_gather: Optional[QuantizedParamGather] = None, quantized: frozenset = frozenset()) -> UnitStorage:
     specs = [ParamSpec(n, tuple(p.shape), p.requires_grad, no_weight_decay(n, p)) for n, p in plist]
-    compute_dtype = mp.compute_dtype(plist[0][1].dtype)
-    align = max(1, ALIGN_BYTES // compute_dtype.itemsize)
+    dtypes = mp.unit_dtypes(plist[0][1].dtype)
+    align = max(1, ALIGN_BYTES // dtypes.compute.itemsize)
     if param_gather is not None and param_gather.block and any(n in quantized for n, _ in plist):
         align = math.lcm(align, param_gather.block)  # MXFP8: no shard boundary splits a 32-block
     layout = build_layout(specs, section.inner.size, align=align, sub_shards=section.outer.size)
     by_name = dict(plist)
     ordered = [by_name[s.spec.name] for s in layout.slots]
-    return UnitStorage(layout, ordered, section.levels, section.inner, section.outer, compute_dtype,
-                       mp.main_dtype, mp.reduce_dtype(compute_dtype), device, section.average_grads,
-                       section=section.name, grad_scale=section.grad_scale, param_gather=param_gather,
+    return UnitStorage(layout, ordered, section, dtypes, device, param_gather=param_gather,
                        quantized=[i for i, s in enumerate(layout.slots) if s.spec.name in quantized])

@@ -82,7 +82,8 @@ def _check_conversion(units: List[FSDPUnit], fn: Callable[[torch.Tensor], torch.
             raise RuntimeError(
                 f"a model wrapped by fully_shard cannot move its parameters from {device} to {moved} (.to(), .cuda(), "
                 "...): its flat buffers, optimizer state and process groups stay where fully_shard built them; move "
-                "the module before fully_shard, or build it on the meta device and pass fully_shard(..., device=...)")
+                "the module before fully_shard, or build it on the meta device and pass "
+                "fully_shard(..., meta_init=MetaInit(device=...))")
         if all(t.dtype != d for t, d in zip(applied, dtypes)):
             target = applied[0].dtype
             raise RuntimeError(

@@ -173,11 +173,12 @@ def validate_non_persistent(args: argparse.Namespace) -> None:
     _check_not_a_persistent_directory(args)
     from ..checkpointing import paths
 
-    if kind == "global" and args.non_persistent_global_ckpt_dir and not paths.global_dir_is_default(args):
+    if kind == "global" and args.non_persistent_global_ckpt_dir and not paths.global_dir_is_default(
+            args.non_persistent_global_ckpt_dir, args.save, args.load):
         # before anything is written there (the probe below included): it may be another run's --save
+        owners = paths.non_persistent_owners(args.save, args.load, saving=bool(interval))
         problem = paths.non_persistent_owner_problem(Path(args.non_persistent_global_ckpt_dir),
-                                                     "--non-persistent-global-ckpt-dir",
-                                                     paths.non_persistent_owners(args), interval is not None)
+                                                     "--non-persistent-global-ckpt-dir", owners, interval is not None)
         if problem:
             refuse(problem)
     if kind == "global" and interval is not None and args.non_persistent_global_ckpt_dir:

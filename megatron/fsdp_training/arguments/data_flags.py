@@ -67,6 +67,7 @@ def validate_datasets(args: argparse.Namespace) -> None:
     from megatron.core.datasets.utils import get_blend_from_list
 
     from ..data.checks import blend_problem, cache_dir_problem, cache_directories
+    from ..data.data_config import DataConfig
     from ..data.splits import DataSplitError, check_splits
 
     blends = {f"--{name.replace('_', '-')}": getattr(args, name, None)
@@ -76,7 +77,7 @@ def validate_datasets(args: argparse.Namespace) -> None:
         if problem:
             refuse(problem)
     try:
-        check_splits(args)
+        check_splits(DataConfig.from_args(args))
     except DataSplitError as exc:
         refuse(str(exc))
     prefixes = [] if args.mock_data else [p for v in blends.values() if v for p in get_blend_from_list(v)[0]]

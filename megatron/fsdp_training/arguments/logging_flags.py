@@ -18,7 +18,7 @@ from typing import List
 import torch
 
 from ..errors import refuse
-from ..profiler import uses_torch_profiler
+from ..logs.logging_config import uses_torch_profiler
 from .substitutions import Substitution
 
 
@@ -99,7 +99,7 @@ def validate_profiling(args: argparse.Namespace) -> None:
     if not 0 <= args.profile_step_start < args.profile_step_end:
         refuse(f"--profile-step-start {args.profile_step_start} must be at least 0 and below "
               f"--profile-step-end {args.profile_step_end}")
-    if uses_torch_profiler(args) and not args.tensorboard_dir:
+    if uses_torch_profiler(args.profile, args.use_pytorch_profiler) and not args.tensorboard_dir:
         refuse("--profile with torch.profiler writes its trace to --tensorboard-dir: set it")
 
 

@@ -148,7 +148,7 @@ def validate_layers(args: argparse.Namespace) -> None:
         if len(freq) != args.num_layers or any(v not in (0, 1) for v in freq):
             refuse(f"--moe-layer-freq {freq}: needs one 0 (dense) or 1 (MoE) per layer, "
                   f"{args.num_layers} in all (--num-layers)")
-    if not any(moe_layer_pattern(args)):
+    if not any(moe_layer_pattern(args.moe_layer_freq, args.num_layers)):
         refuse(f"--moe-layer-freq {freq} makes no layer an MoE layer; drop --num-experts for a dense model")
 
 
@@ -235,14 +235,16 @@ def dispatcher_substitutions(args: argparse.Namespace) -> List[Substitution]:
     from .. import moe_dispatch
 
     found = []
-    if args.moe_token_dispatcher_type == "flex" and not moe_dispatch.flex_runs_here(args):
+    if args.moe_token_dispatcher_type == "flex" and not moe_dispatch.flex_runs_here(
+            getattr(args, "moe_flex_dispatcher_backend", "deepep")):
         backend = args.moe_flex_dispatcher_backend
         found.append(Substitution(f"--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend {backend}",
                                   "alltoall", f"{FLEX_BACKEND_MODULES[backend]} and a GPU are not here"))
     if getattr(args, "moe_permute_fusion", False) and not moe_dispatch.permute_fusion_runs_here():
         found.append(Substitution("--moe-permute-fusion", "unfused permute",
                                   "Transformer Engine's fused permute needs it and a GPU"))
-    if getattr(args, "moe_grouped_gemm", False) and moe_dispatch.local_spec_without_grouped_gemm(args):
+    if getattr(args, "moe_grouped_gemm", False) and moe_dispatch.local_spec_without_grouped_gemm(
+            getattr(args, "transformer_impl", "transformer_engine")):
         from megatron.fsdp.mcore_releases import MCORE_VERSION_STRING
 
         found.append(Substitution("--moe-grouped-gemm", "SequentialMLP (one GEMM per expert)",

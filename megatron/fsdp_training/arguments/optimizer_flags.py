@@ -2,7 +2,7 @@
 samples, warm-up, and the decoupled learning rate of the embedding and output layer.
 
 Megatron-LM's names, defaults and meanings. Its ``OptimizerParamScheduler`` counts samples: lengths
-in iterations are multiplied by the global batch (``schedule.scheduler_steps``, outside this package);
+in iterations are multiplied by the global batch (``batch_rampup.ScheduleLengths``, outside this package);
 every group warms up from ``--lr-warmup-init`` to its own maximum (``--lr``, or ``--decoupled-lr`` for
 the input embedding and output layer). Which of iterations or samples a run counts in is
 ``training.py``'s rule (the training length decides). docs/arguments.md ("Arguments") and

@@ -7,7 +7,7 @@ unit, ``optimizer_flags.py``); in sample mode ``--train-iters`` becomes ``train_
 (its ``update_train_iters``). ``--rampup-batch-size`` grows the global batch as Megatron-Core 0.16.1's
 ``RampupBatchsizeNumMicroBatchesCalculator``; Megatron-Core 0.19 replaces it with
 ``--step-batch-size-schedule`` (``StepBatchsizeNumMicroBatchesCalculator``): an iteration's global
-batch is the schedule's entry reached by the tokens consumed before it (``schedule.global_batch_at``,
+batch is the schedule's entry reached by the tokens consumed before it (``batch_rampup.BatchRampup``,
 outside this package, which the loop reads too). docs/arguments.md ("Arguments", "Coming from
 Megatron-LM") says what each flag does here.
 """
@@ -20,7 +20,7 @@ from typing import List
 import torch
 
 from ..errors import refuse
-from ..batch_rampup import global_batch_at
+from ..batch_rampup import BatchRampup
 from .substitutions import Substitution
 
 DEFAULT_TRAIN_ITERS = 20  # this job's default when neither --train-iters nor --train-samples is given
@@ -201,9 +201,9 @@ def _rampup_iterations(args) -> int:
     if start % per_step or increment % per_step:
         refuse(f"--rampup-batch-size: the start {start} and the increment {increment} must be multiples of "
               f"--micro-batch-size x data-parallel size = {per_step} (every ramped batch is whole micro-batches)")
-    iterations, consumed = 0, 0
+    iterations, consumed, ramp = 0, 0, BatchRampup.from_args(args)
     while consumed <= samples and consumed <= args.train_samples:
-        consumed += global_batch_at(args, consumed)
+        consumed += ramp.global_batch_at(consumed)
         iterations += 1
     if args.train_samples > consumed:  # the constant phase; a partial last batch is dropped
         iterations += (args.train_samples - consumed) // args.global_batch_size
@@ -213,9 +213,9 @@ def _rampup_iterations(args) -> int:
 def _step_schedule_iterations(args) -> int:
     """Megatron-LM's ``update_train_iters`` under a step schedule: iterations until ``--train-samples`` are
     consumed (the last one may pass it)."""
-    iterations, consumed = 0, 0
+    iterations, consumed, steps = 0, 0, BatchRampup.from_args(args)
     while consumed < args.train_samples:
-        consumed += global_batch_at(args, consumed)
+        consumed += steps.global_batch_at(consumed)
         iterations += 1
     return iterations
 

@@ -61,6 +61,7 @@ from megatron.fsdp.checkpoint.staging import StagingArena
 
 from . import files
 from . import save_steps
+from .checkpoint_config import CheckpointConfig
 from ..logs.lines import print_rank_0
 
 FAULT_POINT = "in_background_write"
@@ -132,9 +133,9 @@ class CheckpointSaver:
     boundaries (they run collectives); ``abandon`` after an error runs none.
     """
 
-    def __init__(self, args):
-        self.args = args
-        self.asynchronous = bool(getattr(args, "async_save", False))
+    def __init__(self, config: CheckpointConfig):
+        self.config = config
+        self.asynchronous = config.async_save
         self._pending: Optional[PendingSave] = None
         self._group = None  # the training thread's flags: the default group on CPU, gloo beside NCCL
         self._writer_group = None  # the writer thread's collectives
@@ -161,14 +162,15 @@ class CheckpointSaver:
         from .save_load import plan_snapshot, save_checkpoint, snapshot, write_step
 
         if not self.asynchronous:
-            save_checkpoint(self.args, iteration, consumed, model, optimizer, scheduler)
+            save_checkpoint(self.config, iteration, consumed, model, optimizer, scheduler)
             return
         start = time.perf_counter()
         self.wait()  # the arena's buffers are free again only once the previous save is written
         waited = time.perf_counter() - start
         defer = not self.arena.pin
-        snap = snapshot(self.args, iteration, consumed, model, optimizer, scheduler, self.arena, defer)
-        rank, args, group, arena, copied = dist.get_rank(), self.args, self._writer_group, self.arena, threading.Event()
+        snap = snapshot(self.config, iteration, consumed, model, optimizer, scheduler, self.arena, defer)
+        rank, config, group, arena = dist.get_rank(), self.config, self._writer_group, self.arena
+        copied = threading.Event()
         deferred = arena.deferred_bytes
 
         def background():
@@ -176,7 +178,7 @@ class CheckpointSaver:
                 arena.copy_deferred()
             finally:
                 copied.set()
-            staged = plan_snapshot(args, snap, group)
+            staged = plan_snapshot(config, snap, group)
             try:
                 results = write_step(staged)
                 files.fault_point(FAULT_POINT, iteration, rank)
@@ -186,7 +188,7 @@ class CheckpointSaver:
             return final, staged
         job = background_writer().submit(background)
         blocked = time.perf_counter() - start
-        self._pending = PendingSave(iteration, args.save, job, blocked, copied)
+        self._pending = PendingSave(iteration, config.save, job, blocked, copied)
         print_rank_0(f" saving checkpoint at iteration {iteration:8d} in the background: training blocked "
                      f"{blocked:.3f} s (snapshot {snap.copy_seconds:.3f} s"
                      + (f", {deferred / 2**20:.1f} MiB of copies left to the writer" if deferred else "")

@@ -129,19 +129,19 @@ def load_scheduler(saved: Mapping[str, Any], scheduler, optimizer, bounds: List[
     scheduler.load_state_dict(state)
 
 
-def numeric_differences(saved_args: Mapping[str, Any], args) -> List[str]:
-    """``MODEL_NUMERIC_ARGS`` recorded in ``saved_args`` (the checkpoint's arguments) that differ now."""
-    return [f"--{name.replace('_', '-')} {saved_args[name]!r} in the checkpoint, {getattr(args, name)!r} now"
-            for name in MODEL_NUMERIC_ARGS
-            if name in saved_args and hasattr(args, name) and saved_args[name] != getattr(args, name)]
+def numeric_differences(saved_args: Mapping[str, Any], now: Mapping[str, Any]) -> List[str]:
+    """``MODEL_NUMERIC_ARGS`` recorded in ``saved_args`` (the checkpoint's arguments) that differ in ``now`` (this
+    run's)."""
+    return [f"--{name.replace('_', '-')} {saved_args[name]!r} in the checkpoint, {now[name]!r} now"
+            for name in MODEL_NUMERIC_ARGS if name in saved_args and name in now and saved_args[name] != now[name]]
 
 
-def weights_only_suffix(args) -> str:
+def weights_only_suffix(finetune: bool, purpose: Optional[str] = None) -> str:
     """What both formats' load line adds when only the weights are taken (``--finetune``): why.
 
     A tool that loads weights only for its own purpose names it (``tools/generate.py`` sets
     ``args.weights_only_purpose = "generation"``), so its log does not say fine-tuning.
     """
-    if not args.finetune:
+    if not finetune:
         return ""
-    return f" for {getattr(args, 'weights_only_purpose', None) or 'fine-tuning'}"
+    return f" for {purpose or 'fine-tuning'}"

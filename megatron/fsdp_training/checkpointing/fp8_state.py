@@ -65,11 +65,11 @@ class ScalingStatePlan:
     line: Optional[str] = None
 
 
-def plan(saved_args: Mapping[str, Any], saved_keys: Optional[Iterable[str]], args, directory) -> ScalingStatePlan:
+def plan(saved_args: Mapping[str, Any], saved_keys: Optional[Iterable[str]], now: Mapping[str, Any],
+         directory) -> ScalingStatePlan:
     """The decision for loading ``directory`` (saved with ``saved_args``, holding ``saved_keys``; None: the job's
-    own per-rank files, which hold what the arguments say) into a run of ``args``. A checkpoint a converter wrote
-    from an FP8 run's weights has that run's arguments and no state."""
-    now = vars(args)
+    own per-rank files, which hold what the arguments say) into a run of arguments ``now``. A checkpoint a converter
+    wrote from an FP8 run's weights has that run's arguments and no state."""
     saved_state = _has_state(saved_args) and (saved_keys is None or any(is_scaling_state(k) for k in saved_keys))
     now_state = _has_state(now)
     if not saved_state and not now_state:

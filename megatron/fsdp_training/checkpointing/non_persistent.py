@@ -32,7 +32,6 @@ holding another job's checkpoints (another run's ``--save``, another job's local
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -46,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from . import files, manifest, ownership, paths, save_load, save_steps
+from .checkpoint_config import CheckpointConfig
 from .files import CheckpointError
 from ..logs.lines import print_rank_0
 
@@ -54,25 +54,25 @@ PIECES = "pieces.pt"  # this rank's pieces of a local checkpoint
 _held: List[Path] = []  # the directories whose lock this process holds (``hold``)
 
 
-def kind(args) -> Optional[str]:
-    return getattr(args, "non_persistent_ckpt_type", None)
-
-
-def due(args, iteration: int) -> bool:
+def due(config: CheckpointConfig, iteration: int) -> bool:
     """A non-persistent save at ``iteration`` (the loop asks only when no persistent save runs there)."""
-    interval = getattr(args, "non_persistent_save_interval", None)
-    return bool(args.save and interval and iteration % interval == 0)
+    interval = config.non_persistent_save_interval
+    return bool(config.save and interval and iteration % interval == 0)
 
 
-def global_dir(args, base: Optional[str]) -> Optional[Path]:
+def global_dir(config: CheckpointConfig, base: Optional[str]) -> Optional[Path]:
     """``--non-persistent-global-ckpt-dir``, else ``base/non_persistent`` (``base``: --save or --load)."""
-    if args.non_persistent_global_ckpt_dir:
-        return Path(args.non_persistent_global_ckpt_dir)
+    if config.non_persistent_global_ckpt_dir:
+        return Path(config.non_persistent_global_ckpt_dir)
     return None if base is None else Path(base) / paths.NON_PERSISTENT_SUBDIR
 
 
-def local_dir(args, rank: int) -> Path:
-    return Path(args.non_persistent_local_ckpt_dir) / f"rank_{rank:05d}"
+def local_dir(config: CheckpointConfig, rank: int) -> Path:
+    return Path(config.non_persistent_local_ckpt_dir) / f"rank_{rank:05d}"
+
+
+def _owners(config: CheckpointConfig) -> List[str]:
+    return paths.non_persistent_owners(config.save, config.load, saving=bool(config.non_persistent_save_interval))
 
 
 def _all_lines(mine: Optional[str]) -> List[Tuple[int, str]]:
@@ -83,28 +83,27 @@ def _all_lines(mine: Optional[str]) -> List[Tuple[int, str]]:
 
 
 # ------------------------------------------------------------------ the locks
-def _write_targets(args) -> List[Tuple[str, Path]]:
+def _write_targets(config: CheckpointConfig) -> List[Tuple[str, Path]]:
     """The directories this rank writes non-persistent checkpoints to, with their flag (none when not saving).
     The default global directory lies inside ``--save``, whose lock covers it."""
-    if not getattr(args, "non_persistent_save_interval", None):
+    if not config.non_persistent_save_interval:
         return []
-    if kind(args) == "local":
-        return [("--non-persistent-local-ckpt-dir", local_dir(args, dist.get_rank()))]
-    if dist.get_rank() == 0 and args.non_persistent_global_ckpt_dir:
-        return [("--non-persistent-global-ckpt-dir", global_dir(args, args.save))]
+    if config.non_persistent_ckpt_type == "local":
+        return [("--non-persistent-local-ckpt-dir", local_dir(config, dist.get_rank()))]
+    if dist.get_rank() == 0 and config.non_persistent_global_ckpt_dir:
+        return [("--non-persistent-global-ckpt-dir", global_dir(config, config.save))]
     return []
 
 
-def hold(args) -> None:
+def hold(config: CheckpointConfig) -> None:
     """At start-up (all ranks, a collective): lock the non-persistent directories this job writes, as ``--save``'s
     (``ownership.acquire_save_lock``), and name this job their owner. A directory holding another job's
     checkpoints (``paths.non_persistent_owner_problem``), one that cannot be written or that another live job
     holds stops every rank with the same line, before anything is written there."""
     problem = None
     notes = []
-    for flag, directory in _write_targets(args):
-        problem = paths.non_persistent_owner_problem(directory, flag, paths.non_persistent_owners(args),
-                                                     saving=True)
+    for flag, directory in _write_targets(config):
+        problem = paths.non_persistent_owner_problem(directory, flag, _owners(config), saving=True)
         if problem:
             break
         try:
@@ -120,7 +119,7 @@ def hold(args) -> None:
             if removed:
                 notes.append(f" removed {len(removed)} unfinished save(s) of a dead job from {directory}")
             if ownership.directory_owner(directory) is None:
-                ownership.claim_directory(directory, args.save)
+                ownership.claim_directory(directory, config.save)
         except OSError as exc:
             problem = f"{flag} {directory} is not writable ({exc.strerror or exc}); choose a writable directory"
     if notes:
@@ -130,25 +129,24 @@ def hold(args) -> None:
         raise CheckpointError(f"rank {failed[0][0]}: {failed[0][1]}")
 
 
-def release(args) -> None:
-    """At the end of the job (this process; no collective)."""
+def release() -> None:
+    """At the end of the job (this process; no collective): the directories ``hold`` locked."""
     while _held:
         ownership.release_save_lock(_held.pop())
 
 
 # ------------------------------------------------------------------ save
-def save(args, iteration: int, consumed: int, model, optimizer, scheduler) -> None:
+def save(config: CheckpointConfig, iteration: int, consumed: int, model, optimizer, scheduler) -> None:
     """The non-persistent save of ``iteration`` (all ranks)."""
-    if kind(args) == "global":
-        _save_global(args, iteration, consumed, model, optimizer, scheduler)
+    if config.non_persistent_ckpt_type == "global":
+        _save_global(config, iteration, consumed, model, optimizer, scheduler)
     else:
-        _save_local(args, iteration, consumed, model, optimizer, scheduler)
+        _save_local(config, iteration, consumed, model, optimizer, scheduler)
 
 
-def _save_global(args, iteration: int, consumed: int, model, optimizer, scheduler) -> None:
-    root = global_dir(args, args.save)
-    saving_args = argparse.Namespace(**dict(vars(args), save=str(root)))
-    final = save_load.save_checkpoint(saving_args, iteration, consumed, model, optimizer, scheduler)
+def _save_global(config: CheckpointConfig, iteration: int, consumed: int, model, optimizer, scheduler) -> None:
+    root = global_dir(config, config.save)
+    final = save_load.save_checkpoint(config.saving_to(str(root)), iteration, consumed, model, optimizer, scheduler)
     if dist.get_rank() == 0:  # published (save_checkpoint returns on every rank once it is visible)
         removed = _remove_others(root, final.name)
         if removed:
@@ -174,8 +172,9 @@ def _local_pieces(state: Dict[str, Any]) -> Dict[str, Any]:
     return {k: (v._local_tensor if isinstance(v, DTensor) else v) for k, v in flat.items()}
 
 
-def _marker(args, iteration: int) -> Dict[str, Any]:
-    return {"iteration": iteration, "rank": dist.get_rank(), "parallel_layout": save_load.parallel_layout(args)}
+def _marker(config: CheckpointConfig, iteration: int) -> Dict[str, Any]:
+    return {"iteration": iteration, "rank": dist.get_rank(),
+            "parallel_layout": save_load.parallel_layout(config.record)}
 
 
 # One torch.save file: ~470 bytes of zip framing per piece (measured on the tests' model, 122 pieces).
@@ -201,7 +200,8 @@ def _space_problem(root: Path, iteration: int, pieces: Dict[str, Any]) -> Option
         return f"cannot save to {root}: {exc.strerror or exc}"
 
 
-def _write_local(args, root: Path, iteration: int, consumed: int, pieces: Dict[str, Any], scheduler) -> Path:
+def _write_local(config: CheckpointConfig, root: Path, iteration: int, consumed: int, pieces: Dict[str, Any],
+                 scheduler) -> Path:
     """This rank alone: its pieces, ``common.json``, the marker and a manifest in a temporary, renamed into place;
     a failed write removes the temporary (running out of space: one line)."""
     paths.remove_stale_temporaries(root)
@@ -212,8 +212,8 @@ def _write_local(args, root: Path, iteration: int, consumed: int, pieces: Dict[s
             torch.save(pieces, f)
             f.flush()
             os.fsync(f.fileno())
-        files.write_common(tmp, save_load.common_record(args, iteration, consumed, scheduler))
-        files.write_file_durably(tmp / MARKER, json.dumps(_marker(args, iteration), sort_keys=True))
+        files.write_common(tmp, save_load.common_record(config.record, iteration, consumed, scheduler))
+        files.write_file_durably(tmp / MARKER, json.dumps(_marker(config, iteration), sort_keys=True))
         manifest.write_manifest(tmp, {}, extra=[PIECES, files.COMMON, MARKER])
         files.fault_point("in_local_write", iteration, dist.get_rank())
         (tmp / ownership.OWNER).unlink(missing_ok=True)
@@ -236,11 +236,11 @@ def _failure(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
 
 
-def _save_local(args, iteration: int, consumed: int, model, optimizer, scheduler) -> None:
+def _save_local(config: CheckpointConfig, iteration: int, consumed: int, model, optimizer, scheduler) -> None:
     """Every rank writes its own files; the ranks agree first that each has the space (nothing written otherwise),
     then that each completed the save; only then does each drop its older one."""
     start = time.perf_counter()
-    root = local_dir(args, dist.get_rank())
+    root = local_dir(config, dist.get_rank())
     pieces = _local_pieces(save_steps.host_copies(save_load.save_state_dict(model, optimizer)))
     short = _all_lines(_space_problem(root, iteration, pieces))
     if short:
@@ -249,7 +249,7 @@ def _save_local(args, iteration: int, consumed: int, model, optimizer, scheduler
                               "every rank keeps its previous local checkpoint")
     final, problem = None, None
     try:
-        final = _write_local(args, root, iteration, consumed, pieces, scheduler)
+        final = _write_local(config, root, iteration, consumed, pieces, scheduler)
     except Exception as exc:  # noqa: BLE001 - every rank learns of it below and raises the same line
         problem = _failure(exc)
     failed = _all_lines(problem)
@@ -261,7 +261,7 @@ def _save_local(args, iteration: int, consumed: int, model, optimizer, scheduler
                               "rank keeps its previous local checkpoint")
     _remove_others(root, final.name)
     print_rank_0(f" saved local non-persistent checkpoint at iteration {iteration:8d} to "
-                 f"{args.non_persistent_local_ckpt_dir}/rank_*/{final.name} ({dist.get_world_size()} ranks) in "
+                 f"{config.non_persistent_local_ckpt_dir}/rank_*/{final.name} ({dist.get_world_size()} ranks) in "
                  f"{time.perf_counter() - start:.3f} s")
 
 
@@ -277,9 +277,9 @@ class Candidate:
     note: str = ""
 
 
-def _global_candidate(args) -> Tuple[Optional[Candidate], Optional[str]]:
+def _global_candidate(config: CheckpointConfig) -> Tuple[Optional[Candidate], Optional[str]]:
     """The tracker's checkpoint of the global directory if it verifies (a collective), else why not."""
-    root = global_dir(args, args.load)
+    root = global_dir(config, config.load)
     try:
         iteration = files.read_tracker(root) if root.is_dir() else None
         if iteration is None:
@@ -353,16 +353,15 @@ def _local_problem(directory: Path, layout: Dict[str, Any]) -> Optional[Tuple[st
     return ("damaged", problems[0]) if problems else None
 
 
-def _local_candidate(args) -> Tuple[Optional[Candidate], Optional[str]]:
+def _local_candidate(config: CheckpointConfig) -> Tuple[Optional[Candidate], Optional[str]]:
     """The newest local checkpoint every rank holds complete and verifies, each rank on its own files (collectives).
     A rank directory owned by another job stops the load (``paths.non_persistent_owner_problem``)."""
-    root = local_dir(args, dist.get_rank())
-    foreign = _all_lines(paths.non_persistent_owner_problem(root, "--non-persistent-local-ckpt-dir",
-                                                            paths.non_persistent_owners(args),
-                                                            saving=bool(args.non_persistent_save_interval)))
+    root = local_dir(config, dist.get_rank())
+    foreign = _all_lines(paths.non_persistent_owner_problem(root, "--non-persistent-local-ckpt-dir", _owners(config),
+                                                            saving=bool(config.non_persistent_save_interval)))
     if foreign:
         raise CheckpointError(f"rank {foreign[0][0]}: {foreign[0][1]}")
-    layout = json.loads(json.dumps(save_load.parallel_layout(args)))
+    layout = json.loads(json.dumps(save_load.parallel_layout(config.record)))
     mine = _complete_local(root)
     newest = _layout_difference(root / files.iteration_dir_name(mine[0]), layout) if mine else None
     gathered: List[Optional[Tuple[List[int], Optional[str]]]] = [None] * dist.get_world_size()
@@ -371,7 +370,7 @@ def _local_candidate(args) -> Tuple[Optional[Candidate], Optional[str]]:
     if layouts:  # written by a job of another layout (a world size of its own: some ranks may hold none)
         return None, f"it was saved with another layout ({layouts[0]})"
     held = [its for its, _ in gathered]
-    common, why = _common_iterations(held, args.non_persistent_local_ckpt_dir)
+    common, why = _common_iterations(held, config.non_persistent_local_ckpt_dir)
     damaged = []
     for iteration in common:  # newest first; the verdict on each is gathered, so every rank walks the same list
         directory = root / files.iteration_dir_name(iteration)
@@ -440,38 +439,39 @@ def _iteration_of(directory: Path) -> int:
     return int(re.search(r"iter_(\d+)", Path(directory).name).group(1))
 
 
-def _found_without_type(args) -> bool:
+def _found_without_type(config: CheckpointConfig) -> bool:
     """``--load``'s ``non_persistent/`` holds global non-persistent checkpoints though no type was given (a run
     that saved them, restarted without the flags): they are compared all the same, said in the load line."""
-    return kind(args) is None and (Path(args.load) / paths.NON_PERSISTENT_SUBDIR / files.TRACKER).is_file()
+    return (config.non_persistent_ckpt_type is None
+            and (Path(config.load) / paths.NON_PERSISTENT_SUBDIR / files.TRACKER).is_file())
 
 
-def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
+def load_checkpoint(config: CheckpointConfig, model, optimizer, scheduler) -> Tuple[int, int]:
     """``--load``: the newer of its checkpoint and the non-persistent one, said in one line with the reason."""
-    implicit = _found_without_type(args)
-    which = "global" if implicit else kind(args)
+    implicit = _found_without_type(config)
+    which = "global" if implicit else config.non_persistent_ckpt_type
     if which is None:
-        return save_load.load_checkpoint(args, model, optimizer, scheduler)
+        return save_load.load_checkpoint(config, model, optimizer, scheduler)
     start = time.perf_counter()
-    persistent = paths.find_checkpoint(args, problems=save_load.checkpoint_problems)
+    persistent = paths.find_checkpoint(config.load, config.ckpt_step, problems=save_load.checkpoint_problems)
     p_iter = None if persistent is None else _iteration_of(persistent)
-    candidate, why_not = _global_candidate(args) if which == "global" else _local_candidate(args)
+    candidate, why_not = _global_candidate(config) if which == "global" else _local_candidate(config)
     label = f"the {which} non-persistent checkpoint"
-    found = (f" (found in --load {args.load}/{paths.NON_PERSISTENT_SUBDIR} without --non-persistent-ckpt-type: "
+    found = (f" (found in --load {config.load}/{paths.NON_PERSISTENT_SUBDIR} without --non-persistent-ckpt-type: "
              "compared as with --non-persistent-ckpt-type global)") if implicit else ""
-    fallback = (f"loading --load {args.load}'s iteration {p_iter}" if p_iter is not None
-                else f"no checkpoint in --load {args.load}: starting from scratch")
-    if candidate is not None and args.ckpt_step is not None:
-        print_rank_0(f" --ckpt-step {args.ckpt_step}: loading --load's iteration {args.ckpt_step}, not {label} of "
-                     f"iteration {candidate.iteration}{found}")
+    fallback = (f"loading --load {config.load}'s iteration {p_iter}" if p_iter is not None
+                else f"no checkpoint in --load {config.load}: starting from scratch")
+    if candidate is not None and config.ckpt_step is not None:
+        print_rank_0(f" --ckpt-step {config.ckpt_step}: loading --load's iteration {config.ckpt_step}, not {label} "
+                     f"of iteration {candidate.iteration}{found}")
     elif candidate is not None and (p_iter is None or candidate.iteration >= p_iter):
-        reason = (f"--load {args.load} holds none" if p_iter is None
+        reason = (f"--load {config.load} holds none" if p_iter is None
                   else f"newer than --load's iteration {p_iter}" if candidate.iteration > p_iter
                   else f"as new as --load's iteration {p_iter} (Megatron-LM's rule: the non-persistent one)")
         where = candidate.directory if which == "global" else \
-            f"{args.non_persistent_local_ckpt_dir}/rank_*/{candidate.directory.name}"
+            f"{config.non_persistent_local_ckpt_dir}/rank_*/{candidate.directory.name}"
         print_rank_0(f" loading {label} {where} (iteration {candidate.iteration}): {reason}{candidate.note}{found}")
-        return save_load.load_directory(args, model, optimizer, scheduler, candidate.directory, start,
+        return save_load.load_directory(config, model, optimizer, scheduler, candidate.directory, start,
                                         verify=False, read_pieces=candidate.read_pieces)
     elif candidate is not None:
         print_rank_0(f" {fallback}: {label} (iteration {candidate.iteration}) is older{found}")
@@ -479,14 +479,14 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
         print_rank_0(f" {label} is not used ({why_not}): {fallback}{found}")
     if persistent is None:
         return 0, 0
-    return save_load.load_directory(args, model, optimizer, scheduler, persistent, start)
+    return save_load.load_directory(config, model, optimizer, scheduler, persistent, start)
 
 
-def check_newer(args, start_iteration: int) -> None:
+def check_newer(config: CheckpointConfig, start_iteration: int) -> None:
     """At start-up (rank 0's view): say when this run's first non-persistent save replaces newer ones."""
-    if not getattr(args, "non_persistent_save_interval", None) or dist.get_rank() != 0:
+    if not config.non_persistent_save_interval or dist.get_rank() != 0:
         return
-    root = global_dir(args, args.save) if kind(args) == "global" else local_dir(args, 0)
+    root = global_dir(config, config.save) if config.non_persistent_ckpt_type == "global" else local_dir(config, 0)
     saved = paths.complete_iterations(root, lambda d: (d / files.COMMON).is_file()) if root.is_dir() else []
     newer = [i for i in saved if i > start_iteration]
     if newer:

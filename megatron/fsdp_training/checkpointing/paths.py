@@ -169,9 +169,10 @@ def newest_verified(root: Path, problems: Problems, below: Optional[int] = None,
     return None, damaged
 
 
-def find_checkpoint(args, problems: Problems = lambda directory: [],
+def find_checkpoint(load: str, step: Optional[int], problems: Problems = lambda directory: [],
                     complete: Callable[[Path], bool] = files.is_complete) -> Optional[Path]:
-    """The directory ``--load`` (and ``--ckpt-step``) names, or None when there is no checkpoint yet.
+    """The directory ``--load`` (``load``) and ``--ckpt-step`` (``step``) name, or None when there is no checkpoint
+    yet.
 
     Without a tracker but with complete checkpoints (a tracker deleted or lost), the newest that verifies
     (``problems`` returns none: a collective for fsdp_dtensor) is loaded, said in one line: starting from
@@ -179,8 +180,8 @@ def find_checkpoint(args, problems: Problems = lambda directory: [],
     """
     from ..logs.lines import print_rank_0
 
-    root = Path(args.load)
-    iteration = args.ckpt_step if args.ckpt_step is not None else files.read_tracker(root)
+    root = Path(load)
+    iteration = step if step is not None else files.read_tracker(root)
     if iteration is not None:
         try:
             return files.checkpoint_dir(root, iteration)
@@ -237,20 +238,21 @@ def newer_checkpoint_problem(save: Path, start: int, problems: Problems,
 # Why: a --non-persistent-global-ckpt-dir naming another run's --save deleted that run's checkpoints, and a second job
 # given the first one's --non-persistent-local-ckpt-dir resumed the first job's training. The owner file
 # (``ownership.DIRECTORY_OWNER``) names the job's --save; only that job saves there or resumes from there.
-def non_persistent_owners(args) -> List[str]:
+def non_persistent_owners(save: Optional[str], load: Optional[str], saving: bool) -> List[str]:
     """The paths a non-persistent directory's owner file may name for this job: its ``--save`` when it saves
-    non-persistent checkpoints (only the job that writes them may replace them), else its ``--load`` and ``--save``."""
-    if getattr(args, "non_persistent_save_interval", None):
-        return [args.save]
-    return [p for p in (args.load, args.save) if p]
+    non-persistent checkpoints (``saving``: only the job that writes them may replace them), else its ``--load``
+    and ``--save``."""
+    if saving:
+        return [save]
+    return [p for p in (load, save) if p]
 
 
-def global_dir_is_default(args) -> bool:
-    """``--non-persistent-global-ckpt-dir`` spelt as its default, ``<--save>/non_persistent`` or
+def global_dir_is_default(global_dir: str, save: Optional[str], load: Optional[str]) -> bool:
+    """``--non-persistent-global-ckpt-dir`` (``global_dir``) spelt as its default, ``<--save>/non_persistent`` or
     ``<--load>/non_persistent``: inside that directory, owned with it (its lock and its rules)."""
-    given = os.path.realpath(args.non_persistent_global_ckpt_dir)
+    given = os.path.realpath(global_dir)
     return any(base and given == os.path.realpath(os.path.join(base, NON_PERSISTENT_SUBDIR))
-               for base in (args.save, args.load))
+               for base in (save, load))
 
 
 def _checkpoints_in(directory: Path) -> List[str]:

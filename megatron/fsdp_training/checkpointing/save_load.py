@@ -24,7 +24,6 @@ atomic rename, tracker) is in ``checkpointing/files.py``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import pickle
 import random
@@ -46,6 +45,7 @@ from . import manifest
 from . import ownership, paths
 from . import compatibility
 from . import fp8_state
+from .checkpoint_config import CheckpointConfig
 from .compatibility import KEY_LAYOUT_ARGS, MODEL_SHAPE_ARGS
 from .paths import find_checkpoint
 from .files import CheckpointError
@@ -64,21 +64,26 @@ PARALLEL_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "
                  "expert_data_parallel_sharding_strategy")
 
 
+_held_save: List[Path] = []  # the --save directory whose lock this process took (hold_save_directory)
+
 def _json_value(value: Any) -> Any:
     return value if isinstance(value, (bool, int, float, str, type(None))) else (
         [_json_value(v) for v in value] if isinstance(value, (list, tuple)) else str(value))
 
 
-def parallel_layout(args: argparse.Namespace) -> Dict[str, Any]:
-    layout = {name: _json_value(getattr(args, name, None)) for name in PARALLEL_ARGS}
+def parallel_layout(record: Mapping[str, Any]) -> Dict[str, Any]:
+    """The parallel layout of a run (``record``: its arguments) on this world, as ``common.json`` holds it."""
+    layout = {name: _json_value(record.get(name)) for name in PARALLEL_ARGS}
     world = dist.get_world_size()
-    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+    model_parallel = (record["tensor_model_parallel_size"] * record["pipeline_model_parallel_size"]
+                      * record["context_parallel_size"])
     return {"world_size": world, "data_parallel_size": world // model_parallel, **layout}
 
 
-def _model_args(args: argparse.Namespace) -> Dict[str, Any]:
-    names = MODEL_SHAPE_ARGS + KEY_LAYOUT_ARGS + (("expert_model_parallel_size",) if args.moe_grouped_gemm else ())
-    return {name: _json_value(getattr(args, name, None)) for name in names}
+def model_args(record: Mapping[str, Any]) -> Dict[str, Any]:
+    """The arguments of a run (``record``) that fix the model's shape and keys, as ``common.json`` holds them."""
+    names = MODEL_SHAPE_ARGS + KEY_LAYOUT_ARGS + (("expert_model_parallel_size",) if record["moe_grouped_gemm"] else ())
+    return {name: _json_value(record.get(name)) for name in names}
 
 
 # ------------------------------------------------------------------------- RNG
@@ -177,14 +182,14 @@ def estimate_bytes(state: Mapping[str, Any], group=None) -> int:
     return sum(union.values()) + FIXED_OVERHEAD + METADATA_PER_ITEM * len(union)
 
 
-def _prepare_directory(args, iteration: int, state: Mapping[str, Any], group=None) -> Path:
+def _prepare_directory(config: CheckpointConfig, iteration: int, state: Mapping[str, Any], group=None) -> Path:
     """All ranks: the temporary directory of this save, after checking the free space (a collective on ``group``).
 
     Rank 0 creates ``--save``, checks the checkpoint's size (``estimate_bytes``) against
     the free space and marks the temporary directory as this job's (``checkpoint_paths``);
     a problem is raised on every rank as one line, before anything is written.
     """
-    rank, root = dist.get_rank(), Path(args.save)
+    rank, root = dist.get_rank(), Path(config.save)
     needed_bytes = estimate_bytes(state, group)
     plan: List[Any] = [None, None]
     if rank == 0:
@@ -224,7 +229,7 @@ class Snapshot:
     copy_seconds: float
 
 
-def snapshot(args, iteration: int, consumed_samples: int, model, optimizer, scheduler, arena=None,
+def snapshot(config: CheckpointConfig, iteration: int, consumed_samples: int, model, optimizer, scheduler, arena=None,
              defer: bool = False) -> Snapshot:
     """Step 0 of a save (this rank, no collective): copies of this rank's pieces in host memory (into
     ``arena``'s buffers when given; ``defer``: see ``save_state_dict``) and, on rank 0, what ``common.json``
@@ -234,32 +239,34 @@ def snapshot(args, iteration: int, consumed_samples: int, model, optimizer, sche
     files.check_fault_spec(dist.get_world_size())
     start = time.perf_counter()
     state = save_steps.host_copies(save_state_dict(model, optimizer, arena, defer))
-    common = None if dist.get_rank() != 0 else common_record(args, iteration, consumed_samples, scheduler)
+    common = None if dist.get_rank() != 0 else common_record(config.record, iteration, consumed_samples, scheduler)
     return Snapshot(iteration, state, common, time.perf_counter() - start)
 
 
-def common_record(args, iteration: int, consumed_samples: int, scheduler) -> Dict[str, Any]:
-    """What ``common.json`` says: iteration, samples, the schedule, the model's and the layout's arguments."""
+def common_record(record: Mapping[str, Any], iteration: int, consumed_samples: int, scheduler) -> Dict[str, Any]:
+    """What ``common.json`` says: iteration, samples, the schedule, the model's and the layout's arguments, and
+    every argument of the run (``record``)."""
     return {
         "format": FORMAT, "version": VERSION, "manifest": manifest.MANIFEST, "iteration": iteration,
         "consumed_train_samples": consumed_samples, "world_size": dist.get_world_size(),
-        "scheduler": scheduler.state_dict(), "model_args": _model_args(args),
-        "parallel_layout": parallel_layout(args),
-        "args": {k: _json_value(v) for k, v in sorted(vars(args).items())},
+        "scheduler": scheduler.state_dict(), "model_args": model_args(record),
+        "parallel_layout": parallel_layout(record),
+        "args": {k: _json_value(v) for k, v in sorted(record.items())},
     }
 
 
-def plan_snapshot(args, snap: Snapshot, group=None):
+def plan_snapshot(config: CheckpointConfig, snap: Snapshot, group=None):
     """Step 1 of a save (all ranks of ``group``, any thread): the temporary directory (after the free-space
     check) and DCP's agreed plan; returns a ``save_steps.StagedSave`` for ``write_step`` and ``save_steps.finish``."""
     from . import save_steps
 
-    tmp = _prepare_directory(args, snap.iteration, snap.state, group)
-    return save_steps.stage(snap.state, tmp, Path(args.save), snap.iteration, snap.common, snap.copy_seconds,
+    tmp = _prepare_directory(config, snap.iteration, snap.state, group)
+    return save_steps.stage(snap.state, tmp, Path(config.save), snap.iteration, snap.common, snap.copy_seconds,
                             group)
 
 
-def stage_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler, arena=None):
+def stage_checkpoint(config: CheckpointConfig, iteration: int, consumed_samples: int, model, optimizer, scheduler,
+                     arena=None):
     """Steps 0 and 1 of a synchronous save (all ranks, the training thread): ``snapshot`` and ``plan_snapshot``.
 
     Before them every rank waits for the slowest to reach the save (logged apart:
@@ -268,7 +275,7 @@ def stage_checkpoint(args, iteration: int, consumed_samples: int, model, optimiz
     arrived = time.perf_counter()
     dist.all_reduce(torch.zeros(1))  # every rank at the save: waiting for the slowest is not the save's cost
     start = time.perf_counter()
-    staged = plan_snapshot(args, snapshot(args, iteration, consumed_samples, model, optimizer, scheduler, arena))
+    staged = plan_snapshot(config, snapshot(config, iteration, consumed_samples, model, optimizer, scheduler, arena))
     staged.arrival_seconds = start - arrived
     return staged
 
@@ -290,17 +297,18 @@ def write_step(staged):
             "earlier checkpoints are intact") from None
 
 
-def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler) -> Path:
-    """Write ``args.save/iter_XXXXXXX`` atomically (all ranks); returns its path."""
+def save_checkpoint(config: CheckpointConfig, iteration: int, consumed_samples: int, model, optimizer,
+                    scheduler) -> Path:
+    """Write ``--save``'s ``iter_XXXXXXX`` atomically (all ranks); returns its path."""
     from . import save_steps
 
-    if getattr(args, "ckpt_format", FORMAT) == "torch_dist":  # the Megatron-Core DDP baseline
+    if config.ckpt_format == "torch_dist":  # the Megatron-Core DDP baseline
         from . import torch_dist as torch_dist_checkpoint
 
-        return torch_dist_checkpoint.save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler)
+        return torch_dist_checkpoint.save_checkpoint(config, iteration, consumed_samples, model, optimizer, scheduler)
 
     start = time.perf_counter()
-    staged = stage_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler)
+    staged = stage_checkpoint(config, iteration, consumed_samples, model, optimizer, scheduler)
     try:
         results = write_step(staged)
     except (Exception, CheckpointException) as exc:  # every rank learns of it in ``finish`` and raises it
@@ -342,28 +350,29 @@ def verify_checkpoint(directory: Path) -> None:
 
 
 # ------------------------------------------------------------------------ the --save lock
-def hold_save_directory(args) -> None:
+def hold_save_directory(config: CheckpointConfig) -> None:
     """At start-up (all ranks, a collective of the world group): rank 0 takes ``--save``'s lock; a live holder
     stops every rank with the same line, before anything is saved."""
-    if not args.save:
+    if not config.save:
         return
     verdict: list = [None, None]
     if dist.get_rank() == 0:
         try:
-            verdict = list(ownership.acquire_save_lock(Path(args.save)))
+            verdict = list(ownership.acquire_save_lock(Path(config.save)))
         except OSError as exc:
-            verdict = [f"--save {args.save}: cannot take its lock file ({exc.strerror or exc})", None]
+            verdict = [f"--save {config.save}: cannot take its lock file ({exc.strerror or exc})", None]
     dist.broadcast_object_list(verdict, src=0)
     if verdict[1]:
         print_rank_0(verdict[1])
     if verdict[0]:
         raise CheckpointError(verdict[0])
+    _held_save.append(Path(config.save))
 
 
-def release_save_directory(args) -> None:
-    """At the end of the job (rank 0; nothing elsewhere or if not held)."""
-    if args.save:
-        ownership.release_save_lock(Path(args.save))
+def release_save_directory() -> None:
+    """At the end of the job however it ends, a failed build included (rank 0; nothing elsewhere or if not held)."""
+    while _held_save:
+        ownership.release_save_lock(_held_save.pop())
 
 
 # ------------------------------------------------------------------------ load
@@ -419,22 +428,22 @@ def layout_v1_reader(model, directory: Path):
     return checkpoint_v1.TranslatedReader(directory, rules)
 
 
-def check_model_args(common: Mapping[str, Any], args, directory: Path) -> None:
+def check_model_args(common: Mapping[str, Any], record: Mapping[str, Any], directory: Path) -> None:
     """Name every argument that fixes the model's shape or numerics and differs from the checkpoint's.
 
     TP, expert TP and EP sizes may change (every checkpoint loads in TP-global
     terms), and the padded vocabulary where the tokenizer's size is recorded
-    (padding rows are cut or added: ``load_checkpoint``).
+    (padding rows are cut or added: ``load_checkpoint``). ``record``: this run's arguments.
     """
     if common.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {directory} has format {common.get('format')!r}, expected {FORMAT!r}")
-    saved, now = common.get("model_args", {}), _model_args(args)
+    saved, now = common.get("model_args", {}), model_args(record)
     free = set(KEY_LAYOUT_ARGS) | {"expert_model_parallel_size"}
     if saved.get("true_vocab_size") is not None:
         free.add("padded_vocab_size")
     diffs = [f"--{k.replace('_', '-')} {saved.get(k)!r} in the checkpoint, {v!r} now"
              for k, v in now.items() if k in saved and saved[k] != v and k not in free]
-    diffs += compatibility.numeric_differences(common.get("args", {}), args)
+    diffs += compatibility.numeric_differences(common.get("args", {}), record)
     if diffs:
         raise CheckpointError(f"checkpoint {directory} was saved with a different model: " + "; ".join(diffs))
 
@@ -449,13 +458,13 @@ def _check_not_torch_dist(directory: Path) -> None:
             f"from-torch-dist {directory.parent} FSDP_DIR and pass --load FSDP_DIR")
 
 
-def check_save_directory(args, start_iteration: int) -> None:
+def check_save_directory(config: CheckpointConfig, start_iteration: int) -> None:
     """At start-up, after the load (all ranks, a collective when checkpoints newer than ``start_iteration`` exist):
     no save of this run may overwrite a newer checkpoint of ``--save`` that verifies (``paths``)."""
-    if not args.save or not Path(args.save).is_dir():
+    if not config.save or not Path(config.save).is_dir():
         return
-    fsdp = getattr(args, "ckpt_format", FORMAT) == FORMAT
-    problem = paths.newer_checkpoint_problem(Path(args.save), start_iteration,
+    fsdp = config.ckpt_format == FORMAT
+    problem = paths.newer_checkpoint_problem(Path(config.save), start_iteration,
                                              checkpoint_problems if fsdp else (lambda directory: []),
                                              files.is_complete if fsdp else _torch_dist_complete)
     if problem:
@@ -468,22 +477,22 @@ def _torch_dist_complete(directory: Path) -> bool:
     return torch_dist_checkpoint.is_torch_dist(directory)
 
 
-def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
+def load_checkpoint(config: CheckpointConfig, model, optimizer, scheduler) -> Tuple[int, int]:
     """Load ``--load`` into model, optimizer, scheduler and RNG; returns ``(iteration, consumed samples)``.
 
     Without a checkpoint (no tracker yet: the first run of a job that saves and
     loads the same directory) it says so and starts from scratch.
     """
-    if getattr(args, "ckpt_format", FORMAT) == "torch_dist":  # the Megatron-Core DDP baseline
+    if config.ckpt_format == "torch_dist":  # the Megatron-Core DDP baseline
         from . import torch_dist as torch_dist_checkpoint
 
-        return torch_dist_checkpoint.load_checkpoint(args, model, optimizer, scheduler)
+        return torch_dist_checkpoint.load_checkpoint(config, model, optimizer, scheduler)
     start = time.perf_counter()
-    directory = find_checkpoint(args, problems=checkpoint_problems)
+    directory = find_checkpoint(config.load, config.ckpt_step, problems=checkpoint_problems)
     if directory is None:
-        print_rank_0(f" no checkpoint in {args.load} (no {files.TRACKER}, no complete iter_*): starting from scratch")
+        print_rank_0(f" no checkpoint in {config.load} (no {files.TRACKER}, no complete iter_*): starting from scratch")
         return 0, 0
-    return load_directory(args, model, optimizer, scheduler, directory, start)
+    return load_directory(config, model, optimizer, scheduler, directory, start)
 
 
 def _read_pieces(state: Dict[str, Any], directory: Path, prefixes: Tuple[str, ...], reader=None,
@@ -493,8 +502,8 @@ def _read_pieces(state: Dict[str, Any], directory: Path, prefixes: Tuple[str, ..
     dcp.load(state, storage_reader=reader or dcp.FileSystemReader(str(directory)))
 
 
-def load_directory(args, model, optimizer, scheduler, directory: Path, start: float, verify: bool = True,
-                   read_pieces=_read_pieces) -> Tuple[int, int]:
+def load_directory(config: CheckpointConfig, model, optimizer, scheduler, directory: Path, start: float,
+                   verify: bool = True, read_pieces=_read_pieces) -> Tuple[int, int]:
     """Load one checkpoint directory (``load_checkpoint`` after choosing it; ``non_persistent`` too).
 
     ``verify``: check the manifest here (False: the caller verified it). ``read_pieces(state, directory,
@@ -504,12 +513,12 @@ def load_directory(args, model, optimizer, scheduler, directory: Path, start: fl
     if verify:
         verify_checkpoint(directory)
     common = files.read_common(directory)
-    check_model_args(common, args, directory)
-    if not args.finetune and common["iteration"] > args.train_iters:
-        raise CheckpointError(f"--train-iters {args.train_iters} is below the iteration of checkpoint {directory} "
+    check_model_args(common, config.record, directory)
+    if not config.finetune and common["iteration"] > config.train_iters:
+        raise CheckpointError(f"--train-iters {config.train_iters} is below the iteration of checkpoint {directory} "
                               f"({common['iteration']}): nothing would train; pass a larger --train-iters")
-    with_optimizer = not (args.finetune or args.no_load_optim)
-    with_rng = not (args.finetune or args.no_load_rng)
+    with_optimizer = not (config.finetune or config.no_load_optim)
+    with_rng = not (config.finetune or config.no_load_rng)
     if with_rng and common.get("converted_from") and not common.get("converted_rng"):
         print_rank_0(f" checkpoint converted from {common['converted_from']}: it has no RNG states (not restored)")
         with_rng = False
@@ -522,15 +531,15 @@ def load_directory(args, model, optimizer, scheduler, directory: Path, start: fl
         if problem:
             raise CheckpointError(problem)
     reader = None if tp_global(common) else layout_v1_reader(model, directory)
-    rows = common["model_args"].get("padded_vocab_size")
-    if rows is not None and rows != args.padded_vocab_size:
-        print_rank_0(f" checkpoint padded vocabulary {rows} rows, this model {args.padded_vocab_size}: "
-                     + ("padding rows cut" if rows > args.padded_vocab_size
+    rows, padded = common["model_args"].get("padded_vocab_size"), config.record.get("padded_vocab_size")
+    if rows is not None and rows != padded:
+        print_rank_0(f" checkpoint padded vocabulary {rows} rows, this model {padded}: "
+                     + ("padding rows cut" if rows > padded
                         else "the added padding rows keep this model's initial values (optimizer state zero)"))
     for chunk in model:  # the keys and coordinates the checkpoint was written in
         chunk.use_checkpoint_layout(vocab_rows=rows)
     dcp_keys = describe_checkpoint(directory, reader) if reader or (directory / ".metadata").is_file() else None
-    scaling = fp8_state.plan(common.get("args", {}), dcp_keys, args, directory)
+    scaling = fp8_state.plan(common.get("args", {}), dcp_keys, config.record, directory)
     if scaling.line:
         print_rank_0(scaling.line)
     try:
@@ -554,7 +563,8 @@ def load_directory(args, model, optimizer, scheduler, directory: Path, start: fl
             chunk.use_checkpoint_layout()
     if with_rng:
         set_rng_state(state["rng"][f"rank{dist.get_rank()}"])
-    iteration, consumed = (0, 0) if args.finetune else (common["iteration"], common["consumed_train_samples"])
+    iteration, consumed = (0, 0) if config.finetune else (common["iteration"], common["consumed_train_samples"])
     print_rank_0(f" loaded checkpoint {directory} (iteration {common['iteration']}) in "
-                 f"{time.perf_counter() - start:.2f} s" + compatibility.weights_only_suffix(args))
+                 f"{time.perf_counter() - start:.2f} s"
+                 + compatibility.weights_only_suffix(config.finetune, config.weights_only_purpose))
     return iteration, consumed

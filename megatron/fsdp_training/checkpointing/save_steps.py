@@ -45,7 +45,7 @@ from megatron.fsdp.checkpoint.pieces import on_host
 
 from . import files
 from . import manifest
-from . import ownership, paths
+from . import ownership
 
 
 class CheckpointSavePlanner(DefaultSavePlanner):

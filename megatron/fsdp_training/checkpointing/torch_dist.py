@@ -33,7 +33,7 @@ import json
 import random
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Tuple
 
 import numpy as np
 import torch
@@ -42,9 +42,9 @@ import torch.distributed as dist
 from megatron.fsdp.commands import CONVERT
 
 from . import files
-from . import paths
 from . import compatibility
 from . import fp8_state
+from .checkpoint_config import CheckpointConfig
 from .compatibility import MODEL_SHAPE_ARGS
 from .paths import find_checkpoint
 from .files import CheckpointError
@@ -60,9 +60,10 @@ SHARDED_METADATA = {"distrib_optim_sharding_type": FULLY_RESHARDABLE, "singleton
                     "chained_optim_avoid_prefix": True}
 
 
-def sharded_metadata(args) -> Dict[str, Any]:
-    """The metadata a save of this job writes (Megatron-LM's ``_build_sharded_state_dict_metadata``)."""
-    layout = FULLY_RESHARDABLE if getattr(args, "dist_ckpt_optim_fully_reshardable", False) else DP_RESHARDABLE
+def sharded_metadata(fully_reshardable: bool) -> Dict[str, Any]:
+    """The metadata a save of this job writes (Megatron-LM's ``_build_sharded_state_dict_metadata``;
+    ``fully_reshardable``: ``--dist-ckpt-optim-fully-reshardable``)."""
+    layout = FULLY_RESHARDABLE if fully_reshardable else DP_RESHARDABLE
     return {**SHARDED_METADATA, "distrib_optim_sharding_type": layout}
 
 
@@ -235,13 +236,15 @@ def _in_process_writes():
         setattr(fa.FileSystemWriterAsync, TORCH_DIST_BUCKET_WRITER, original)
 
 
-def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler) -> Path:
-    """``dist_checkpointing.save`` into a temporary directory, then rank 0 publishes it (tracker last)."""
+def save_checkpoint(config: CheckpointConfig, iteration: int, consumed_samples: int, model, optimizer,
+                    scheduler) -> Path:
+    """``dist_checkpointing.save`` into a temporary directory, then rank 0 publishes it (tracker last). The
+    common state holds the run's arguments (``config.record``) as Megatron-LM's ``args``."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     start = time.perf_counter()
-    rank, root = dist.get_rank(), Path(args.save)
+    rank, root = dist.get_rank(), Path(config.save)
     plan: List[Any] = [None, None]
     if rank == 0:
         try:
@@ -254,9 +257,9 @@ def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimize
     if plan[1]:
         raise CheckpointError(plan[1])
     tmp: Path = plan[0]
-    content = sharded_metadata(args)
+    content = sharded_metadata(config.dist_ckpt_optim_fully_reshardable)
     state = sharded_state_dict(model, optimizer, is_loading=False, content=content)
-    saved_args = argparse.Namespace(**vars(args))
+    saved_args = argparse.Namespace(**config.record)
     saved_args.consumed_train_samples = consumed_samples  # where Megatron-LM keeps it
     saved_args.iteration = iteration
     state.update(args=saved_args, checkpoint_version=CHECKPOINT_VERSION, iteration=iteration,
@@ -282,23 +285,24 @@ def read_common(directory: Path) -> Dict[str, Any]:
     return read_torch_dist_common(directory)
 
 
-def _check_model(saved_args, args, directory: Path) -> None:
-    """The arguments that fix a parameter's shape must agree (TP, PP and DP may change: torch_dist reshards)."""
-    now = {k: getattr(args, k, None) for k in MODEL_SHAPE_ARGS}
+def _check_model(saved_args, record: Mapping[str, Any], directory: Path) -> None:
+    """The arguments that fix a parameter's shape must agree (TP, PP and DP may change: torch_dist reshards);
+    ``saved_args``: the checkpoint's arguments, ``record``: this run's."""
+    now = {k: record.get(k) for k in MODEL_SHAPE_ARGS}
     diffs = [f"--{k.replace('_', '-')} {getattr(saved_args, k, None)!r} in the checkpoint, {v!r} now"
              for k, v in now.items() if hasattr(saved_args, k) and getattr(saved_args, k) != v]
-    diffs += compatibility.numeric_differences(vars(saved_args), args)
+    diffs += compatibility.numeric_differences(vars(saved_args), record)
     if diffs:
         raise CheckpointError(f"checkpoint {directory} was saved with a different model: " + "; ".join(diffs))
 
 
-def _check_dp_reshardable(saved_args, args, directory: Path) -> None:
+def _check_dp_reshardable(saved_args, record: Mapping[str, Any], directory: Path) -> None:
     """``dp_reshardable`` optimizer state is the flat buffers of each model-parallel rank: it loads at another
     DP size only (Megatron-Core would stop on a bucket-size assertion)."""
     names = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
              "expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size")
-    diffs = [f"--{k.replace('_', '-')} {getattr(saved_args, k, None)} in the checkpoint, {getattr(args, k, None)} now"
-             for k in names if getattr(saved_args, k, None) != getattr(args, k, None)]
+    diffs = [f"--{k.replace('_', '-')} {getattr(saved_args, k, None)} in the checkpoint, {record.get(k)} now"
+             for k in names if getattr(saved_args, k, None) != record.get(k)]
     if diffs:
         raise CheckpointError(
             f"checkpoint {directory} holds the optimizer state in the dp_reshardable layout (Megatron-LM's default), "
@@ -381,45 +385,45 @@ def _set_step(optimizer_state: Dict[str, Any], step: int) -> None:
         inner["state"]["common_step"] = torch.tensor(float(step)) if step else None
 
 
-def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
+def load_checkpoint(config: CheckpointConfig, model, optimizer, scheduler) -> Tuple[int, int]:
     """Load ``--load`` (a torch_dist checkpoint) into the baseline; returns ``(iteration, consumed samples)``."""
     from torch.distributed.checkpoint import FileSystemReader
 
     start = time.perf_counter()
-    directory = find_checkpoint(args, complete=is_torch_dist)
+    directory = find_checkpoint(config.load, config.ckpt_step, complete=is_torch_dist)
     if directory is None:
-        print_rank_0(f" no checkpoint in {args.load} (no {files.TRACKER}): starting from scratch")
+        print_rank_0(f" no checkpoint in {config.load} (no {files.TRACKER}): starting from scratch")
         return 0, 0
     if not is_torch_dist(directory):
         raise CheckpointError(
             f"checkpoint {directory} is not a torch_dist checkpoint (no metadata.json naming torch_dist); an "
-            f"fsdp_dtensor checkpoint converts with: {CONVERT} to-torch-dist {args.load} OUT")
+            f"fsdp_dtensor checkpoint converts with: {CONVERT} to-torch-dist {config.load} OUT")
     common = read_common(directory)
     saved_args = common["args"]
-    _check_model(saved_args, args, directory)
-    if not args.finetune and int(common["iteration"]) > args.train_iters:
-        raise CheckpointError(f"--train-iters {args.train_iters} is below the iteration of checkpoint {directory} "
+    _check_model(saved_args, config.record, directory)
+    if not config.finetune and int(common["iteration"]) > config.train_iters:
+        raise CheckpointError(f"--train-iters {config.train_iters} is below the iteration of checkpoint {directory} "
                               f"({common['iteration']}): nothing would train; pass a larger --train-iters")
     converted = common.get("converted") or {}
-    with_optimizer = not (args.finetune or args.no_load_optim)
+    with_optimizer = not (config.finetune or config.no_load_optim)
     problem = compatibility.scheduler_problem(common.get("opt_param_scheduler") or {}, scheduler, directory)
     if with_optimizer and problem:
         raise CheckpointError(problem)
-    same_model_parallel = all(getattr(saved_args, k, None) == getattr(args, k) for k in
+    same_model_parallel = all(getattr(saved_args, k, None) == config.record[k] for k in
                               ("tensor_model_parallel_size", "pipeline_model_parallel_size"))
     # Megatron-LM's load: the layout the checkpoint was saved in (older checkpoints have no content metadata)
     content = common.get("content_metadata") or dict(SHARDED_METADATA)
     if with_optimizer and content.get("distrib_optim_sharding_type") == DP_RESHARDABLE:
-        _check_dp_reshardable(saved_args, args, directory)
-    with_rng = not (args.finetune or args.no_load_rng) and same_model_parallel and "rng" not in converted.get(
+        _check_dp_reshardable(saved_args, config.record, directory)
+    with_rng = not (config.finetune or config.no_load_rng) and same_model_parallel and "rng" not in converted.get(
         "missing", ())
-    if not (args.finetune or args.no_load_rng) and not with_rng:
+    if not (config.finetune or config.no_load_rng) and not with_rng:
         print_rank_0(" RNG states not restored: " + ("the checkpoint was converted and has none" if same_model_parallel
                      else "saved at another tensor or pipeline parallel size (they are per rank)"))
     state = sharded_state_dict(model, optimizer, is_loading=True, content=content, with_optimizer=with_optimizer,
                                with_rng=with_rng)
     saved_keys = set(FileSystemReader(str(directory)).read_metadata().state_dict_metadata)
-    scaling = fp8_state.plan(vars(saved_args), saved_keys, args, directory)
+    scaling = fp8_state.plan(vars(saved_args), saved_keys, config.record, directory)
     if scaling.line:
         print_rank_0(scaling.line)
     dropped = _drop_from_request(state, _left_by_this_load(saved_keys, scaling))
@@ -450,5 +454,6 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
     iteration = int(common["iteration"])
     consumed = int(getattr(saved_args, "consumed_train_samples", 0))
     print_rank_0(f" loaded checkpoint {directory} ({FORMAT}, iteration {iteration}) in "
-                 f"{time.perf_counter() - start:.2f} s" + compatibility.weights_only_suffix(args))
-    return (0, 0) if args.finetune else (iteration, consumed)
+                 f"{time.perf_counter() - start:.2f} s"
+                 + compatibility.weights_only_suffix(config.finetune, config.weights_only_purpose))
+    return (0, 0) if config.finetune else (iteration, consumed)

@@ -12,28 +12,30 @@ from typing import Dict, Iterator, Optional
 
 import torch
 
+from .data_config import DataConfig, TokenizerConfig
 
-def build_tokenizer(args):
+
+def build_tokenizer(config: TokenizerConfig):
+    """The tokenizer ``--tokenizer-type`` and its files name (Megatron-LM's byte-level one by default)."""
     from .tokenizer import build_tokenizer as _build
 
-    kind = args.tokenizer_type or "ByteLevelTokenizer"
-    return _build(kind, vocab_file=args.vocab_file, merge_file=args.merge_file,
-                  tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
+    kind = config.tokenizer_type or "ByteLevelTokenizer"
+    return _build(kind, vocab_file=config.vocab_file, merge_file=config.merge_file,
+                  tokenizer_model=config.tokenizer_model, vocab_size=config.vocab_size)
 
 
-def check_vocabulary(args, vocab_size: int) -> None:
+def check_vocabulary(config: DataConfig, vocab_size: int) -> None:
     """Every token id of the ``--data-path`` files fits the tokenizer (``checks``): each rank reads a share of
     each ``.bin``, one all-reduce (every rank joins it) gives the largest id, and every rank raises the same
     ``DataSplitError`` line before the model sees a batch."""
-    if args.mock_data or not args.data_path:
+    if config.mock_data or not config.data_path:
         return
     import torch.distributed as dist
-    from megatron.core.datasets.utils import get_blend_from_list
 
     from .checks import largest_token, needs_scan, vocabulary_problem
     from .splits import DataSplitError
 
-    prefixes = [p for p in get_blend_from_list(args.data_path)[0] if needs_scan(p, vocab_size)]
+    prefixes = [p for p in config.blend()[0] if needs_scan(p, vocab_size)]
     if not prefixes:
         return
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -46,13 +48,13 @@ def check_vocabulary(args, vocab_size: int) -> None:
             raise DataSplitError(problem)
 
 
-def padded_vocab_size(vocab_size: int, args) -> int:
+def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tensor_model_parallel_size: int) -> int:
     """Megatron-LM's padding: a multiple of ``make_vocab_size_divisible_by x TP``."""
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
     return -(-vocab_size // multiple) * multiple
 
 
-def build_datasets(args, tokenizer):
+def build_datasets(config: DataConfig, tokenizer):
     """Train, validation and test datasets sized for the whole run; None for a split the run never reads.
 
     Only the used splits are built (megatron/fsdp_training/data/splits.py says why); their
@@ -60,37 +62,36 @@ def build_datasets(args, tokenizer):
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-    from megatron.core.datasets.utils import get_blend_from_list
 
     from .splits import split_samples, used_split_matrix
 
-    per_split = args.train_data_path  # --train/valid/test-data-path: a blend per split
-    blends = dict(blend_per_split=[get_blend_from_list(getattr(args, f"{s}_data_path"))
-                                   for s in ("train", "valid", "test")]) if per_split else dict(
-        blend=None if args.mock_data else get_blend_from_list(args.data_path), split=args.split)
-    config = GPTDatasetConfig(
-        random_seed=args.seed, sequence_length=args.seq_length, tokenizer=tokenizer, reset_position_ids=False,
+    per_split = config.train_data_path  # --train/valid/test-data-path: a blend per split
+    blends = dict(blend_per_split=[config.blend(s) for s in ("train", "valid", "test")]) if per_split else dict(
+        blend=None if config.mock_data else config.blend(), split=config.split)
+    dataset_config = GPTDatasetConfig(
+        random_seed=config.seed, sequence_length=config.seq_length, tokenizer=tokenizer, reset_position_ids=False,
         reset_attention_mask=False, eod_mask_loss=False,
-        create_attention_mask=args.create_attention_mask_in_dataloader,
-        path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files, **blends)
-    sizes = [size or 0 for size in split_samples(args)]  # an unbuilt split's size is never read
+        create_attention_mask=config.create_attention_mask_in_dataloader,
+        path_to_cache=config.data_cache_path, mmap_bin_files=config.mmap_bin_files, **blends)
+    sizes = [size or 0 for size in split_samples(config)]  # an unbuilt split's size is never read
     if per_split:  # a split without its path is not built
         sizes = [size if path else 0 for size, path in zip(sizes, blends["blend_per_split"])]
     else:
-        config.split_matrix = [bookend if wanted is not None else None
-                               for bookend, wanted in zip(config.split_matrix, used_split_matrix(args))]
-    cls = MockGPTDataset if args.mock_data else GPTDataset
-    return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
+        used = used_split_matrix(config)
+        dataset_config.split_matrix = [bookend if wanted is not None else None
+                                       for bookend, wanted in zip(dataset_config.split_matrix, used)]
+    cls = MockGPTDataset if config.mock_data else GPTDataset
+    return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, dataset_config).build()
 
 
 class MicroBatches:
     """Yields this rank's micro-batches in order, resumable at ``consumed_samples``."""
 
-    def __init__(self, dataset, args, consumed_samples: int = 0):
+    def __init__(self, dataset, micro_batch_size: int, consumed_samples: int = 0):
         from megatron.core import parallel_state as ps
 
         self.dataset = dataset
-        self.mbs = args.micro_batch_size
+        self.mbs = micro_batch_size
         self.dp = ps.get_data_parallel_world_size()
         self.dp_rank = ps.get_data_parallel_rank()
         self.consumed = consumed_samples

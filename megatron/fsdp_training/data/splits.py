@@ -17,6 +17,8 @@ from typing import List, Optional, Tuple
 
 from megatron.fsdp.commands import PREPROCESS
 
+from .data_config import DataConfig
+
 SPLIT_NAMES = ("train", "validation", "test")
 
 
@@ -24,13 +26,11 @@ class DataSplitError(ValueError):
     """A used split that would hold no documents, or data files that are missing."""
 
 
-def split_samples(args) -> List[Optional[int]]:
+def split_samples(config: DataConfig) -> List[Optional[int]]:
     """Samples each split must supply over the whole run; None for a split the run never reads."""
-    # A step batch-size schedule (batch_rampup.py) may pass through batches larger than its last one.
-    largest = max([args.global_batch_size] + [batch for _, batch in getattr(args, "step_batch_sizes", None) or ()])
-    train = args.train_iters * largest
-    eval_runs = args.train_iters // args.eval_interval + 1 if args.eval_interval else 0
-    valid = eval_runs * args.eval_iters * args.global_batch_size if args.eval_iters > 0 else 0
+    train = config.train_iters * config.largest_global_batch
+    eval_runs = config.train_iters // config.eval_interval + 1 if config.eval_interval else 0
+    valid = eval_runs * config.eval_iters * config.global_batch_size if config.eval_iters > 0 else 0
     return [train, valid or None, None]
 
 
@@ -46,14 +46,14 @@ def split_matrix(split: str) -> List[Optional[Tuple[float, float]]]:
                              "sum, train,validation,test (e.g. 969,30,1)") from None
 
 
-def used_split_matrix(args) -> List[Optional[Tuple[float, float]]]:
+def used_split_matrix(config: DataConfig) -> List[Optional[Tuple[float, float]]]:
     """The split matrix with the splits this run never reads set to None, so they are not built.
 
     The book-ends of the used splits stay where ``--split`` puts them: dropping a
     split does not move documents between the others.
     """
     return [bookend if size is not None else None
-            for bookend, size in zip(split_matrix(args.split), split_samples(args))]
+            for bookend, size in zip(split_matrix(config.split), split_samples(config))]
 
 
 def _document_range(bookend: Optional[Tuple[float, float]], documents: int) -> Tuple[int, int]:
@@ -62,19 +62,19 @@ def _document_range(bookend: Optional[Tuple[float, float]], documents: int) -> T
     return int(round(bookend[0] * float(documents))), int(round(bookend[1] * float(documents)))
 
 
-def _working_split(documents: int, args) -> str:
+def _working_split(documents: int, config: DataConfig) -> str:
     """A ``--split`` (in documents) that gives every used split at least one document, or advice."""
-    needs_valid = split_samples(args)[1] is not None
+    needs_valid = split_samples(config)[1] is not None
     if not needs_valid:
         return "--split 1,0,0"
     if documents < 2:
         return "--eval-iters 0 (no validation), or more documents"
-    valid_fraction = (split_matrix(args.split)[1] or (0.0, 0.0))
+    valid_fraction = (split_matrix(config.split)[1] or (0.0, 0.0))
     valid = min(documents - 1, max(1, int(round((valid_fraction[1] - valid_fraction[0]) * documents))))
     return f"--split {documents - valid},{valid},0 (or --eval-iters 0 for no validation)"
 
 
-def check_splits(args) -> None:
+def check_splits(config: DataConfig) -> None:
     """Raise DataSplitError when a used split of a ``--data-path`` prefix has no documents or tokens.
 
     Reads only each prefix's ``.idx`` (document count and lengths) and the ``.bin``'s size
@@ -82,20 +82,19 @@ def check_splits(args) -> None:
     collective exists. A validation split with no weight while ``--eval-iters`` asks for
     validation stops too (it was skipped silently).
     """
-    wanted = split_samples(args)[1] is not None
-    if wanted and split_matrix(args.split)[1] is None:
-        raise DataSplitError(f"--eval-iters {args.eval_iters} asks for validation, but --split {args.split} gives "
+    wanted = split_samples(config)[1] is not None
+    if wanted and split_matrix(config.split)[1] is None:
+        raise DataSplitError(f"--eval-iters {config.eval_iters} asks for validation, but --split {config.split} gives "
                              "the validation split no weight; pass --eval-iters 0 (no validation) or a --split "
                              "with a validation weight (e.g. 98,2,0)")
-    if args.mock_data or not args.data_path:
+    if config.mock_data or not config.data_path:
         return
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     from .checks import check_index_files
-    from megatron.core.datasets.utils import get_blend_from_list
 
-    matrix = used_split_matrix(args)
-    prefixes = get_blend_from_list(args.data_path)[0]
+    matrix = used_split_matrix(config)
+    prefixes = config.blend()[0]
     for prefix in prefixes:
         missing = [p for p in (prefix + ".idx", prefix + ".bin") if not os.path.isfile(p)]
         if missing:
@@ -114,5 +113,5 @@ def check_splits(args) -> None:
             if end <= begin or tokens == 0:
                 what = f"{end - begin} documents" if end <= begin else f"{end - begin} documents but no tokens"
                 raise DataSplitError(
-                    f"--split {args.split} leaves the {name} split of {prefix} with {what} (of its {documents}); "
-                    f"use {_working_split(documents, args)}")
+                    f"--split {config.split} leaves the {name} split of {prefix} with {what} (of its {documents}); "
+                    f"use {_working_split(documents, config)}")

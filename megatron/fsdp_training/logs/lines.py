@@ -117,25 +117,11 @@ def _section_text(section) -> str:
             f"mesh {inner.name} {inner.size} x {outer.name} {outer.size}")
 
 
-def data_parallel_text(args, model) -> str:
-    """The data-parallel backend with its levels and mesh sizes (dense, and the experts with their EP size)."""
-    if not args.use_megatron_fsdp:
-        return "Megatron-Core DistributedDataParallel" + (
-            " + DistributedOptimizer" if args.use_distributed_optimizer else "") + (
-            f" ({args.num_distributed_optimizer_instances} optimizer instances)"
-            if args.num_distributed_optimizer_instances > 1 else "")
-    sections = model[0].fsdp.sections
-    text = f"megatron.fsdp, {_section_text(sections['dense'])}"
-    if "expert" in sections:
-        text += (f"; experts (EP {args.expert_model_parallel_size}, expert DP {args.expert_data_parallel_size}): "
-                 f"{_section_text(sections['expert'])}")
-    elif args.num_experts is not None:
-        text += f"; experts (EP {args.expert_model_parallel_size}): none on this rank"
-    return text
-
-
 def summary(args, model, optimizer) -> None:
-    """One-time layout report: parallel sizes, levels and mesh per axis, parameters per rank."""
+    """One-time layout report: parallel sizes, levels and mesh per axis, parameters per rank, Muon's settings.
+
+    Takes the whole namespace: a start-up report of flags from every concern (parallel layout, data-parallel
+    backend, experts, optimizer), read once."""
     if args.use_megatron_fsdp:  # ZeRO-3 parameters are empty placeholders between uses: count the layouts
         params = sum(slot.spec.numel for chunk in model for unit in chunk.fsdp.units for slot in unit.storage.layout.slots)
     else:
@@ -146,30 +132,40 @@ def summary(args, model, optimizer) -> None:
         f"PP {args.pipeline_model_parallel_size} x CP {args.context_parallel_size} x DP {args.data_parallel_size}"
         f"{'' if args.virtual_pipeline_model_parallel_size is None else f' (VPP {args.virtual_pipeline_model_parallel_size})'}; "
         f"micro-batches per step {args.num_micro_batches}")
-    print_rank_0(f"> data parallel: {data_parallel_text(args, model)}")
+    # the data-parallel backend with its levels and mesh sizes (dense, and the experts with their EP size)
+    if not args.use_megatron_fsdp:
+        backend = "Megatron-Core DistributedDataParallel" + (
+            " + DistributedOptimizer" if args.use_distributed_optimizer else "") + (
+            f" ({args.num_distributed_optimizer_instances} optimizer instances)"
+            if args.num_distributed_optimizer_instances > 1 else "")
+    else:
+        sections = model[0].fsdp.sections
+        backend = f"megatron.fsdp, {_section_text(sections['dense'])}"
+        if "expert" in sections:
+            backend += (f"; experts (EP {args.expert_model_parallel_size}, "
+                        f"expert DP {args.expert_data_parallel_size}): {_section_text(sections['expert'])}")
+        elif args.num_experts is not None:
+            backend += f"; experts (EP {args.expert_model_parallel_size}): none on this rank"
+    print_rank_0(f"> data parallel: {backend}")
     print_rank_0("> parameters per rank (model-parallel shard, before data-parallel sharding): "
                  + " ".join(str(int(c[0])) for c in everyone))
-    if args.optimizer == "muon":
-        print_rank_0("> " + muon_line(args))
+    if args.optimizer == "muon":  # said once: nothing else in the log would show Muon is on
+        print_rank_0(f"> optimizer: Muon on the 2-D weight matrices (momentum {args.muon_momentum}, Nesterov "
+                     f"{'on' if args.muon_use_nesterov else 'off'}, {args.muon_num_ns_steps} Newton-Schulz steps "
+                     f"({args.muon_coefficient_type} coefficients), scale "
+                     f"{args.muon_scale_mode} x {args.muon_extra_scale_factor}, TP mode {args.muon_tp_mode}); Adam on "
+                     f"the embedding, output layer, norms and biases (lr {args.lr}, weight decay {args.weight_decay})")
 
 
-def muon_line(args) -> str:
-    """What ``--optimizer muon`` does, said once: nothing else in the log would show Muon is on."""
-    return (f"optimizer: Muon on the 2-D weight matrices (momentum {args.muon_momentum}, Nesterov "
-            f"{'on' if args.muon_use_nesterov else 'off'}, {args.muon_num_ns_steps} Newton-Schulz steps "
-            f"({args.muon_coefficient_type} coefficients), scale "
-            f"{args.muon_scale_mode} x {args.muon_extra_scale_factor}, TP mode {args.muon_tp_mode}); Adam on the "
-            f"embedding, output layer, norms and biases (lr {args.lr}, weight decay {args.weight_decay})")
-
-
-def persistent_line(args, model, optimizer) -> Optional[str]:
+def persistent_line(model, optimizer) -> Optional[str]:
     """Persistent bytes per rank once the optimizer state exists (after the first step); a collective.
 
-    None for the Megatron-Core baseline, whose buffers this job does not itemise.
+    None for the Megatron-Core baseline (its optimizer has no ``engine``), whose buffers this job does not itemise.
     """
-    if not args.use_megatron_fsdp:
+    engine = getattr(optimizer, "engine", None)
+    if engine is None:
         return None
-    persistent = sum(chunk.fsdp.memory_report().total for chunk in model) + optimizer.engine.state_bytes()
+    persistent = sum(chunk.fsdp.memory_report().total for chunk in model) + engine.state_bytes()
     everyone = gather_per_rank([persistent])
     return ("persistent bytes per rank (weights, main weights, grads, optimizer state): "
             + " ".join(str(int(c[0])) for c in everyone))

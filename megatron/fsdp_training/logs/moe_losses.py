@@ -10,44 +10,31 @@ reduction is the same collective everywhere (Megatron-LM's ``force_initialize``)
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict
 
 import torch
 
-
-def tracked_names(args) -> List[str]:
-    """Megatron-LM's names for the losses the router of this run logs (none for a dense model)."""
-    if args.num_experts is None:
-        return []
-    names = []
-    balancing = args.moe_router_load_balancing_type
-    if args.moe_aux_loss_coeff and balancing == "aux_loss":
-        names.append("load_balancing_loss")
-    if args.moe_aux_loss_coeff and balancing == "seq_aux_loss":
-        names.append("seq_load_balancing_loss")
-    if getattr(args, "moe_z_loss_coeff", None):
-        names.append("z_loss")
-    return names
+from .aux_loss_config import AuxLossConfig
 
 
-def moe_aux_losses(args, device: torch.device) -> Dict[str, float]:
+def moe_aux_losses(config: AuxLossConfig, device: torch.device) -> Dict[str, float]:
     """This iteration's auxiliary losses, averaged over MoE layers and micro-batches; clears the tracker.
 
     A collective over the pipeline and data-parallel groups: call it on every rank, every iteration.
     """
-    names = tracked_names(args)
+    names = list(config.moe_loss_names)
     if not names:
         return {}
     from megatron.fsdp.mcore_releases import report_moe_metrics
 
     # The routers of MTP layers log after the decoder's (Megatron-Core's tracker holds both): every
     # pipeline stage needs the same length, since the reduction sums the stages' tensors.
-    totals = report_moe_metrics(names, 1.0 / args.num_micro_batches, args.num_layers, args.moe_layer_freq,
-                                getattr(args, "mtp_num_layers", None), device)
+    totals = report_moe_metrics(names, 1.0 / config.num_micro_batches, config.num_layers, config.moe_layer_freq,
+                                config.mtp_num_layers, device)
     return {name: float(totals[name]) for name in names if name in totals}
 
 
-def mtp_losses(args, device: torch.device) -> Dict[str, float]:
+def mtp_losses(config: AuxLossConfig, device: torch.device) -> Dict[str, float]:
     """This iteration's multi-token prediction losses, ``mtp_1 loss`` ... as Megatron-LM logs them
     (``MTPLossLoggingHelper.track_mtp_metrics``: each MTP layer's mean token loss, averaged over the
     data-parallel ranks and the micro-batches); clears the tracker.
@@ -55,7 +42,7 @@ def mtp_losses(args, device: torch.device) -> Dict[str, float]:
     The MTP layers sit on the last pipeline stage: the values come from there, broadcast over the
     pipeline group so every rank (rank 0 prints) has them. Call it on every rank, every iteration.
     """
-    layers = getattr(args, "mtp_num_layers", None)
+    layers = config.mtp_num_layers
     if not layers:
         return {}
     import torch.distributed as dist
@@ -65,7 +52,7 @@ def mtp_losses(args, device: torch.device) -> Dict[str, float]:
     values = torch.zeros(layers, dtype=torch.float64, device=device)
     if ps.is_pipeline_last_stage(ignore_virtual=True):
         totals: Dict[str, torch.Tensor] = {}
-        MTPLossLoggingHelper.track_mtp_metrics(loss_scale=1.0 / args.num_micro_batches, iteration=0, writer=None,
+        MTPLossLoggingHelper.track_mtp_metrics(loss_scale=1.0 / config.num_micro_batches, iteration=0, writer=None,
                                                total_loss_dict=totals)
         for i in range(layers):
             if f"mtp_{i + 1} loss" in totals:

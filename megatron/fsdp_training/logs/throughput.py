@@ -19,31 +19,26 @@ Recomputation is not counted (Megatron-LM counts model FLOPs, not hardware FLOPs
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 from dataclasses import dataclass
 
-from ..model_shape import moe_layer_pattern
+from .model_size import ModelSize
 
 
-def num_floating_point_operations(args, batch_size: int) -> float:
+def num_floating_point_operations(size: ModelSize, batch_size: int) -> float:
     """Model FLOPs of one training iteration over ``batch_size`` sequences (forward and backward)."""
-    h, s, layers = args.hidden_size, args.seq_length, args.num_layers
-    heads = args.num_attention_heads
-    groups = args.num_query_groups if args.group_query_attention else heads
-    query_ratio = args.kv_channels * heads / h
-    gated = 1.5 if args.swiglu else 1.0
-    if args.num_experts is None:
-        moe_layers, topk, moe_ffn, shared = 0, 0, 0, 0
-    else:
-        moe_layers = sum(moe_layer_pattern(args))
-        topk = args.moe_router_topk
-        moe_ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
-        shared = args.moe_shared_expert_intermediate_size or 0
+    h, s, layers = size.hidden_size, size.seq_length, size.num_layers
+    heads = size.num_attention_heads
+    groups = size.query_groups
+    query_ratio = size.kv_channels * heads / h
+    gated = 1.5 if size.swiglu else 1.0
+    moe_layers, topk = size.moe_layers, size.moe_router_topk
+    moe_ffn, shared = size.moe_ffn_hidden_size, size.moe_shared_expert_size
     dense_layers = layers - moe_layers
-    mlp = 12 * h * gated * (args.ffn_hidden_size * dense_layers + (moe_ffn * topk + shared) * moe_layers)
+    mlp = 12 * h * gated * (size.ffn_hidden_size * dense_layers + (moe_ffn * topk + shared) * moe_layers)
     attention = 12 * layers * h * h * (1 + groups / heads + s / h / 2) * query_ratio
-    logits = 6 * h * args.padded_vocab_size
+    logits = 6 * h * size.padded_vocab_size
     return float(batch_size * s * (mlp + attention + logits))
 
 
@@ -60,11 +55,10 @@ class Throughput:
                 ("tokens per second per rank", f"{self.tokens_per_second_per_rank:.1f}")]
 
 
-def throughput(args, elapsed_seconds: float, world_size: int, batch: Optional[int] = None) -> Throughput:
-    """Rates of one iteration of ``batch`` sequences (default ``--global-batch-size``; smaller during
+def throughput(size: ModelSize, elapsed_seconds: float, world_size: int, batch: int) -> Throughput:
+    """Rates of one iteration of ``batch`` sequences (``--global-batch-size``, smaller during
     ``--rampup-batch-size``) that took ``elapsed_seconds``."""
     elapsed = max(elapsed_seconds, 1e-12)
-    batch = args.global_batch_size if batch is None else batch
-    flops = num_floating_point_operations(args, batch)
-    tokens = batch * args.seq_length
+    flops = num_floating_point_operations(size, batch)
+    tokens = batch * size.seq_length
     return Throughput(flops / (elapsed * 1e12 * world_size), tokens / elapsed / world_size)

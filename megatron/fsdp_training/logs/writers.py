@@ -20,20 +20,22 @@ from typing import Dict, Optional
 
 import torch.distributed as dist
 
+from .logging_config import LoggingConfig
+
 
 class ScalarWriters:
     """TensorBoard and wandb writers of rank 0 (no-ops elsewhere, or when neither is asked for)."""
 
-    def __init__(self, args):
+    def __init__(self, config: LoggingConfig):
         self.tensorboard = self.wandb = None
         if dist.is_initialized() and dist.get_rank() != 0:
             return
-        if args.tensorboard_dir:
+        if config.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000)
-        if args.wandb_project:
-            self.wandb = _wandb_run(args)
+            self.tensorboard = SummaryWriter(log_dir=config.tensorboard_dir, max_queue=1000)
+        if config.wandb_project:
+            self.wandb = _wandb_run(config)
 
     @property
     def active(self) -> bool:
@@ -56,15 +58,15 @@ class ScalarWriters:
             self.wandb = None
 
 
-def _wandb_run(args):
+def _wandb_run(config: LoggingConfig):
     import wandb
 
-    save_dir = args.wandb_save_dir or os.path.join(args.save or os.getcwd(), "wandb")  # Megatron-LM: --save/wandb
+    save_dir = config.wandb_save_dir or os.path.join(config.save or os.getcwd(), "wandb")  # Megatron-LM: --save/wandb
     os.makedirs(save_dir, exist_ok=True)
     mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
     if mode == "offline":
         print(f"> wandb: logging offline to {save_dir} (no WANDB_API_KEY; `wandb sync` uploads it later)",
               flush=True)
-    config = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, list, type(None)))}
-    return wandb.init(project=args.wandb_project, name=args.wandb_exp_name, dir=save_dir, config=config,
+    return wandb.init(project=config.wandb_project, name=config.wandb_exp_name, dir=save_dir,
+                      config=dict(config.wandb_config),
                       mode=mode, settings=wandb.Settings(console="off", x_disable_stats=True))

@@ -13,7 +13,7 @@ from typing import Optional
 from megatron.fsdp_training.testing import gpt
 
 
-def _wire_fsdp_hooks(model_chunks, config, optimizer) -> None:
+def wire_fsdp_hooks(model_chunks, config, optimizer) -> None:
     from megatron.fsdp.mcore import configure_schedule_hooks
 
     config.grad_scale_func = optimizer.scale_loss
@@ -46,8 +46,8 @@ def fsdp_run(ctx, topology: gpt.Topology, strategy: str, steps: int = gpt.STEPS,
                                  use_pg_collection=use_pg_collection, **ddp_overrides)
         ledger = model[0].fsdp.ledger
         ledger.trace = trace
-        result = gpt.train(model, optimizer, config, topology, steps, micro_batches,
-                           scheduler=gpt.make_scheduler(optimizer), wire=_wire_fsdp_hooks)
+        result = gpt.train(model, optimizer, config, steps, micro_batches,
+                           scheduler=gpt.make_scheduler(optimizer), wire=wire_fsdp_hooks)
         if trace:
             gathers = collections.Counter(e.tag for e in ledger.events if e.kind == "all_gather" and e.axis == "dp_shard")
             result["gathers_per_step"] = {tag: count / steps for tag, count in gathers.items()}
@@ -59,21 +59,3 @@ def fsdp_run(ctx, topology: gpt.Topology, strategy: str, steps: int = gpt.STEPS,
             result["expert_params"] = [n for u in model[0].fsdp.units if u.storage.section == "expert"
                                        for n in u.param_names]
     return result
-
-
-def eval_leaves_nothing_gathered(ctx, topology: gpt.Topology, strategy: str) -> dict:
-    """A forward-only pass through Megatron's schedule (evaluation) releases every unit."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    with gpt.parallel(ctx, topology):
-        config = gpt.tiny_gpt_config(topology)
-        model, optimizer = build(config, topology, strategy)
-        _wire_fsdp_hooks(model, config, optimizer)
-        batches = gpt.make_batches(1, 2, gpt.ROWS_PER_DP_RANK * topology.dp(ctx.size))
-        import torch
-        with torch.no_grad():
-            get_forward_backward_func()(
-                forward_step_func=gpt.forward_step, data_iterator=gpt.data_iterator(batches[0]),
-                model=model[0], num_microbatches=2, seq_length=gpt.SEQ_LENGTH,
-                micro_batch_size=gpt.ROWS_PER_DP_RANK, decoder_seq_length=gpt.SEQ_LENGTH, forward_only=True)
-        return {"resident": [u.name for m in model for u in m.fsdp.units if u.storage.resident]}

@@ -14,7 +14,7 @@ An adapter test swaps only the wrapper and the optimizer and reuses the rest::
         config = tiny_gpt_config(topology)
         chunks = build_model_chunks(config, topology)
         model = [MyDataParallel(config, ddp_config, c) for c in chunks]
-        return train(model, my_optimizer, config, topology, STEPS, MICRO_BATCHES)
+        return train(model, my_optimizer, config, STEPS, MICRO_BATCHES)
 """
 
 from __future__ import annotations
@@ -302,9 +302,8 @@ def _iteration_loss(losses_reduced: list) -> float:
     return float(value)
 
 
-def train(model_chunks: list, optimizer, config, topology: Topology, steps: int,
-          micro_batches: int, scheduler=None, data_seed: int = DATA_SEED,
-          wire: Optional[Callable[[list, object, object], None]] = None) -> dict:
+def train(model_chunks: list, optimizer, config, steps: int, micro_batches: int, scheduler=None,
+          data_seed: int = DATA_SEED, wire: Optional[Callable[[list, object, object], None]] = None) -> dict:
     """Megatron-LM's training loop over ``steps`` iterations of ``micro_batches`` micro-batches.
 
     Each iteration: zero the grad buffers, ``forward_backward_func`` (which calls
@@ -391,6 +390,6 @@ def megatron_ddp_run(ctx, topology: Topology, steps: int = STEPS, micro_batches:
         opt_config = optimizer_config(use_distributed_optimizer)
         optimizer = get_megatron_optimizer(opt_config, model, use_gloo_process_groups=gloo_twin_groups(),
                                            config_overrides=get_standard_config_overrides(opt_config))
-        result = train(model, optimizer, config, topology, steps, micro_batches,
+        result = train(model, optimizer, config, steps, micro_batches,
                        scheduler=make_scheduler(optimizer))
     return result

@@ -25,6 +25,7 @@ tokenizer's end-of-document id.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Callable, List, Optional
 
@@ -59,6 +60,19 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
                    help="keep generating past the tokenizer's end-of-document id")
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """How many tokens and how each is chosen: the generation flags of the same names (``--greedy`` is
+    ``temperature`` 0, ``stop_at_eod`` is not ``--no-stop-at-eod``) and the job's ``--seed`` for sampling."""
+
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    stop_at_eod: bool
+
+
 # ------------------------------------------------------------------ sampling
 def choose_token(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
                  generator: Optional[torch.Generator]) -> int:
@@ -90,25 +104,26 @@ def _full_logits(model, tokens: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate(model, prompt_ids: List[int], *, vocab_size: int, window: int, max_new_tokens: int,
-             temperature: float, top_k: int, top_p: float, seed: int, eod: Optional[int],
-             device: torch.device, on_token: Callable[[int], None] = lambda token: None) -> List[int]:
-    """Extend ``prompt_ids`` by up to ``max_new_tokens`` ids (collective: every rank calls it).
+def generate(model, prompt_ids: List[int], config: GenerationConfig, *, vocab_size: int, window: int,
+             eod: Optional[int], device: torch.device, on_token: Callable[[int], None] = lambda token: None) -> List[int]:
+    """Extend ``prompt_ids`` by up to ``config.max_new_tokens`` ids (collective: every rank calls it).
 
     ``vocab_size``: the tokenizer's size (padding rows of the output layer are never chosen);
-    ``window``: the longest context the model takes (the last ``window`` ids are fed).
+    ``window``: the longest context the model takes (the last ``window`` ids are fed);
+    ``eod``: the id that ends generation (None: none does).
     """
     import torch.distributed as dist
 
     for chunk in model:
         chunk.eval()
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(config.seed)
     ids = list(prompt_ids) or ([eod] if eod is not None else [0])
     start = len(ids)
-    for _ in range(max_new_tokens):
+    for _ in range(config.max_new_tokens):
         tokens = torch.tensor([ids[-window:]], dtype=torch.long, device=device)
         logits = _full_logits(model[0], tokens)[:vocab_size].cpu()
-        token = torch.tensor([choose_token(logits, temperature, top_k, top_p, generator)], dtype=torch.long)
+        token = torch.tensor([choose_token(logits, config.temperature, config.top_k, config.top_p, generator)],
+                             dtype=torch.long)
         dist.broadcast(token.to(device), src=0)  # one decision for every rank
         ids.append(int(token))
         on_token(ids[-1])
@@ -144,24 +159,25 @@ class Stream:
         self.shown = text
 
 
-def tokenize_prompt(args) -> List[int]:
+def tokenize_prompt(prompt: str, tokenizer_config) -> List[int]:
     """``--prompt``'s ids, read before any process group: text the tokenizer cannot read (NullTokenizer's
-    words, an id past its vocabulary) is one line naming the fix, not a traceback after the model loads."""
+    words, an id past its vocabulary) is one line naming the fix, not a traceback after the model loads.
+    ``tokenizer_config``: the job's ``TokenizerConfig``."""
     from megatron.fsdp_training.data import datasets as data
     from megatron.fsdp_training.errors import ArgumentError
 
-    if not args.prompt:
+    if not prompt:
         return []
-    tokenizer = data.build_tokenizer(args)
+    tokenizer = data.build_tokenizer(tokenizer_config)
     try:
-        return tokenizer.tokenize(args.prompt)
+        return tokenizer.tokenize(prompt)
     except ValueError as exc:
         hint = ""
-        if args.tokenizer_type == "NullTokenizer":
+        if tokenizer_config.tokenizer_type == "NullTokenizer":
             hint = (f"; NullTokenizer reads whitespace-separated integer ids in [0, {tokenizer.vocab_size}) "
                     f"(--vocab-size {tokenizer.vocab_size - 1}, and {tokenizer.eod} the end of document), "
                     "e.g. --prompt '1 2 3'")
-        raise ArgumentError(f"--prompt {args.prompt!r}: {exc}{hint}") from None
+        raise ArgumentError(f"--prompt {prompt!r}: {exc}{hint}") from None
 
 
 # ------------------------------------------------------------------ the command
@@ -221,12 +237,16 @@ def _saved_defaults(parser: argparse.ArgumentParser, load: str, step: Optional[i
 
 
 def run(args: argparse.Namespace, out=None) -> List[int]:
-    """Build, load, generate; returns the generated ids (every rank). ``out``: where rank 0 streams the text."""
+    """Entry point of the command: the job's ``setup`` and weights-only load take the namespace (``parse_args``'s).
+
+    Build, load, generate; returns the generated ids (every rank). ``out``: where rank 0 streams the text."""
     import torch.distributed as dist
 
+    from megatron.fsdp_training.checkpointing.checkpoint_config import CheckpointConfig
     from megatron.fsdp_training.checkpointing.files import TRACKER, CheckpointError
     from megatron.fsdp_training.checkpointing.paths import find_checkpoint
     from megatron.fsdp_training.checkpointing.save_load import load_checkpoint
+    from megatron.fsdp_training.data.data_config import TokenizerConfig
     from megatron.fsdp_training.errors import ArgumentError
     from megatron.fsdp_training.logs.lines import print_rank_0
     from megatron.fsdp_training.job_setup import setup
@@ -236,28 +256,28 @@ def run(args: argparse.Namespace, out=None) -> List[int]:
         if value != 1:
             raise ArgumentError(f"{flag} {value}: generation runs the whole model on each rank's stage; use "
                                 f"{flag} 1 (the checkpoint loads at any layout: DCP reshards it)")
-    if args.ckpt_format != "torch_dist" and find_checkpoint(args) is None:  # the job would start from scratch
+    # without a checkpoint the job's load would start from scratch
+    if args.ckpt_format != "torch_dist" and find_checkpoint(args.load, args.ckpt_step) is None:
         raise CheckpointError(f"{args.load}: no checkpoint to generate from (no {TRACKER}): pass the --save "
                               "directory of a run that saved, or --ckpt-step N for one of its iter_* directories")
-    prompt_ids = tokenize_prompt(args)
+    prompt_ids = tokenize_prompt(args.prompt, TokenizerConfig.from_args(args))
+    generation = GenerationConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationConfig)})
     device, tokenizer, model, optimizer, scheduler = setup(args)
     # Weights only (Megatron-LM's --finetune load): generation resumes no optimizer, RNG, schedule or
     # iteration, so the checks that guard a resumed run (--train-iters past the checkpoint's) do not apply.
     args.finetune, args.weights_only_purpose = True, "generation"
-    load_checkpoint(args, model, optimizer, scheduler)
+    load_checkpoint(CheckpointConfig.from_args(args), model, optimizer, scheduler)
     window = args.max_position_embeddings
     if len(prompt_ids) > window:
         print_rank_0(f" prompt of {len(prompt_ids)} tokens: only its last {window} (the model's window) are read")
     stream = Stream(tokenizer, out, context=prompt_ids) if dist.get_rank() == 0 else (lambda token: None)
     if dist.get_rank() == 0:
         (out or sys.stdout).write(args.prompt)
-    ids = generate(model, prompt_ids, vocab_size=tokenizer.vocab_size, window=window,
-                   max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, eod=tokenizer.eod if args.stop_at_eod else None,
-                   device=device, on_token=stream)
+    ids = generate(model, prompt_ids, generation, vocab_size=tokenizer.vocab_size, window=window,
+                   eod=tokenizer.eod if generation.stop_at_eod else None, device=device, on_token=stream)
     if dist.get_rank() == 0:
         (out or sys.stdout).write("\n")
-        ended = " (end of document)" if ids and args.stop_at_eod and ids[-1] == tokenizer.eod else ""
+        ended = " (end of document)" if ids and generation.stop_at_eod and ids[-1] == tokenizer.eod else ""
         print_rank_0(f" generated {len(ids)} tokens{ended}")
     return ids
 

@@ -73,39 +73,6 @@ class Arch:
     moe_layers: Tuple[int, ...] = ()  # 1 per MoE layer
     moe_grouped_gemm: bool = False
 
-    @classmethod
-    def from_args(cls, args: Mapping[str, Any]) -> "Arch":
-        """From ``common.json``'s ``args`` (every argument of the saving run)."""
-        from megatron.fsdp_training.model_shape import moe_layer_pattern
-
-        groups = args["num_query_groups"] if args.get("group_query_attention") else args["num_attention_heads"]
-        experts = args.get("num_experts")
-        pattern = ()
-        if experts:
-            freq = args.get("moe_layer_freq", 1)
-            if isinstance(freq, str):
-                from megatron.fsdp_training.arguments.moe_flags import moe_layer_freq_type
-
-                freq = moe_layer_freq_type(freq)
-            pattern = tuple(moe_layer_pattern(_Args(num_layers=args["num_layers"], moe_layer_freq=freq)))
-        return cls(
-            num_layers=args["num_layers"], hidden_size=args["hidden_size"], ffn_hidden_size=args["ffn_hidden_size"],
-            num_attention_heads=args["num_attention_heads"], num_query_groups=groups,
-            kv_channels=args["kv_channels"], vocab_size=args["true_vocab_size"],
-            padded_vocab_size=args["padded_vocab_size"], max_position_embeddings=args["max_position_embeddings"],
-            normalization=args.get("normalization", "LayerNorm"), norm_epsilon=args.get("norm_epsilon", 1e-5),
-            swiglu=bool(args.get("swiglu")),
-            position_embedding_type=args.get("position_embedding_type", "learned_absolute"),
-            rotary_base=args.get("rotary_base", 10000), rotary_percent=args.get("rotary_percent", 1.0),
-            tied=not args.get("untie_embeddings_and_output_weights"), bias=args.get("add_bias_linear", True),
-            qk_layernorm=bool(args.get("qk_layernorm")), qkv_bias=bool(args.get("add_qkv_bias")), num_experts=experts,
-            moe_router_topk=args.get("moe_router_topk", 2),
-            moe_ffn_hidden_size=args.get("moe_ffn_hidden_size") or args["ffn_hidden_size"],
-            shared_expert_size=args.get("moe_shared_expert_intermediate_size"), moe_layers=pattern,
-            shared_expert_gate=bool(args.get("moe_shared_expert_gate")),
-            moe_router_pre_softmax=bool(args.get("moe_router_pre_softmax")),
-            moe_grouped_gemm=bool(args.get("moe_grouped_gemm")))
-
     def megatron_flags(self) -> List[str]:
         """The ``pretrain_gpt.py`` arguments that build this model (vocabulary: padded to HF's rows)."""
         flags = ["--num-layers", self.num_layers, "--hidden-size", self.hidden_size, "--ffn-hidden-size",
@@ -134,7 +101,7 @@ class Arch:
         return [str(f) for f in flags]
 
     def as_args(self) -> Dict[str, Any]:
-        """The arguments ``from_args`` reads (``common.json``'s ``args`` of a converted checkpoint)."""
+        """The arguments ``hf_models.arch_from_args`` reads (``common.json``'s ``args`` of a converted checkpoint)."""
         return dict(num_layers=self.num_layers, hidden_size=self.hidden_size, ffn_hidden_size=self.ffn_hidden_size,
                     num_attention_heads=self.num_attention_heads, kv_channels=self.kv_channels,
                     group_query_attention=self.num_query_groups != self.num_attention_heads,
@@ -164,12 +131,6 @@ class Arch:
         if self.num_experts:
             out["moe_ffn_hidden_size"] = self.moe_ffn_hidden_size
         return out
-
-
-@dataclasses.dataclass(frozen=True)
-class _Args:
-    num_layers: int
-    moe_layer_freq: Any
 
 
 @dataclasses.dataclass(frozen=True)

@@ -71,21 +71,6 @@ class DeepseekArch(Arch):
     topk_scaling_factor: Optional[float] = None
     rope_interleave: bool = True  # the HuggingFace side's RoPE row layout (the Hub's and Megatron's: interleaved)
 
-    @classmethod
-    def from_args(cls, args: Mapping[str, Any]) -> "DeepseekArch":
-        base = Arch.from_args(args)
-        return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(Arch)},
-                   q_lora_rank=args.get("q_lora_rank"), kv_lora_rank=args["kv_lora_rank"],
-                   qk_head_dim=args["qk_head_dim"], qk_pos_emb_head_dim=args["qk_pos_emb_head_dim"],
-                   v_head_dim=args["v_head_dim"], rotary_scaling_factor=args.get("rotary_scaling_factor", 1.0),
-                   mscale=args.get("mscale", 1.0), mscale_all_dim=args.get("mscale_all_dim", 0.0),
-                   mtp_num_layers=args.get("mtp_num_layers") or 0,
-                   score_function=args.get("moe_router_score_function", "softmax"),
-                   expert_bias=bool(args.get("moe_router_enable_expert_bias")),
-                   num_groups=args.get("moe_router_num_groups"), group_topk=args.get("moe_router_group_topk"),
-                   topk_scaling_factor=args.get("moe_router_topk_scaling_factor"),
-                   rope_interleave=args.get("rope_interleave", True))
-
     def megatron_flags(self) -> List[str]:
         flags = super().megatron_flags() + ["--multi-latent-attention", "--kv-lora-rank", self.kv_lora_rank,
                                             "--qk-head-dim", self.qk_head_dim,

@@ -46,8 +46,50 @@ def _family(model_type: str):
 
 
 def arch_from_args(args: Mapping[str, Any]) -> Arch:
-    """A checkpoint's shape from ``common.json``'s ``args`` (MLA models carry their extra fields)."""
-    return DeepseekArch.from_args(args) if args.get("multi_latent_attention") else Arch.from_args(args)
+    """Mapper of a checkpoint's recorded arguments (``common.json``'s ``args``, every argument of the saving run)
+    to its shape; MLA models carry their extra fields (``DeepseekArch``)."""
+    from megatron.fsdp_training.model_shape import moe_layer_pattern
+
+    groups = args["num_query_groups"] if args.get("group_query_attention") else args["num_attention_heads"]
+    experts = args.get("num_experts")
+    pattern = ()
+    if experts:
+        freq = args.get("moe_layer_freq", 1)
+        if isinstance(freq, str):
+            from megatron.fsdp_training.arguments.moe_flags import moe_layer_freq_type
+
+            freq = moe_layer_freq_type(freq)
+        pattern = tuple(moe_layer_pattern(freq, args["num_layers"]))
+    base = dict(
+        num_layers=args["num_layers"], hidden_size=args["hidden_size"], ffn_hidden_size=args["ffn_hidden_size"],
+        num_attention_heads=args["num_attention_heads"], num_query_groups=groups,
+        kv_channels=args["kv_channels"], vocab_size=args["true_vocab_size"],
+        padded_vocab_size=args["padded_vocab_size"], max_position_embeddings=args["max_position_embeddings"],
+        normalization=args.get("normalization", "LayerNorm"), norm_epsilon=args.get("norm_epsilon", 1e-5),
+        swiglu=bool(args.get("swiglu")),
+        position_embedding_type=args.get("position_embedding_type", "learned_absolute"),
+        rotary_base=args.get("rotary_base", 10000), rotary_percent=args.get("rotary_percent", 1.0),
+        tied=not args.get("untie_embeddings_and_output_weights"), bias=args.get("add_bias_linear", True),
+        qk_layernorm=bool(args.get("qk_layernorm")), qkv_bias=bool(args.get("add_qkv_bias")), num_experts=experts,
+        moe_router_topk=args.get("moe_router_topk", 2),
+        moe_ffn_hidden_size=args.get("moe_ffn_hidden_size") or args["ffn_hidden_size"],
+        shared_expert_size=args.get("moe_shared_expert_intermediate_size"), moe_layers=pattern,
+        shared_expert_gate=bool(args.get("moe_shared_expert_gate")),
+        moe_router_pre_softmax=bool(args.get("moe_router_pre_softmax")),
+        moe_grouped_gemm=bool(args.get("moe_grouped_gemm")))
+    if not args.get("multi_latent_attention"):
+        return Arch(**base)
+    return DeepseekArch(**base,
+                        q_lora_rank=args.get("q_lora_rank"), kv_lora_rank=args["kv_lora_rank"],
+                        qk_head_dim=args["qk_head_dim"], qk_pos_emb_head_dim=args["qk_pos_emb_head_dim"],
+                        v_head_dim=args["v_head_dim"], rotary_scaling_factor=args.get("rotary_scaling_factor", 1.0),
+                        mscale=args.get("mscale", 1.0), mscale_all_dim=args.get("mscale_all_dim", 0.0),
+                        mtp_num_layers=args.get("mtp_num_layers") or 0,
+                        score_function=args.get("moe_router_score_function", "softmax"),
+                        expert_bias=bool(args.get("moe_router_enable_expert_bias")),
+                        num_groups=args.get("moe_router_num_groups"), group_topk=args.get("moe_router_group_topk"),
+                        topk_scaling_factor=args.get("moe_router_topk_scaling_factor"),
+                        rope_interleave=args.get("rope_interleave", True))
 
 
 def default_model_type(common: Mapping[str, Any], arch: Arch) -> str:

@@ -9,7 +9,7 @@ HuggingFace keeps the ids of its own ``config.json``.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import shlex
 import shutil
@@ -22,15 +22,25 @@ SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt")
 
 
-def job_tokenizer(common: Mapping[str, Any]):
-    """The training job's tokenizer as its stored flags build it; None for a model converted from HF."""
+def recorded_tokenizer(common: Mapping[str, Any]):
+    """The training job's ``TokenizerConfig`` from a checkpoint's recorded arguments; None for a model converted
+    from HF."""
     args = common.get("args", {})
     if common.get("hf", {}).get("config") and "tokenizer_type" not in args:
         return None
+    from megatron.fsdp_training.data.data_config import TokenizerConfig
+
+    return TokenizerConfig(**{f.name: args.get(f.name) for f in dataclasses.fields(TokenizerConfig)})
+
+
+def job_tokenizer(common: Mapping[str, Any]):
+    """The training job's tokenizer as its stored flags build it; None for a model converted from HF."""
+    config = recorded_tokenizer(common)
+    if config is None:
+        return None
     from megatron.fsdp_training.data.datasets import build_tokenizer
 
-    names = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size")
-    return build_tokenizer(argparse.Namespace(**{k: args.get(k) for k in names}))
+    return build_tokenizer(config)
 
 
 def special_ids(tokenizer) -> Dict[str, int]:
@@ -59,19 +69,20 @@ def write_generation_files(out: Path, config: Dict[str, Any], common: Mapping[st
         tokenizer = None
     if tokenizer is not None:
         config = {**config, **special_ids(tokenizer)}
-        _copy_tokenizer_files(tokenizer, common.get("args", {}), out)
+        _copy_tokenizer_files(tokenizer, recorded_tokenizer(common), out)
     ids = {k: config[k] for k in SPECIAL if config.get(k) is not None}
     (out / "generation_config.json").write_text(json.dumps(ids, indent=2, sort_keys=True) + "\n")
     return config
 
 
-def _copy_tokenizer_files(tokenizer, args: Mapping[str, Any], out: Path) -> None:
-    kind = args.get("tokenizer_type")
+def _copy_tokenizer_files(tokenizer, config, out: Path) -> None:
+    """``config``: the tokenizer's recorded ``TokenizerConfig``."""
+    kind = config.tokenizer_type
     if kind == "HuggingFaceTokenizer":
         tokenizer._tokenizer.save_pretrained(str(out))
     elif kind == "GPT2BPETokenizer":  # what transformers' GPT2Tokenizer reads
-        shutil.copyfile(args["vocab_file"], out / "vocab.json")
-        shutil.copyfile(args["merge_file"], out / "merges.txt")
+        shutil.copyfile(config.vocab_file, out / "vocab.json")
+        shutil.copyfile(config.merge_file, out / "merges.txt")
 
 
 def has_tokenizer(hf_dir: Path) -> bool:

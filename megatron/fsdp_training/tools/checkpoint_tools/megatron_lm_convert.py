@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 # Megatron-LM's checkpoint version of a global (fsdp_dtensor) checkpoint, as its ``generate_state_dict`` writes.
 MEGATRON_LM_CHECKPOINT_VERSION = 3.0
@@ -73,8 +73,8 @@ def rng_from_megatron_lm(rng_state: Dict[str, Any], layout: Dict[str, Any]) -> D
     return out
 
 
-def _refuse_random_init(args) -> None:
-    if getattr(args, "data_parallel_random_init", False):
+def _refuse_random_init(data_parallel_random_init: bool) -> None:
+    if data_parallel_random_init:
         raise SystemExit("error: --data-parallel-random-init checkpoints keep an RNG state per data-parallel rank in "
                          "Megatron-LM's layout; this converter moves one per (pipeline, tensor) rank: not converted")
 
@@ -98,7 +98,7 @@ def to_megatron_lm(source: str, out: str, iteration: Optional[int] = None, overw
     rng = state.pop("rng", None)
     it = int(common["iteration"])
     args = argparse.Namespace(**common["args"])
-    _refuse_random_init(args)
+    _refuse_random_init(getattr(args, "data_parallel_random_init", False))
     if rng:
         state["rng_state"] = rng_to_megatron_lm(rng, common["parallel_layout"])
     else:
@@ -111,12 +111,13 @@ def to_megatron_lm(source: str, out: str, iteration: Optional[int] = None, overw
     return output.publish(tmp, root, it, source=checked.fsdp_dtensor_record(directory))
 
 
-def job_arguments(args: argparse.Namespace) -> argparse.Namespace:
+def job_arguments(recorded: Mapping[str, Any]) -> argparse.Namespace:
     """Megatron-LM's validated arguments in this job's conventions, where the two write the same model differently:
     no grouped-query attention is ``num_query_groups`` None here (Megatron-LM sets the head count); with
     ``add_bias_linear`` the QKV bias follows it (Megatron-LM also sets ``add_qkv_bias``); Megatron-LM 0.19's
-    NullTokenizer has exactly ``--vocab-size`` entries (this job's, as older Megatron-LM, one more)."""
-    values = dict(vars(args))
+    NullTokenizer has exactly ``--vocab-size`` entries (this job's, as older Megatron-LM, one more).
+    ``recorded``: the checkpoint's ``args`` as a mapping (``vars`` of its namespace)."""
+    values = dict(recorded)
     if not values.get("group_query_attention"):
         values["num_query_groups"] = None
     if values.get("add_bias_linear"):
@@ -142,12 +143,12 @@ def from_megatron_lm(source: str, out: str, iteration: Optional[int] = None, ove
         raise SystemExit(f"error: {directory}: not a checkpoint of Megatron-LM's trainer (its DCP metadata has no "
                          f"{', '.join(MEGATRON_LM_ENTRIES)} entries)")
     state = read_checkpoint(directory)
-    args, it = job_arguments(state["args"]), int(state["iteration"])
+    args, it = job_arguments(vars(state["args"])), int(state["iteration"])
     if "model" not in state or not any(k.startswith("decoder.") or k.startswith("embedding.") for k in state["model"]):
         raise SystemExit(f"error: {directory}: its model keys are not megatron.fsdp's global keys (a checkpoint of "
                          "NVIDIA's Megatron-FSDP or Megatron-Core DDP?): only checkpoints written with "
                          "megatron.fsdp behind --use-megatron-fsdp convert")
-    _refuse_random_init(args)
+    _refuse_random_init(getattr(args, "data_parallel_random_init", False))
     tensors = {k: state[k] for k in ("model", "optimizer") if k in state}
     layout = {name: getattr(args, name, None) for name in checkpointing.PARALLEL_ARGS}
     world = int(args.world_size)
@@ -163,7 +164,7 @@ def from_megatron_lm(source: str, out: str, iteration: Optional[int] = None, ove
         # the RNG states are those of this world size's ranks (a load at another says so and skips them)
         "world_size": world if rng else None, "converted_rng": bool(rng),
         "converted_from": "Megatron-LM's trainer (megatron.training)",
-        "scheduler": state.get("opt_param_scheduler"), "model_args": checkpointing._model_args(args),
+        "scheduler": state.get("opt_param_scheduler"), "model_args": checkpointing.model_args(vars(args)),
         "parallel_layout": {k: checkpointing._json_value(v) for k, v in layout.items()},
         "args": {k: checkpointing._json_value(v) for k, v in sorted(vars(args).items())}})
     return output.publish(tmp, root, it, source=checked.megatron_lm_record(directory))

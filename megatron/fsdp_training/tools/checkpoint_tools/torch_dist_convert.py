@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from . import output
-from .torch_dist_dp_layout import EXPERTS, STACKED, DpReshardable, WeightsOnly, is_dp_reshardable
+from .torch_dist_dp_layout import EXPERTS, STACKED, DpReshardable, SavedLayout, WeightsOnly, is_dp_reshardable
 
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 ADAM = ("exp_avg", "exp_avg_sq")
@@ -128,18 +128,18 @@ def _write(tmp: Path, shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], pr
                      planner=_lazy_planner(produce_one), no_dist=True)
 
 
-def _fc1_gated(key: str, args) -> bool:
-    return bool(getattr(args, "swiglu", False)) and re.search(r"\.linear_fc1\.(weight|bias)$", key) is not None
+def _fc1_gated(key: str, swiglu: bool) -> bool:
+    return swiglu and re.search(r"\.linear_fc1\.(weight|bias)$", key) is not None
 
 
-def _refuse_grouped_experts(args) -> None:
-    if getattr(args, "num_experts", None) and getattr(args, "moe_grouped_gemm", False):
+def _refuse_grouped_experts(num_experts: Optional[int], grouped_gemm: bool) -> None:
+    if num_experts and grouped_gemm:
         raise SystemExit("the torch_dist converter handles MoE models with Megatron-Core's SequentialMLP experts; "
                          "--moe-grouped-gemm (GroupedMLP) experts are stored in another layout and are not converted yet")
 
 
-def _refuse_moe(args) -> None:
-    if getattr(args, "num_experts", None):
+def _refuse_moe(num_experts: Optional[int]) -> None:
+    if num_experts:
         raise SystemExit("the torch_dist converter handles dense GPT models; MoE expert layouts differ between "
                          "the formats and are not converted yet")
 
@@ -189,17 +189,16 @@ def _torch_dist_groups_and_step(optimizer: Dict[str, Any]) -> Tuple[list, int]:
 RNG = re.compile(r"^rng_state/shard_(\d+)\.(\d+)_(\d+)\.(\d+)$")  # one object per (PP, TP) rank
 
 
-def _rng_objects(directory: Path, metadata, args, world: int) -> Dict[str, bytes]:
-    """fsdp_dtensor's ``rng.rank<r>`` of each rank of the saved layout, from torch_dist's ``rng_state`` of that
-    rank's (PP, TP) coordinates (Megatron's rank order: TP fastest, PP slowest; DP ranks share a state);
-    empty where the checkpoint lacks some."""
+def _rng_objects(directory: Path, metadata, tp: int, pp: int, world: int) -> Dict[str, bytes]:
+    """fsdp_dtensor's ``rng.rank<r>`` of each rank of the saved layout (``world`` ranks, ``tp`` x ``pp`` model
+    parallel), from torch_dist's ``rng_state`` of that rank's (PP, TP) coordinates (Megatron's rank order: TP
+    fastest, PP slowest; DP ranks share a state); empty where the checkpoint lacks some."""
     import pickle
 
     from megatron.fsdp_training.checkpointing.portable_state import portable
     from .torch_dist_dp_layout import read_objects
 
     keys = {tuple(int(x) for x in m.groups()[:2]): k for k in metadata.state_dict_metadata if (m := RNG.match(k))}
-    tp, pp = int(args.tensor_model_parallel_size), int(args.pipeline_model_parallel_size)
     if set(keys) != {(p, t) for p in range(pp) for t in range(tp)}:
         return {}
     states = read_objects(directory, keys.values())
@@ -226,7 +225,7 @@ def from_torch_dist(source: str, out: str, iteration: Optional[int] = None, over
         raise SystemExit(f"error: {directory}: not a torch_dist checkpoint (no metadata.json naming torch_dist)")
     common = checked.check_torch_dist(directory)  # damaged files: one line, before anything is written
     args = common["args"]
-    _refuse_grouped_experts(args)
+    _refuse_grouped_experts(getattr(args, "num_experts", None), getattr(args, "moe_grouped_gemm", False))
     metadata = _metadata(directory)
     saved = _tensor_keys(metadata)
     layers = int(args.num_layers)
@@ -234,7 +233,11 @@ def from_torch_dist(source: str, out: str, iteration: Optional[int] = None, over
     buckets, why = None, f"its layout ({optimizer.get('param_state_sharding_type')}) is not per parameter"
     if is_dp_reshardable(saved):  # Megatron-LM's default layout: per parameter from the flat buckets
         try:
-            buckets = DpReshardable(directory, args, saved, metadata.state_dict_metadata,
+            recorded = SavedLayout(num_layers=args.num_layers, **{
+                name: getattr(args, name, None) for name in ("tensor_model_parallel_size",
+                "pipeline_model_parallel_size", "expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size",
+                "expert_model_parallel_size")})
+            buckets = DpReshardable(directory, recorded, saved, metadata.state_dict_metadata,
                                     lambda keys: _read(directory, keys))
         except WeightsOnly as exc:
             why = f"{exc}; or save it with --dist-ckpt-optim-fully-reshardable"
@@ -246,6 +249,7 @@ def from_torch_dist(source: str, out: str, iteration: Optional[int] = None, over
     if optimizer and not with_optimizer:
         print(f"  optimizer state not converted: {why}; load the result with --no-load-optim")
     plan: Dict[str, Tuple[str, tuple]] = {}  # fsdp key -> (torch_dist key, index into it: (), (layer,), (layer, expert))
+    swiglu = bool(getattr(args, "swiglu", False))
     shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = {}
     for k in sorted(k for k in saved if not k.startswith(("optimizer.", "chained_"))):
         shape = saved[k][0]
@@ -258,7 +262,7 @@ def from_torch_dist(source: str, out: str, iteration: Optional[int] = None, over
             for index in _indices(shape, layers, stacked, experts):
                 name = _fsdp_name(k, index, stacked, experts)
                 inner = shape[len(index):]
-                if _fc1_gated(name, args):
+                if _fc1_gated(name, swiglu):
                     inner = (2, inner[0] // 2) + inner[1:]
                 plan[pattern.format(name)] = (td_key, index)
                 shapes[pattern.format(name)] = (inner, torch.float32)
@@ -295,7 +299,8 @@ def from_torch_dist(source: str, out: str, iteration: Optional[int] = None, over
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
     world = model_parallel * args.data_parallel_size
     layout.update(world_size=world, data_parallel_size=args.data_parallel_size)
-    rng = _rng_objects(directory, metadata, args, world)
+    rng = _rng_objects(directory, metadata, int(args.tensor_model_parallel_size),
+                       int(args.pipeline_model_parallel_size), world)
     objects.update(rng)
     root, tmp = output.destination(out, it, overwrite)
     _write(tmp, shapes, produce, objects)
@@ -305,7 +310,7 @@ def from_torch_dist(source: str, out: str, iteration: Optional[int] = None, over
         # the RNG states are those of this world size's ranks (a load at another says so and skips them)
         "world_size": world if rng else None, "converted_rng": bool(rng),
         "converted_from": "torch_dist", "scheduler": common.get("opt_param_scheduler"),
-        "model_args": checkpointing._model_args(args),
+        "model_args": checkpointing.model_args(vars(args)),
         "parallel_layout": {k: checkpointing._json_value(v) for k, v in layout.items()},
         "args": {k: checkpointing._json_value(v) for k, v in sorted(vars(args).items())}})
     return output.publish(tmp, root, it, source=checked.torch_dist_record(directory))
@@ -333,7 +338,7 @@ def to_torch_dist(source: str, out: str, iteration: Optional[int] = None, overwr
 
     directory, common = checked.tp_global_fsdp_dtensor(source, iteration)
     args = argparse.Namespace(**common["args"])
-    _refuse_moe(args)
+    _refuse_moe(getattr(args, "num_experts", None))
     saved = _tensor_keys(_metadata(directory))
     note = fp8_state.conversion_note([k for k in saved if k.startswith("model.")],
                                      "a run that loads this checkpoint with FP8 delayed scaling starts its own")

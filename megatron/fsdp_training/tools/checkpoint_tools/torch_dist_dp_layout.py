@@ -67,15 +67,27 @@ def is_dp_reshardable(saved_keys) -> bool:
     return any(BUCKET.match(k) for k in saved_keys)
 
 
-def _problem(args) -> Optional[str]:
-    for name, label in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
-                        ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
-                        ("expert_tensor_parallel_size", "--expert-tensor-parallel-size")):
-        if (getattr(args, name, None) or 1) != 1:
-            return f"{label} {getattr(args, name)}"
-    if getattr(args, "virtual_pipeline_model_parallel_size", None):
-        return "--virtual-pipeline-model-parallel-size"
-    return None
+@dataclass(frozen=True)
+class SavedLayout:
+    """The saving run's sizes the dp_reshardable layout depends on, as its recorded arguments hold them (a size
+    not recorded: None)."""
+    num_layers: int
+    tensor_model_parallel_size: Optional[int] = None
+    pipeline_model_parallel_size: Optional[int] = None
+    expert_tensor_parallel_size: Optional[int] = None
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    expert_model_parallel_size: Optional[int] = None
+
+    def problem(self) -> Optional[str]:
+        """The recorded size this reader does not slice at (None: it does)."""
+        for name, label in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+                            ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+                            ("expert_tensor_parallel_size", "--expert-tensor-parallel-size")):
+            if (getattr(self, name) or 1) != 1:
+                return f"{label} {getattr(self, name)}"
+        if self.virtual_pipeline_model_parallel_size:
+            return "--virtual-pipeline-model-parallel-size"
+        return None
 
 
 class DpReshardable:
@@ -83,16 +95,16 @@ class DpReshardable:
     optimizer, as the other layouts keep them in ``common.pt``) and ``read(state, td_key)`` (one stacked
     torch_dist tensor of ``state``, assembled from the buckets)."""
 
-    def __init__(self, directory: Path, args, saved: Dict[str, Tuple[Tuple[int, ...], torch.dtype]],
+    def __init__(self, directory: Path, layout: SavedLayout, saved: Dict[str, Tuple[Tuple[int, ...], torch.dtype]],
                  object_keys, read_tensors):
-        problem = _problem(args)
+        problem = layout.problem()
         if problem:
             raise WeightsOnly(f"its dp_reshardable layout (Megatron-LM's default) converts at tensor and pipeline "
                               f"parallel size 1 only (saved with {problem})")
         self.directory, self.saved, self.read_tensors = directory, saved, read_tensors
         self.objects = read_objects(directory, [k for k in object_keys if OBJECT.match(k)])
-        self.layers = int(args.num_layers)
-        ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+        self.layers = int(layout.num_layers)
+        ep = int(layout.expert_model_parallel_size or 1)
         self.slots: Dict[Tuple[str, tuple], Slot] = {}
         buckets = self._bucket_sizes()
         model = [k for k in saved if not k.startswith(("optimizer.", "chained_"))]  # the order they were written
