@@ -5,7 +5,8 @@ One chain of four 2-rank runs in the shared pool (no new processes), fp32, dropo
 layout (Megatron-LM's default dp_reshardable, and fully_reshardable): the baseline saves torch_dist at 5
 and 10; it resumes its own checkpoint bitwise; iteration 5 converted to fsdp_dtensor (with the Adam
 state) resumes under ZeRO-3 within 1e-5 of the baseline continuing, saving at 7; that converted back
-to torch_dist (fully_reshardable) resumes the baseline within 1e-5 again.
+to torch_dist (fully_reshardable) resumes the baseline within 1e-5 again, with the DistributedOptimizer and with
+Megatron-Core's non-distributed optimizer alike.
 """
 
 import contextlib
@@ -119,6 +120,12 @@ def test_torch_dist_baseline_to_fsdp_and_back(tmp_path, monkeypatch, capsys, lay
     if layout == "fully_reshardable":  # to-torch-dist writes this layout: the tensors its save writes, no other
         assert {k: v for k, v in _keys(back / "iter_0000007").items() if v != "bytes"} == \
                {k: v for k, v in saved.items() if v != "bytes"}
+        # Megatron-Core's non-distributed optimizer (no --use-distributed-optimizer) takes it too, Adam state
+        # and step included: the same iterations as the DistributedOptimizer's
+        plain = pretrain(2, MODEL + B8 + ["--load", str(back)])
+        assert plain["start_iteration"] == 7
+        _close(plain["losses"], returned["losses"])
+        _close(plain["grad_norms"], returned["grad_norms"])
 
 
 @pytest.mark.parametrize("argv, pattern", [

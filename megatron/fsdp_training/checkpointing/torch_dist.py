@@ -365,7 +365,10 @@ _SKIP = object()
 
 
 def _fill_missing(loaded, live) -> None:
-    """Add to ``loaded`` every entry of ``live`` it lacks (a converted checkpoint has no optimizer bookkeeping)."""
+    """Add to ``loaded`` every entry of ``live`` it lacks (a converted checkpoint has no optimizer bookkeeping).
+
+    Lists pair up element by element: the non-distributed optimizers' param groups come back from the checkpoint
+    holding only their parameters, and take their hyperparameters (``wd_mult``, ...) from the live optimizer."""
     if isinstance(loaded, dict) and isinstance(live, dict):
         for k, v in live.items():
             if k not in loaded:
@@ -373,6 +376,9 @@ def _fill_missing(loaded, live) -> None:
                     loaded[k] = v
             else:
                 _fill_missing(loaded[k], v)
+    elif isinstance(loaded, list) and isinstance(live, list) and len(loaded) == len(live):
+        for item, live_item in zip(loaded, live):
+            _fill_missing(item, live_item)
 
 
 def _set_step(optimizer_state: Dict[str, Any], step: int) -> None:
