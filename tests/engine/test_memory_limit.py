@@ -7,8 +7,9 @@ import shutil
 from megatron.fsdp_training.testing import pools
 from tools import meta_init_limit as cases
 
-# 48M parameters: 192 MiB in fp32. The run's data segment peaks ~0.82 of it above the warmed-up process
-# (measured 2026-12 on 3.11 and 3.12); the eager build needs at least 1.12 (the fp32 model, then its shard).
+# 48M parameters: 192 MiB in fp32. The run's data segment peaks ~0.82 of it above the warmed-up process on
+# Python 3.11 and 3.12 (`python tools/meta_init_limit.py` prints each rank's peak); the eager build needs at least
+# 1.12 (the fp32 model, then its shard).
 MODEL = dict(vocab=4096, hidden=768, heads=12, layers=8)
 BUDGET = 0.9
 POOL = (4, "memory-limit")  # its own workers: the limit and the allocator setting stay with them

@@ -1,4 +1,4 @@
-"""The wrapped model keeps the unwrapped model's whole surface at ZeRO-3 (issue 40): transformers'
+"""The wrapped model keeps the unwrapped model's whole surface at ZeRO-3: transformers'
 ``generate()``, a method of the user's own class, eval forwards under ``torch.no_grad()``, and
 submodules called on their own (forward and backward) give the unwrapped model's results, leave
 nothing gathered, and training afterwards is bitwise what it would have been.

@@ -1,4 +1,4 @@
-"""Converters never clobber a checkpoint directory and write what ``inspect.py --verify`` checks (issues 27, 29).
+"""Converters never clobber a checkpoint directory and write what ``inspect.py --verify`` checks.
 
 - into a directory whose tracker names a newer iteration: refused with one line, exit code 1, with
   or without ``--overwrite``, and nothing there changes (``from-hf``, ``from-torch``);

@@ -1,4 +1,4 @@
-"""``tools/generate.py`` (issue 27): what a trained checkpoint says, decoded as HuggingFace decodes it.
+"""``tools/generate.py``: what a trained checkpoint says, decoded as HuggingFace decodes it.
 
 - a Llama-shaped model (GQA, SwiGLU, RoPE, RMSNorm, untied) made by transformers -> ``from-hf``
   -> checkpoint (1 rank) -> ``to-hf``: generate.py's greedy tokens, on 4 ranks at TP 2 x DP 2
@@ -6,7 +6,9 @@
   for token, and the text streamed is their decoding;
 - the sampling filters: top-k 1 and a tiny top-p are argmax at any temperature, samples stay
   inside the top-k set, and a seed repeats a sample;
-- NullTokenizer (issue 40): the continuation's ids are printed separated from the prompt's and from
+- a DeepSeek-shaped checkpoint (multi-latent attention, MTP, a sigmoid router with expert bias) generates from
+  ``--load`` alone: every model flag comes from the checkpoint;
+- NullTokenizer: the continuation's ids are printed separated from the prompt's and from
   each other; a prompt it cannot read (words, an id past the vocabulary) is one line, exit status 2,
   before any process group.
 """
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from tests.cases.generation import generate_in_pool
+from megatron.fsdp_training.testing.job import pretrain
 from megatron.fsdp_training.tools import generate
 from megatron.fsdp_training.tools.checkpoint_tools import hf_convert
 
@@ -118,3 +121,25 @@ def test_a_prompt_the_tokenizer_cannot_read_is_one_line(tmp_path, capsys, prompt
     out = capsys.readouterr().out.strip().splitlines()
     assert status.value.code == 2 and len(out) == 1 and not dist.is_initialized(), out
     assert out[0].startswith(f"error: --prompt {prompt!r}: {expected}") and "e.g. --prompt '1 2 3'" in out[0], out
+
+
+DEEPSEEK_SHAPED = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
+    "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-3", "--seed", "7",
+    "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope", "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights", "--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank",
+    "16", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--mtp-num-layers", "1",
+    "--num-experts", "4", "--moe-layer-freq", "[0]*1+[1]*1", "--moe-ffn-hidden-size", "32", "--moe-router-topk",
+    "2", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+] + NULL
+
+
+def test_a_deepseek_shaped_checkpoint_generates_from_load_alone(mcore_pool, tmp_path):
+    """Without the checkpoint's MLA / MTP / router flags the job would build another model and the load would
+    refuse it (the compatibility check names the first differing flag): generation reads them all."""
+    pretrain(4, DEEPSEEK_SHAPED + ["--mock-data", "--save", str(tmp_path / "ckpt")])
+    got = mcore_pool.run(generate_in_pool, timeout=300, argv=[
+        "--load", str(tmp_path / "ckpt"), "--prompt", "1 2 3", "--max-new-tokens", "4", "--greedy",
+        "--no-stop-at-eod"])
+    assert all(len(rank["ids"]) == 4 and rank["ids"] == got[0]["ids"] for rank in got), got
+    assert all(0 <= i < 63 for i in got[0]["ids"])

@@ -1,4 +1,4 @@
-"""HuggingFace in and out (``convert.py to-hf`` / ``from-hf``, issue 17).
+"""HuggingFace in and out (``convert.py to-hf`` / ``from-hf``).
 
 - A GPT-2-shaped model trained at TP 2 x DP 2, a Llama-shaped one (GQA, SwiGLU,
   RoPE, untied) at PP 2 x DP 2 and a Mixtral-shaped MoE at EP 2 x DP 2, all ZeRO-3

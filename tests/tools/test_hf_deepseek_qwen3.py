@@ -1,4 +1,4 @@
-"""HuggingFace in and out for DeepSeek-V3 and Qwen3 / Qwen3-MoE (``convert.py to-hf`` / ``from-hf``, issue 26).
+"""HuggingFace in and out for DeepSeek-V3 and Qwen3 / Qwen3-MoE (``convert.py to-hf`` / ``from-hf``).
 
 - A DeepSeek-V3-shaped model trained by the job (MLA with --q-lora-rank, one MTP layer, sigmoid routing
   with the expert bias moved by training, group-limited top-k, a shared expert, a dense first layer) at

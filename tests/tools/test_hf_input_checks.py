@@ -1,4 +1,4 @@
-"""What ``convert.py from-hf`` checks before it writes (issue 40; ``tools/checkpoint/hf_checks.py``).
+"""What ``convert.py from-hf`` checks before it writes (``megatron/fsdp_training/tools/checkpoint_tools/hf_checks.py``).
 
 - Sliding windows, one tiny model per family made by transformers: each config is run by transformers
   itself, which decides whether the window takes effect (its logits against the same weights with full

@@ -1,4 +1,4 @@
-"""``tools/train_hf_tokenizer.py`` reads ``.jsonl`` inputs as records (issue 27: it learned the JSON syntax)."""
+"""``tools/train_hf_tokenizer.py`` reads ``.jsonl`` inputs as records."""
 
 import json
 

@@ -25,6 +25,7 @@ tokenizer's end-of-document id.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 from typing import Callable, List, Optional
@@ -33,16 +34,16 @@ import torch
 
 from megatron.fsdp.commands import GENERATE, set_command_defaults
 
-# Job arguments taken from the checkpoint when the command line does not give them: the model's
-# shape and the tokenizer (the parallel layout, data, schedule and checkpoint flags stay this launch's).
-_SHAPE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "seq_length",
-          "max_position_embeddings", "init_method_std", "untie_embeddings_and_output_weights", "recompute_method",
-          "recompute_num_layers", "add_bias_linear", "normalization", "norm_epsilon", "swiglu",
-          "position_embedding_type", "rotary_base", "rotary_percent", "group_query_attention", "num_query_groups",
-          "kv_channels", "qk_layernorm", "add_qkv_bias", "hidden_dropout", "attention_dropout",
-          "calculate_per_token_loss", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
-          "moe_router_pre_softmax", "moe_layer_freq", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
-          "moe_grouped_gemm", "moe_aux_loss_coeff", "moe_router_load_balancing_type")
+# Job arguments taken from the checkpoint when the command line does not give them: every flag of the parser's
+# model and mixture-of-experts groups (the shape, multi-latent attention, MTP, the router) except the experts'
+# parallel layout, and the tokenizer (the parallel layout, data, schedule and checkpoint flags stay this launch's).
+_SHAPE_GROUPS = ("model", "mixture of experts")
+_LAYOUT_PREFIX = "expert_"  # --expert-model-parallel-size, --expert-tensor-parallel-size, the expert sharding
+# How this launch computes, not what the model is: kernels, fusions, the MoE dispatcher (this machine's choice).
+_THIS_LAUNCH = ("use_cpu_initialization", "transformer_impl", "use_mcore_models", "masked_softmax_fusion",
+                "bias_gelu_fusion", "bias_swiglu_fusion", "apply_rope_fusion", "cross_entropy_loss_fusion",
+                "attention_backend", "use_flash_attn", "gradient_accumulation_fusion", "enable_experimental",
+                "moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "moe_permute_fusion")
 _TOKENIZER = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size",
               "make_vocab_size_divisible_by")
 
@@ -99,8 +100,26 @@ def _full_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     seq = tokens.shape[1]
     positions = torch.arange(seq, device=tokens.device).unsqueeze(0)
     mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=tokens.device), diagonal=1)[None, None]
-    logits = model(tokens, positions, mask)  # [1, seq, vocab / TP]
+    with _main_head_only(model):
+        logits = model(tokens, positions, mask)  # [1, seq, vocab / TP]
     return tensor_parallel.gather_from_tensor_model_parallel_region(logits[:, -1:, :].contiguous())[0, -1]
+
+
+@contextlib.contextmanager
+def _main_head_only(model):
+    """A model with multi-token prediction layers, run for its next token only: the MTP layers predict further
+    tokens for their training loss, and Megatron-Core's GPTModel computes them (needing labels) whenever it has
+    them outside its own inference context. Switched off for the call, as they are when no MTP was built."""
+    gpt = next((m for m in model.modules() if hasattr(m, "mtp_process")), None)
+    if gpt is None or not getattr(gpt.config, "mtp_num_layers", None):
+        yield
+        return
+    saved = gpt.mtp_process, gpt.config.mtp_num_layers
+    gpt.mtp_process, gpt.config.mtp_num_layers = False, None
+    try:
+        yield
+    finally:
+        gpt.mtp_process, gpt.config.mtp_num_layers = saved
 
 
 @torch.no_grad()
@@ -211,6 +230,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
+def shape_dests(parser: argparse.ArgumentParser) -> tuple:
+    """The destinations of the parser's model and mixture-of-experts flags, less the experts' parallel layout and
+    this launch's kernels: what a checkpoint's model is, read from the groups the flags are declared in, so a new
+    model flag is taken from the checkpoint without a second list."""
+    return tuple(action.dest for group in parser._action_groups if group.title in _SHAPE_GROUPS
+                 for action in group._group_actions
+                 if not action.dest.startswith(_LAYOUT_PREFIX) and action.dest not in _THIS_LAUNCH)
+
+
 def _saved_defaults(parser: argparse.ArgumentParser, load: str, step: Optional[int]) -> dict:
     """The checkpoint's stored shape and tokenizer arguments, as parser defaults (none when unreadable)."""
     import json
@@ -218,14 +246,19 @@ def _saved_defaults(parser: argparse.ArgumentParser, load: str, step: Optional[i
 
     from megatron.fsdp_training.checkpointing import files
 
+    from megatron.fsdp_training.checkpointing import torch_dist
+
     root = Path(load)
     iteration = step if step is not None else files.read_tracker(root) if root.is_dir() else None
-    common_path = files.checkpoint_dir(root, iteration) / files.COMMON if iteration is not None else None
-    if common_path is None or not common_path.is_file():
+    directory = files.checkpoint_dir(root, iteration) if iteration is not None else None
+    if directory is not None and torch_dist.is_torch_dist(directory):  # the baseline's: its args, pickled
+        common = {"args": vars(torch_dist.read_common(directory)["args"]), "format": torch_dist.FORMAT}
+    elif directory is not None and (directory / files.COMMON).is_file():
+        common = json.loads((directory / files.COMMON).read_text())
+    else:
         return {}  # the job's own loader says what is wrong with this directory
-    common = json.loads(common_path.read_text())
     saved = dict(common.get("args", {}))
-    defaults = {k: saved[k] for k in _SHAPE + _TOKENIZER if k in saved}
+    defaults = {k: saved[k] for k in shape_dests(parser) + _TOKENIZER if k in saved}
     defaults["use_megatron_fsdp"] = common.get("format") == "fsdp_dtensor"
     model_args = common.get("model_args", {})
     if "make_vocab_size_divisible_by" not in saved and model_args.get("padded_vocab_size") and \
