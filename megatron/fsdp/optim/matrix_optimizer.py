@@ -161,7 +161,7 @@ class MatrixOptimizer:
                     if pick and (len(slot.spec.shape) != 2 or not slot.spec.trainable):
                         what = "frozen" if slot.spec.trainable is False else f"{len(slot.spec.shape)}-D"
                         raise ValueError(
-                            f"matrix_params selected {name!r} of shape {tuple(slot.spec.shape)}, a {what} "
+                            f"PerMatrixOptimizer.params selected {name!r} of shape {tuple(slot.spec.shape)}, a {what} "
                             "parameter; the matrix optimizer steps trainable 2-D parameters only: make the "
                             "selector return False for it (the elementwise optimizer then steps it)")
                     block = None if not pick or matrix_split is None else matrix_split(name, view)

@@ -178,7 +178,7 @@ def matrix_blocks(name: str, shape: Sequence[int], block: Optional[Sequence[int]
     block = tuple(int(n) for n in block)
     numel = math.prod(shape)
     if len(block) != 2 or min(block) < 1 or numel % math.prod(block):
-        raise ValueError(f"matrix_split({name!r}) returned {block}, which does not tile the parameter of shape "
+        raise ValueError(f"PerMatrixOptimizer.split({name!r}) returned {block}, which does not tile the parameter of shape "
                          f"{tuple(shape)}: return (rows, cols) of one of its consecutive row-major matrices, "
                          "or None for one matrix")
     return block

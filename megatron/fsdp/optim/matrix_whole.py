@@ -50,7 +50,7 @@ class WholeMatrixOptimizer(MatrixOptimizer):
                  matrix_split: Optional[Callable] = None):
         super().__init__(models, matrix_cls, matrix_kwargs, matrix_params, matrix_shards, matrix_split)
         if any(mu.shards for mu in self.units):
-            raise ValueError(f"matrix_shards (duplicated tensor parallelism) needs torch.optim.Muon; "
+            raise ValueError(f"PerMatrixOptimizer.shards (duplicated tensor parallelism) needs torch.optim.Muon; "
                              f"{matrix_cls.__name__} steps each tensor-parallel shard as its own matrix")
         self.whole: Dict[Tuple[int, int], torch.nn.Parameter] = {}  # (unit index, matrix index) -> owned matrix
         for u, mu in enumerate(self.units):
@@ -63,7 +63,7 @@ class WholeMatrixOptimizer(MatrixOptimizer):
     @staticmethod
     def _check_class(matrix_cls) -> None:
         if not (isinstance(matrix_cls, type) and issubclass(matrix_cls, torch.optim.Optimizer)):
-            raise TypeError(f"matrix_optimizer must be a torch.optim.Optimizer class, got {matrix_cls!r}")
+            raise TypeError(f"PerMatrixOptimizer.optimizer must be a torch.optim.Optimizer class, got {matrix_cls!r}")
 
     @property
     def _placeholder(self) -> torch.nn.Parameter:
