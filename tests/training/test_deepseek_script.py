@@ -13,7 +13,7 @@ script's order, with only these changes:
     shared-expert ffn 2048 -> 32, MLA ranks q 1536 -> 32, kv 512 -> 16, head dims 128/64/128 -> 16/8/16;
   - parallel sizes for 4 ranks: expert parallel 8 -> 2;
   - sample counts: micro batch 4 -> 1, global batch 2048 -> 8, train samples 585937500 -> 24 (3 iterations;
-    the second launch 48), lr decay samples 584765624 -> 40, warm-up samples 1536000 -> 8, eval every
+    the second launch 32: one more), lr decay samples 584765624 -> 40, warm-up samples 1536000 -> 8, eval every
     100 -> 3 iterations with 32 -> 1 batches, save every 100 -> 3;
   - data-loader workers 6 -> 1.
 GPU-only choices (``--transformer-impl transformer_engine``, ``--use-flash-attn``, the hybridep flex
@@ -69,7 +69,7 @@ def test_the_user_guides_deepseek_v3_script_trains_saves_and_resumes(tmp_path):
         assert flag in line, line
     # Megatron-Core 0.17+ builds SequentialMLP for --moe-grouped-gemm on CPU (0.16.1: GroupedMLP): said there only
     assert ("--moe-grouped-gemm -> SequentialMLP" in line) == (not HAS_LEGACY_GROUPED_MLP), line
-    second = pretrain(4, SCRIPT.format(samples=48, out=tmp_path).split(), capture_log=True)
-    assert second["start_iteration"] == 3 and second["iterations"] == 3, second["log"][-3000:]  # 4-6
-    assert len(second["losses"]) == 3 and all(np.isfinite(second["losses"])), second["log"][-3000:]
-    assert "saved checkpoint at iteration        6" in second["log"]
+    second = pretrain(4, SCRIPT.format(samples=32, out=tmp_path).split(), capture_log=True)
+    assert second["start_iteration"] == 3 and second["iterations"] == 1, second["log"][-3000:]  # 4
+    assert len(second["losses"]) == 1 and all(np.isfinite(second["losses"])), second["log"][-3000:]
+    assert "saved checkpoint at iteration        4" in second["log"]
