@@ -81,7 +81,9 @@ class WriteJob:
         try:
             self.outcome = self.fn()
         except Exception as exc:  # reported by the training thread, on every rank at once
-            self.outcome = exc
+            # without this frame (it holds the job, which holds the error: a cycle for the collector), the
+            # rest of the traceback kept for the training thread's report
+            self.outcome = exc.with_traceback(exc.__traceback__.tb_next)
         finally:
             self.seconds = time.perf_counter() - start
             self.done.set()
@@ -183,7 +185,7 @@ class CheckpointSaver:
                 results = write_step(staged)
                 files.fault_point(FAULT_POINT, iteration, rank)
             except Exception as exc:  # noqa: BLE001 - every rank learns of it in ``finish`` and raises it
-                results = exc
+                results = files.failure_as_value(exc)
             final = save_steps.finish(staged, results, barrier=True, group=group)
             return final, staged
         job = background_writer().submit(background)

@@ -32,8 +32,9 @@ import secrets
 import shutil
 import signal
 import sys
+import traceback
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 from .ownership import OWNER, is_stale
 
@@ -49,6 +50,41 @@ EVERY_RANK_POINTS = ("after_write", "in_background_write", "in_local_write")  # 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this run; the message names the keys or arguments."""
+
+
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and every exception behind it: causes, contexts, and the per-rank failures DCP's
+    ``CheckpointException`` carries."""
+    seen = set()
+    stack = [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        stack += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: exception or a wrapper}
+        if isinstance(failures, dict):
+            for v in failures.values():
+                stack.append(v if isinstance(v, BaseException) else v[0] if isinstance(v, tuple) and v else None)
+
+
+def failure_as_value(exc: BaseException) -> BaseException:
+    """``exc`` kept past its ``except`` block as a value (a rank's write outcome, told to every rank by
+    ``save_steps.finish``): its type and message; the frames it and the exceptions behind it passed through are
+    cleared of their variables, and it keeps no traceback and no chain.
+
+    A failed DCP write's frames hold a ``BytesIO`` and a view of its buffer (``getbuffer()``), and the traceback
+    sits in reference cycles (the frame that keeps the error; ``contextlib``'s exits; closures). Left to the
+    collector, which frees a cycle in any order, CPython 3.12 can clear the ``BytesIO`` first and crash releasing
+    the view. Cleared here, while the error is handled, they are freed by reference counting, in order.
+    """
+    for e in list(exception_chain(exc)):
+        traceback.clear_frames(e.__traceback__)
+    exc.__traceback__ = None
+    exc.__cause__ = exc.__context__ = None
+    return exc
 
 
 def check_fault_spec(world_size: Optional[int] = None) -> None:

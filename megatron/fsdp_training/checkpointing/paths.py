@@ -26,7 +26,7 @@ import os
 import shutil
 import socket
 from pathlib import Path
-from typing import Callable, Iterable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from . import files, ownership
 from .files import COMMON, TRACKER
@@ -115,25 +115,9 @@ def space_problem(root: Path, iteration: int, needed: int, free: int, flag: str 
             f"free some space or pass another {flag} (nothing was written; earlier checkpoints are intact)")
 
 
-def _causes(exc: BaseException) -> Iterable[BaseException]:
-    seen = set()
-    stack = [exc]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        yield e
-        stack += [e.__cause__, e.__context__]
-        failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: exception or a wrapper}
-        if isinstance(failures, dict):
-            for v in failures.values():
-                stack.append(v if isinstance(v, BaseException) else v[0] if isinstance(v, tuple) and v else None)
-
-
 def is_out_of_space(exc: BaseException, root: Path) -> bool:
     """ENOSPC anywhere in the chain (DCP and torch.save report it as 'unexpected pos ...' too)."""
-    for e in _causes(exc):
+    for e in files.exception_chain(exc):
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         text = str(e) + repr(getattr(e, "failures", ""))

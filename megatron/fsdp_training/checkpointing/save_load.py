@@ -312,7 +312,7 @@ def save_checkpoint(config: CheckpointConfig, iteration: int, consumed_samples: 
     try:
         results = write_step(staged)
     except (Exception, CheckpointException) as exc:  # every rank learns of it in ``finish`` and raises it
-        results = exc
+        results = files.failure_as_value(exc)
     final = save_steps.finish(staged, results)
     print_rank_0(f" saved checkpoint at iteration {iteration:8d} to {final} in "
                  f"{time.perf_counter() - start - staged.arrival_seconds:.3f} s (after "
