@@ -141,3 +141,35 @@ def test_cpu_mode_is_scoped_to_the_case(mcore_pool):
         assert seen == {"inside_enabled": True, "inside_device": "cpu",
                         "inside_type": "torch.cuda.FloatTensor", "after_enabled": False,
                         "after_cuda_alloc": "raises", "after_type": "torch.FloatTensor"}, seen
+
+
+def check_selective_recompute(ctx):
+    """Megatron-Core's output-discarding recompute (``CheckpointWithoutOutput``, what ``--recompute-modules layernorm
+    mla_up_proj moe_act`` use) against the same function without it: the recomputed output is what the matmul after
+    it reads for its weight's gradient."""
+    import torch
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    from megatron.fsdp_training.testing.gpt import parallel
+
+    with parallel(ctx, Topology()):
+        torch.manual_seed(0)
+        x, w, v = (torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True),
+                   torch.randn(8, 3, requires_grad=True))
+        (torch.nn.functional.gelu(x @ w) @ v).square().sum().backward()
+        plain = [t.grad.clone() for t in (x, w, v)]
+        for t in (x, w, v):
+            t.grad = None
+        recompute = mcore_random.CheckpointWithoutOutput()
+        hidden = recompute.checkpoint(lambda a, b: torch.nn.functional.gelu(a @ b), x, w)
+        out = hidden @ v
+        recompute.discard_output_and_register_recompute(out)
+        emptied = hidden.untyped_storage().nbytes()
+        out.square().sum().backward()
+        return {"emptied": emptied, "same": all(torch.equal(t.grad, g) for t, g in zip((x, w, v), plain)),
+                "compiled": getattr(mcore_random, "_share_storage_ext", None) is not None}
+
+
+def test_selective_recompute_refills_the_discarded_output_without_compiling(mcore_pool):
+    for seen in mcore_pool.run(check_selective_recompute, timeout=120):
+        assert seen == {"emptied": 0, "same": True, "compiled": False}, seen

@@ -21,7 +21,8 @@ after ``parallel_state.initialize_model_parallel``, warns once per process and i
    it is built with ``use_cpu_initialization``; its ``isinstance(..., TELinear)`` checks run
    when the Transformer Engine extension imports without Transformer Engine (``TELinear`` is None).
 4. ``grouped_gemm_util`` (Megatron-Core 0.16.1's legacy ``GroupedMLP``): a per-expert matmul loop for the
-   CUDA-only ``grouped_gemm``.
+   CUDA-only ``grouped_gemm``. Selective recompute without Transformer Engine: no FP8 path, and (0.17+) the
+   discarded outputs refilled by a copy instead of a kernel compiled at run time.
 5. ``schedules.deallocate_output_tensor`` keeps the old storage referenced from the
    output tensor. With ``overlap_p2p_comm`` (Megatron-LM's default under
    interleaving) the send is still in flight when the schedule swaps the storage
@@ -247,6 +248,27 @@ def _patch_recompute_without_te() -> None:
     _PATCHES.set(mcore_random.CheckpointWithoutOutput, "__init__", init_without_fp8)
 
 
+def _share_storage_by_copy(output: torch.Tensor, recomputed: torch.Tensor) -> None:
+    """The recomputed values into the storage a discarded output kept (resized to nothing), for every view of it."""
+    storage = output.untyped_storage()
+    storage.resize_(recomputed.untyped_storage().nbytes())
+    storage.copy_(recomputed.untyped_storage())
+
+
+def _patch_recompute_storage_share() -> None:
+    """Selective recompute's discarded outputs (``CheckpointWithoutOutput``) refilled by a copy, not a compiled kernel.
+
+    From 0.17 Megatron-Core points the discarded output's storage at the recomputed one with a C++ extension it
+    compiles at run time (``load_inline``): it needs a compiler, and takes ~20 s of one core the first time a
+    process uses it and again whenever the build's paths change (another checkout, another environment). On CPU
+    the copy into the same storage, 0.16.1's own way, gives every view of it the same values.
+    """
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    if hasattr(mcore_random, "_get_share_storage"):
+        _PATCHES.set(mcore_random, "_get_share_storage", lambda: _share_storage_by_copy)
+
+
 def _patch_schedules() -> None:
     from megatron.core.pipeline_parallel import schedules
 
@@ -364,6 +386,7 @@ def enable_cpu_mode(seed: int) -> None:
     _patch_moe()
     _patch_mla()
     _patch_recompute_without_te()
+    _patch_recompute_storage_share()
     _patch_schedules()
     _redirect_cuda_to_cpu()
 
