@@ -49,6 +49,11 @@ TAKES_NAMESPACE: Dict[str, str] = {
         "choice is made"),
     "megatron/fsdp_training/tools/checkpoint_tools/hf_models.py::arch_from_args": (
         "a checkpoint's recorded arguments into its Hugging Face shape"),
+    # a tool's own command line (its subcommand and paths), not the job's flags
+    "megatron/fsdp_training/tools/checkpoint_tools/convert.py::_run": (
+        "the conversion tool's own parsed command line, dispatched to the subcommand it names"),
+    "megatron/fsdp_training/tools/checkpoint_tools/convert.py::_run_hf_command": (
+        "to-hf / from-hf read most of the conversion tool's own command line (paths, dtype, model type)"),
     # what prints the arguments themselves
     "megatron/fsdp_training/logs/lines.py::summary": "prints Megatron-LM's start-up block of every argument",
 }

@@ -22,6 +22,7 @@ ENGINE = ("collectives", "precision", "warnings", "commands", "sharding", "sched
 LAYERS = {
     "megatron.fsdp": "engine_api",  # the package's __init__: the public API, re-exported
     "megatron.fsdp.library_warnings": "warnings",
+    "megatron.fsdp.warn_once": "warnings",
     "megatron.fsdp.commands": "commands",
     **{f"megatron.fsdp.{name}": name for name in
        ("collectives", "precision", "sharding", "schedule", "init", "checkpoint", "wrap", "optim")},
@@ -52,8 +53,8 @@ MAY_IMPORT: Dict[str, Set[str]] = {
     "schedule": {"collectives", "sharding"},
     "init": {"collectives"},
     "checkpoint": {"collectives", "precision", "sharding", "schedule"},
-    "wrap": {"collectives", "precision", "sharding", "schedule", "init", "checkpoint"},
-    "optim": {"collectives", "precision", "sharding", "checkpoint", "wrap"},
+    "wrap": {"collectives", "precision", "warnings", "sharding", "schedule", "init", "checkpoint"},
+    "optim": {"collectives", "precision", "warnings", "sharding", "checkpoint", "wrap"},
     "engine_api": set(ENGINE) - {"engine_api"},
     "engine_testing": set(ENGINE),
     # the Megatron-Core release differences, then the CPU emulation, then the adapter: the engine never imports them

@@ -34,7 +34,9 @@ def setup(args, hold_save: bool = False):
     parallel = ParallelConfig.from_args(args)
     device = initialize(parallel, args.seed)
     if hold_save:
-        checkpoint = CheckpointConfig.from_args(args)  # the Trainer's own is read after the build
+        # for its directories only, before anything is built: the Trainer reads its own view after the build,
+        # which completes arguments a checkpoint records (the padded vocabulary)
+        checkpoint = CheckpointConfig.from_args(args)
         checkpointing.hold_save_directory(checkpoint)  # a second job with this --save stops here, naming the first
         non_persistent.hold(checkpoint)  # and one with these non-persistent directories
     substitutions = substitution_line(args)  # which kernels and backends the job substituted, in one line

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import megatron.fsdp as mfsdp
+import megatron.fsdp.warn_once as warn_once
 import megatron.fsdp.wrap.old_shard_keywords as old_shard_keywords
 
 PUBLIC = [
@@ -46,7 +47,7 @@ def test_fully_shard_takes_an_overlap():
 
 
 def test_old_overlap_keywords_warn_once(monkeypatch):
-    monkeypatch.setattr(old_shard_keywords, "_warned", False)
+    monkeypatch.setattr(warn_once, "_said", set())
     with pytest.warns(DeprecationWarning, match=r"pass overlap=Overlap\(\.\.\.\)") as record:
         model = mfsdp.fully_shard(torch.nn.Linear(2, 2), forward_prefetch=0, reductions_in_flight=3)
         mfsdp.fully_shard(torch.nn.Linear(2, 2), backward_prefetch=0)
@@ -59,7 +60,7 @@ def test_old_overlap_keywords_warn_once(monkeypatch):
 
 
 def test_old_mesh_buffer_and_gather_keywords_move_into_their_values(monkeypatch):
-    monkeypatch.setattr(old_shard_keywords, "_warned", False)
+    monkeypatch.setattr(warn_once, "_said", set())
     gather = mfsdp.QuantizedParamGather(recipe="mxfp8")
     mp = mfsdp.MixedPrecision(param_dtype=torch.bfloat16)
     with pytest.warns(DeprecationWarning, match=r"fully_shard\(double_buffer=, param_gather=, process_group=\.\.\.\) "
@@ -85,9 +86,7 @@ def test_optimizer_takes_one_value_per_concern():
 
 
 def test_old_optimizer_keywords_warn_once(monkeypatch):
-    import megatron.fsdp.optim.old_optimizer_keywords as old
-
-    monkeypatch.setattr(old, "_warned", False)
+    monkeypatch.setattr(warn_once, "_said", set())
     model = mfsdp.fully_shard(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2)))
     labels = dict(param_group=lambda n, p: "norm" if n.startswith("1.") else "", group_options={"norm": {"lr": 0.5}})
     with pytest.warns(DeprecationWarning, match=r"pass grad_norm=GradNorm\(\.\.\.\), precision=OptimizerPrecision"

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import warnings
 from typing import Iterable, Optional, Type
 
 import torch
@@ -30,6 +29,7 @@ import megatron.fsdp as mfsdp
 from megatron.fsdp.checkpoint.state_dict import expected_model_keys
 from megatron.fsdp.init.meta_init import is_on_meta
 from megatron.fsdp.sharding.strategy import parse_mesh_strategy, parse_strategy
+from megatron.fsdp.warn_once import warn_once
 
 from megatron.fsdp import mcore_releases as compat
 from . import ddp_fields
@@ -42,17 +42,6 @@ from .overlap import overlap_arguments
 logger = logging.getLogger(__name__)
 
 DEFAULT_UNIT_CLASSES = (TransformerLayer, MoELayer)
-
-_warned = set()
-
-
-def warn_once(message: str) -> None:
-    """Once per process, and only from rank 0 when torch.distributed runs (every rank sees the same config)."""
-    if message not in _warned:
-        _warned.add(message)
-        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            warnings.warn(message, stacklevel=3)
-
 
 @dataclasses.dataclass
 class FullyShardedDataParallelConfig(DistributedDataParallelConfig):
@@ -129,7 +118,7 @@ def check_configs(config: TransformerConfig, ddp_config: DistributedDataParallel
                          "run the gradient reductions these need (Megatron-Core's own DistributedDataParallel does); "
                          "leave them at their defaults")
     for line in ddp_fields.substitutions(ddp_config, dp_size):
-        warn_once(line)
+        warn_once(line, stacklevel=2)
 
 
 def mixed_precision(config: TransformerConfig, ddp_config: DistributedDataParallelConfig) -> mfsdp.MixedPrecision:
@@ -184,7 +173,7 @@ def meta_init_arguments(module: torch.nn.Module) -> dict:
     late = recipe.out_of_order()
     if late:
         warn_once(f"meta-device initialisation: {late} draw random numbers out of module order in their "
-                  "constructors; their weights will differ from an eager build's (still equal across DP sizes)")
+                  "constructors; their weights will differ from an eager build's (still equal across DP sizes)", stacklevel=2)
     return dict(meta_init=mfsdp.MetaInit(init_weights=recipe.init_weights))
 
 

@@ -6,8 +6,9 @@ Each old keyword belongs to one option value; passing any of them builds that va
 
 from __future__ import annotations
 
-import warnings
 from typing import Dict
+
+from ..warn_once import warn_once
 
 from ..precision.optimizer_state import OptimizerPrecision
 from .optimizer_options import GradNorm, LabelledGroups, PerMatrixOptimizer
@@ -22,8 +23,6 @@ OLD_KEYWORDS: Dict[str, tuple] = {
     "precision": ("OptimizerPrecision(...)", {"state_dtype": "state_dtype", "main_grads_dtype": "main_grads_dtype"}),
     "labelled_groups": ("LabelledGroups(...)", {"param_group": "label", "group_options": "options"}),
 }
-_warned = False
-
 
 def _build(new: str, fields: dict):
     if new == "grad_norm":
@@ -38,7 +37,6 @@ def _build(new: str, fields: dict):
 def take_old_keywords(given: Dict[str, object], optimizer_kwargs: dict) -> Dict[str, object]:
     """The option values ``given`` (new keyword -> value or None), with those the old keywords in
     ``optimizer_kwargs`` spell built from them (the old keywords are removed from it)."""
-    global _warned
     out, used, spelled = dict(given), [], []
     for new, (spelling, fields) in OLD_KEYWORDS.items():
         old = {name: optimizer_kwargs.pop(name) for name in list(fields) if name in optimizer_kwargs}
@@ -49,9 +47,8 @@ def take_old_keywords(given: Dict[str, object], optimizer_kwargs: dict) -> Dict[
         out[new] = _build(new, {fields[name]: value for name, value in old.items()})
         used += sorted(old)
         spelled.append(f"{new}={spelling}")
-    if used and not _warned:
-        _warned = True
-        warnings.warn(f"FullyShardedOptimizer({', '.join(f'{k}=' for k in used)}...) is deprecated: "
-                      f"pass {', '.join(spelled)}", DeprecationWarning, stacklevel=3)
+    if used:
+        warn_once(f"FullyShardedOptimizer({', '.join(f'{k}=' for k in used)}...) is deprecated: "
+                  f"pass {', '.join(spelled)}", DeprecationWarning, stacklevel=3, key="FullyShardedOptimizer")
     return out
 

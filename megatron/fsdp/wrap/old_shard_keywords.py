@@ -7,9 +7,9 @@ or completes that value, with one ``DeprecationWarning`` per process naming the 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Optional
 
+from ..warn_once import warn_once
 from ..init.meta_init import MetaInit
 from ..precision.mixed_precision import MixedPrecision
 from ..schedule.runtime import Overlap
@@ -17,7 +17,6 @@ from ..schedule.runtime import Overlap
 OVERLAP_KEYWORDS = ("forward_prefetch", "backward_prefetch", "reductions_in_flight")
 META_INIT_KEYWORDS = ("device", "init_weights")
 OLD_KEYWORDS = OVERLAP_KEYWORDS + META_INIT_KEYWORDS + ("process_group", "double_buffer", "param_gather")
-_warned = False
 
 
 def _checked(value, kind: type, keyword: str):
@@ -32,7 +31,6 @@ def new_form(mesh, mixed_precision: Optional[MixedPrecision], overlap: Optional[
     them: ``process_group`` is the mesh, ``double_buffer`` a field of ``Overlap`` (as the three prefetch
     keywords), ``param_gather`` a field of ``MixedPrecision``, ``device`` and ``init_weights`` the
     fields of ``MetaInit``."""
-    global _warned
     unknown = sorted(set(deprecated) - set(OLD_KEYWORDS))
     if unknown:
         raise TypeError(f"fully_shard() got an unexpected keyword argument {unknown[0]!r}")
@@ -66,8 +64,6 @@ def new_form(mesh, mixed_precision: Optional[MixedPrecision], overlap: Optional[
             raise ValueError(f"pass meta_init=MetaInit(...) or {', '.join(sorted(old_init))}, not both")
         meta_init = MetaInit(**old_init)
         spelled.append("meta_init=MetaInit(...)")
-    if not _warned:
-        _warned = True
-        warnings.warn(f"fully_shard({', '.join(f'{k}=' for k in sorted(deprecated))}...) is deprecated: "
-                      f"pass {', '.join(spelled)}", DeprecationWarning, stacklevel=4)
+    warn_once(f"fully_shard({', '.join(f'{k}=' for k in sorted(deprecated))}...) is deprecated: "
+              f"pass {', '.join(spelled)}", DeprecationWarning, stacklevel=4, key="fully_shard")
     return mesh, mixed_precision, overlap, meta_init

@@ -27,7 +27,8 @@ ATTENTION_BACKENDS = ("flash", "fused", "unfused", "local", "auto")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """Megatron-LM's ``_add_network_size_args`` / ``_add_regularization_args``, MLA and MTP, the fusion switches."""
+    """Megatron-LM's ``_add_network_size_args`` / ``_add_regularization_args``, MLA and MTP; the kernel and fusion
+    switches in a group of their own."""
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4, help="transformer layers")
     g.add_argument("--hidden-size", type=int, default=128, help="model width")
@@ -37,11 +38,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-position-embeddings", type=int, default=None, help="default: seq length")
     g.add_argument("--init-method-std", type=float, default=0.02,
                    help="standard deviation of the normal initialisation of the weights")
-    g.add_argument("--use-cpu-initialization", action="store_true",
-                   help="initialise weights on the CPU (always so on CPU runs); GPU runs build on the device")
-    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
-                   help="layer implementation (transformer_engine without Transformer Engine installed: local, said "
-                        "at start-up)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
                    help="a separate output layer instead of the input embedding's transpose")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
@@ -70,11 +66,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="dropout after attention and MLP (default: %(default)s, Megatron-LM's)")
     g.add_argument("--attention-dropout", type=float, default=0.1,
                    help="dropout on the attention probabilities (default: %(default)s, Megatron-LM's)")
+    g.add_argument("--apply-layernorm-1p", dest="layernorm_zero_centered_gamma", action="store_true",
+                   help="norms store gamma - 1 (zero-centred, initialised to 0) and scale by 1 + gamma")
+    g.add_argument("--no-position-embedding", dest="add_position_embedding", action="store_false",
+                   help="deprecated in Megatron-LM: no effect with --position-embedding-type rope, refused otherwise "
+                        "(use --position-embedding-type none)")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="average the loss over all tokens of the global batch, not per micro-batch "
                         "then over micro-batches")
     _add_mla_and_mtp_args(g)
-    _add_kernel_args(g)
+    _add_kernel_args(p.add_argument_group("kernels and fusions"))
 
 
 def _add_mla_and_mtp_args(g) -> None:
@@ -99,7 +100,14 @@ def _add_mla_and_mtp_args(g) -> None:
 
 
 def _add_kernel_args(g) -> None:
-    """Kernel and fusion switches: they pick an implementation of the same mathematics (substituted where missing)."""
+    """How this launch computes, not what the model is: the layers' implementation and the kernel and fusion
+    switches. Each picks an implementation of the same mathematics (substituted where missing), so a checkpoint
+    does not record them and a later launch (generation, a resume elsewhere) chooses its own."""
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="initialise weights on the CPU (always so on CPU runs); GPU runs build on the device")
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
+                   help="layer implementation (transformer_engine without Transformer Engine installed: local, said "
+                        "at start-up)")
     g.add_argument("--use-mcore-models", action="store_true",
                    help="deprecated in Megatron-LM; models are always Megatron-Core's here (no effect)")
     g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false",
@@ -119,11 +127,6 @@ def _add_kernel_args(g) -> None:
     g.add_argument("--use-flash-attn", action="store_true",
                    help="FlashAttention (Megatron-LM no longer reads it: --attention-backend decides; said at "
                         "start-up)")
-    g.add_argument("--apply-layernorm-1p", dest="layernorm_zero_centered_gamma", action="store_true",
-                   help="norms store gamma - 1 (zero-centred, initialised to 0) and scale by 1 + gamma")
-    g.add_argument("--no-position-embedding", dest="add_position_embedding", action="store_false",
-                   help="deprecated in Megatron-LM: no effect with --position-embedding-type rope, refused otherwise "
-                        "(use --position-embedding-type none)")
     g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false",
                    help="do not fuse the weight-gradient accumulation into the linear layers' backward (APEX's "
                         "fused_weight_gradient_mlp_cuda); without that kernel (CPU) unfused is the only behaviour")

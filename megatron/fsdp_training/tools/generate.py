@@ -39,11 +39,8 @@ from megatron.fsdp.commands import GENERATE, set_command_defaults
 # parallel layout, and the tokenizer (the parallel layout, data, schedule and checkpoint flags stay this launch's).
 _SHAPE_GROUPS = ("model", "mixture of experts")
 _LAYOUT_PREFIX = "expert_"  # --expert-model-parallel-size, --expert-tensor-parallel-size, the expert sharding
-# How this launch computes, not what the model is: kernels, fusions, the MoE dispatcher (this machine's choice).
-_THIS_LAUNCH = ("use_cpu_initialization", "transformer_impl", "use_mcore_models", "masked_softmax_fusion",
-                "bias_gelu_fusion", "bias_swiglu_fusion", "apply_rope_fusion", "cross_entropy_loss_fusion",
-                "attention_backend", "use_flash_attn", "gradient_accumulation_fusion", "enable_experimental",
-                "moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "moe_permute_fusion")
+# How this launch moves tokens to experts, not what the model is (the kernels have a group of their own).
+_MOE_DISPATCH = ("moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "moe_permute_fusion")
 _TOKENIZER = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "vocab_size",
               "make_vocab_size_divisible_by")
 
@@ -232,11 +229,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def shape_dests(parser: argparse.ArgumentParser) -> tuple:
     """The destinations of the parser's model and mixture-of-experts flags, less the experts' parallel layout and
-    this launch's kernels: what a checkpoint's model is, read from the groups the flags are declared in, so a new
+    this launch's token dispatch: what a checkpoint's model is, read from the groups the flags are declared in, so a new
     model flag is taken from the checkpoint without a second list."""
     return tuple(action.dest for group in parser._action_groups if group.title in _SHAPE_GROUPS
                  for action in group._group_actions
-                 if not action.dest.startswith(_LAYOUT_PREFIX) and action.dest not in _THIS_LAUNCH)
+                 if not action.dest.startswith(_LAYOUT_PREFIX) and action.dest not in _MOE_DISPATCH)
 
 
 def _saved_defaults(parser: argparse.ArgumentParser, load: str, step: Optional[int]) -> dict:

@@ -132,19 +132,19 @@ def main(argv=None) -> None:
         c.add_argument("--iteration", type=int, default=None)
         _add_overwrite(c)
     _add_hf_commands(sub)
-    cli = p.parse_args(argv)
+    args = p.parse_args(argv)
     from torch.distributed.checkpoint.api import CheckpointException  # DCP's: a BaseException
 
     from . import output, source
 
     try:
-        _run(cli)
+        _run(args)
     except SystemExit:
         output.abandon()
         raise
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - one line, the destination left as it was
         undone = output.abandon()
-        raise SystemExit(f"error: {cli.command} failed ({source.first_line(exc)})"
+        raise SystemExit(f"error: {args.command} failed ({source.first_line(exc)})"
                          + (f"; {undone} is as it was before the conversion" if undone else "")) from None
     except BaseException:  # an interrupt: the destination as it was too
         output.abandon()
@@ -160,29 +160,29 @@ CONVERTERS = {
 }
 
 
-def _run(cli) -> None:
-    """Run the command ``cli`` (this tool's parsed command line) names."""
+def _run(args) -> None:
+    """Run the command ``args`` (this tool's own command line, not the job's flags) names."""
     start = time.perf_counter()
-    if cli.command in ("to-hf", "from-hf"):
-        _run_hf_command(cli, start)
-    elif cli.command in CONVERTERS:
+    if args.command in ("to-hf", "from-hf"):
+        _run_hf_command(args, start)
+    elif args.command in CONVERTERS:
         import importlib
 
-        module, function, how = CONVERTERS[cli.command]
+        module, function, how = CONVERTERS[args.command]
         convert = getattr(importlib.import_module(f".{module}", __package__), function)
-        print(f"> converting {cli.checkpoint} ({cli.command}, {how}) ...", flush=True)
-        written = convert(cli.checkpoint, cli.save_dir, cli.iteration, cli.overwrite)
+        print(f"> converting {args.checkpoint} ({args.command}, {how}) ...", flush=True)
+        written = convert(args.checkpoint, args.save_dir, args.iteration, args.overwrite)
         print(f"wrote {written}{_rate(written, start)}")
-    elif cli.command == "to-torch":
-        print(f"> reading {cli.checkpoint} (full tensors, one process) ...", flush=True)
+    elif args.command == "to-torch":
+        print(f"> reading {args.checkpoint} (full tensors, one process) ...", flush=True)
         from . import output
 
-        output.check_empty(cli.out, cli.overwrite)
-        directory = to_torch(cli.checkpoint, cli.out, cli.model_only, cli.iteration)
-        print(f"wrote {cli.out} from {directory}{_rate(Path(cli.out), start)}")
+        output.check_empty(args.out, args.overwrite)
+        directory = to_torch(args.checkpoint, args.out, args.model_only, args.iteration)
+        print(f"wrote {args.out} from {directory}{_rate(Path(args.out), start)}")
     else:
-        print(f"> writing {cli.torch_file} as a checkpoint under {cli.save_dir} ...", flush=True)
-        written = from_torch(cli.torch_file, cli.save_dir, cli.overwrite)
+        print(f"> writing {args.torch_file} as a checkpoint under {args.save_dir} ...", flush=True)
+        written = from_torch(args.torch_file, args.save_dir, args.overwrite)
         print(f"wrote {written}{_rate(written, start)}")
 
 
@@ -213,30 +213,30 @@ def _add_overwrite(*parsers) -> None:
                                  "converted; a tracker is never moved backwards (docs/checkpoint-conversion.md)")
 
 
-def _run_hf_command(cli, start: float) -> None:
-    """to-hf / from-hf of this tool's parsed command line ``cli``."""
+def _run_hf_command(args, start: float) -> None:
+    """to-hf / from-hf of this tool's own command line ``args``."""
     from . import hf_tokenizer
     from .hf_convert import from_hf, to_hf
     from .hf_layouts import ConversionError
 
     try:
-        if cli.command == "to-hf":
-            print(f"> writing {cli.checkpoint} as a HuggingFace model in {cli.out} (streamed, one layer at a "
+        if args.command == "to-hf":
+            print(f"> writing {args.checkpoint} as a HuggingFace model in {args.out} (streamed, one layer at a "
                   "time) ...", flush=True)
-            report = to_hf(cli.checkpoint, cli.out, cli.model_type, cli.iteration, cli.dtype,
-                           int(cli.max_shard_size * 2 ** 30), cli.overwrite)
+            report = to_hf(args.checkpoint, args.out, args.model_type, args.iteration, args.dtype,
+                           int(args.max_shard_size * 2 ** 30), args.overwrite)
             print(f"wrote {report.written}{_rate(report.written, start)}")
             if report.note:
                 print(report.note)
         else:
-            print(f"> writing {cli.hf_dir} as a checkpoint under {cli.save_dir} (streamed, one tensor at a "
+            print(f"> writing {args.hf_dir} as a checkpoint under {args.save_dir} (streamed, one tensor at a "
                   "time) ...", flush=True)
-            report, arch = from_hf(cli.hf_dir, cli.save_dir, cli.overwrite)
+            report, arch = from_hf(args.hf_dir, args.save_dir, args.overwrite)
             print(f"wrote {report.written}{_rate(report.written, start)}")
             if report.note:
                 print(report.note)
-            print("train from it with: " + hf_tokenizer.training_command(arch, cli.hf_dir, cli.save_dir))
-            note = hf_tokenizer.tokenizer_note(arch, cli.hf_dir)
+            print("train from it with: " + hf_tokenizer.training_command(arch, args.hf_dir, args.save_dir))
+            note = hf_tokenizer.tokenizer_note(arch, args.hf_dir)
             if note:
                 print(note)
     except (ConversionError, OSError) as exc:  # (a missing file, a full disk: the destination is as it was)
