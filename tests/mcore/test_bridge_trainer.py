@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.mcore import trainer_runs
-from tests.mcore.trainer_runs import assert_close
+from tests.cases.job_runs import assert_close, launch_runs
 
 SCRIPTS = Path(__file__).parent / "trainer_scripts"
 LEVELS = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -57,7 +56,7 @@ def _runs(work: str) -> dict:
         if run is not runs[0]:  # every run reads the first one's cache (all train 6 iterations: one cache entry)
             run["after"] = sorted(set(run.get("after", [])) | {"ddp"})
     runs.append(_run("autobridge", "autobridge_roundtrip.py", ",".join(LEVELS), str(work / "autobridge")))
-    results = trainer_runs.launch(work, runs, records)  # (the AutoBridge run writes into its own folder)
+    results = launch_runs(work, runs, records)  # (the AutoBridge run writes into its own folder)
     results["autobridge"]["result"] = json.loads((work / "autobridge" / "result.json").read_text())
     return results
 

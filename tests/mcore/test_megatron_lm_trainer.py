@@ -19,8 +19,7 @@ import pytest
 
 from megatron.fsdp.commands import CONVERT as CONVERT_COMMAND
 from megatron.fsdp_training.testing.job import LINE
-from tests.mcore import trainer_runs
-from tests.mcore.trainer_runs import assert_close
+from tests.cases.job_runs import assert_close, launch_runs
 
 SCRIPT = str(Path(__file__).parent / "trainer_scripts" / "pretrain_gpt.py")
 CONVERT = str(Path(__file__).resolve().parents[2] / "tools" / "checkpoint" / "convert.py")
@@ -105,7 +104,7 @@ def _runs(work: str) -> dict:
         {**trainer_run("trainer_from_job", 2, *ZERO3, "--load", as_trainer), "after": ["to_trainer"]},
         {**job_run("job_from_trainer", 2, "--use-megatron-fsdp", "--load", as_job), "after": ["to_job"]},
     ]
-    return trainer_runs.launch(work, cached(runs, work), losses)
+    return launch_runs(work, cached(runs, work), losses)
 
 
 @pytest.fixture(scope="module")

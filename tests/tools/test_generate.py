@@ -16,10 +16,9 @@
 import pytest
 import torch
 
-from tests.cases.generation import generate_in_pool
-from megatron.fsdp_training.testing.job import pretrain
 from megatron.fsdp_training.tools import generate
 from megatron.fsdp_training.tools.checkpoint_tools import hf_convert
+from tests.cases.job_runs import generate_in_pool, pretrain
 
 
 def _hf_llama(path, vocab_size=257):

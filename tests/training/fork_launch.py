@@ -2,7 +2,7 @@
 
 Why not ``torchrun``: each of its ranks imports torch, Megatron-Core and the job again
 (~8 s of CPU per rank on 2 cores, more than the run itself), and the SIGKILL-during-save
-cases of ``test_checkpointing.py`` cannot run in a worker pool (the kill would take the
+cases of ``test_checkpoint_crash_safety.py`` cannot run in a worker pool (the kill would take the
 pool down). Here the parent imports everything before forking (it starts no thread and
 runs no torch op before that), freezes its objects out of the garbage collector (so the
 ranks' exits do not copy-on-write the whole module graph), and forks the ranks; each

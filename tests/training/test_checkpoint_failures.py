@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
 from megatron.fsdp_training.checkpointing import files
-from megatron.fsdp_training.testing.job import B8, MODEL, ROOT, fsdp, pretrain
+from megatron.fsdp_training.testing.job import ROOT, fsdp
 from megatron.fsdp_training.testing.megatron_case import megatron_case
 from megatron.fsdp_training.testing.pools import pool_of
-from tests.cases.job_checkpoint import full_disk_saves
+from tests.cases.job_runs import B8, MODEL, full_disk_saves, pretrain
 
 
 def _damage(directory: Path, how: str) -> None:
@@ -145,6 +145,8 @@ def test_full_disk_one_line_and_nothing_left(tmp_path):
     for message in (result["checked"], result["enospc"]):
         assert "\n" not in message
     assert result["checked_leftovers"] == [] and result["enospc_leftovers"] == [], result
+    # the failed write's frames are freed as the error is handled, not left in cycles for the collector
+    assert result["enospc_frames_left_to_the_collector"] == [], result
 
 
 def test_stale_temporaries_are_removed_only_when_no_live_job_owns_them(tmp_path):

@@ -8,7 +8,7 @@ DP 4 ZeRO-3 -> DP 2 ZeRO-1); the meta-device build bitwise equal to the eager on
 import pytest
 
 from megatron.fsdp.testing.common import LEVELS, rel
-from megatron.fsdp_training.testing.job import assert_exact_resume, fsdp
+from megatron.fsdp_training.testing.job import fsdp
 from megatron.fsdp_training.testing.pools import pool_of
 from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
 from tests.cases.hf import DEEPSEEK_MODEL
@@ -103,7 +103,12 @@ def test_resume(ep2_saved, target):
     if target == "same":
         resumed = _run(4, EP2 + load)
 
-        assert_exact_resume(straight, resumed[0], 5)
+        got = resumed[0]  # continues the straight run bitwise (losses, norms, validation)
+        assert got["start_iteration"] == 5
+        assert got["losses"] == straight["losses"][5:]
+        assert got["grad_norms"] == straight["grad_norms"][5:]
+        assert got["valid_at_load"] == straight["valid"][0]
+        assert got["valid"] == straight["valid"][1:]
         assert [r["expert_bias"] for r in resumed] == [r["expert_bias"] for r in runs]
         return
     ranks, layout = {"ep4": (4, dispatcher("alltoall", 4) + fsdp("optim_grads_params")),

@@ -23,8 +23,7 @@ dispatcher, ``--moe-permute-fusion``, ``--use-nccl-ub``) stay and are substitute
 import numpy as np
 
 from megatron.fsdp.mcore_releases import HAS_LEGACY_GROUPED_MLP
-
-from megatron.fsdp_training.testing.job import pretrain
+from tests.cases.job_runs import pretrain
 
 SCRIPT = """--distributed-timeout-minutes 60 --tensor-model-parallel-size 1 --expert-model-parallel-size 2
 --expert-tensor-parallel-size 1 --context-parallel-size 1 --use-distributed-optimizer --overlap-grad-reduce

@@ -8,8 +8,9 @@ import pytest
 from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
 from megatron.fsdp_training.arguments.precision_flags import fp8_start_up_line
 from megatron.fsdp_training.arguments.substitutions import substitution_line
-from megatron.fsdp_training.testing.job import MODEL, assert_exact_resume, fsdp, pretrain
+from megatron.fsdp_training.testing.job import fsdp
 from megatron.fsdp_training.testing.pools import pool_of
+from tests.cases.job_runs import MODEL, assert_exact_resume, generate_in_pool, pretrain
 
 
 # One micro-batch per rank and step on 2 ranks, no clipping: the gradient sums of DDP and of every
@@ -269,8 +270,6 @@ def test_an_fp8_checkpoint_never_locks_a_run_in(delayed_run, tmp_path):
         "--finetune", "--train-iters", "3"], capture_log=True)
     assert "--fp8-recipe mxfp8: its FP8 amax histories and scales are not loaded" in tuned["log"]
     assert "for fine-tuning" in tuned["log"] and abs(tuned["losses"][0] - straight["losses"][5]) < 0.02 * 6
-
-    from tests.cases.generation import generate_in_pool
 
     said = pool_of(2).run(generate_in_pool, timeout=120, argv=["--load", str(saved), "--ckpt-step", "5", "--prompt",
                                                                "1 2", "--max-new-tokens", "3", "--greedy"])

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from megatron.fsdp_training.testing.job import pretrain
+from tests.cases.job_runs import pretrain
 
 SCRIPT = """--use-mcore-models --num-layers 4 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4
 --group-query-attention --num-query-groups 2 --kv-channels 16 --seq-length 32 --max-position-embeddings 32

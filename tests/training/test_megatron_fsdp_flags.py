@@ -9,7 +9,7 @@ import torch
 
 from megatron.fsdp_training.arguments import ArgumentError, build_parser, parse_args, validate_args
 from megatron.fsdp_training.arguments.substitutions import substitution_line
-from megatron.fsdp_training.testing.job import pretrain
+from tests.cases.job_runs import pretrain
 
 FSDP = ["--mock-data", "--use-megatron-fsdp"]
 

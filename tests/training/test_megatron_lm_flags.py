@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from megatron.fsdp_training.arguments import ArgumentError, build_parser, parse_args, validate_args
-from megatron.fsdp_training.testing.job import B8, MODEL, PRETRAIN_MODEL, assert_exact_resume, fsdp, pretrain
+from megatron.fsdp_training.testing.job import PRETRAIN_MODEL, fsdp
+from tests.cases.job_runs import B8, MODEL, assert_exact_resume, pretrain
 
 # examples/mixtral/train_mixtral_8x7b_distributed.sh (Megatron-LM d98e8a64), every flag as the script passes it,
 # with --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params added. Changed, and only these:

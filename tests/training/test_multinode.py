@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from megatron.fsdp_training.testing.job import LINE, ROOT, pretrain
+from megatron.fsdp_training.testing.job import LINE, ROOT
 from megatron.fsdp_training.testing.pools import pool_of
+from tests.cases.job_runs import pretrain
 
 
 def hsdp_rank_layout(ctx, ranks_per_node: int, instances: int = 2, ep: int = 1) -> dict:

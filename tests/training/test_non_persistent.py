@@ -23,9 +23,9 @@ import pytest
 from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
 from megatron.fsdp_training.checkpointing import files, ownership
 from megatron.fsdp_training.checkpointing.non_persistent import _common_iterations
-from megatron.fsdp_training.testing.job import B8, MODEL, fork_launch, fsdp, pretrain, tree_hashes
+from megatron.fsdp_training.testing.job import fsdp
 from megatron.fsdp_training.testing.pools import pool_of
-from tests.cases.job_checkpoint import full_disk_saves, start_error
+from tests.cases.job_runs import B8, MODEL, fork_launch, full_disk_saves, pretrain, start_error, tree_hashes
 
 
 class Crash(RuntimeError):
@@ -270,6 +270,7 @@ def test_a_local_save_on_a_full_disk_is_one_line_and_leaves_nothing(tmp_path):
     assert "ran out of space (ENOSPC)" in got["enospc"] and "the partial save was removed" in got["enospc"], got
     assert "unexpected pos" not in got["enospc"] and all("\n" not in got[k] for k in ("checked", "enospc"))
     assert got["checked_leftovers"] == [] and got["enospc_leftovers"] == [], got
+    assert got["enospc_frames_left_to_the_collector"] == [], got
 
 
 def test_an_older_non_persistent_checkpoint_and_ckpt_step(tmp_path):

@@ -9,7 +9,8 @@ import pytest
 
 from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
 from megatron.fsdp.testing.common import rel
-from megatron.fsdp_training.testing.job import B8, MODEL, fsdp, pretrain
+from megatron.fsdp_training.testing.job import fsdp
+from tests.cases.job_runs import B8, MODEL, pretrain
 
 
 SHORT = ["--train-iters", "4", "--eval-interval", "2", "--bf16"] + fsdp("optim_grads_params")

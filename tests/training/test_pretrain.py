@@ -73,7 +73,7 @@ def _same_history(got, want, what):
 def test_pretrain_gpt_tp2_dp2_all_levels(mcore_pool):
     """TP 2 + SP x DP 2 against Megatron DDP at ZeRO-1 and ZeRO-3 (one level that keeps full gradients,
     one that shards everything); no_shard and ZeRO-2 meet TP 2 in tests/mcore/test_adapter.py's parity
-    table and in test_checkpointing's TP 2 resume, and every level runs through pretrain above.
+    table and in test_checkpoint_resume's TP 2 resume, and every level runs through pretrain above.
     ZeRO-3 built on the meta device equals its eager build, bitwise."""
     tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     base = mcore_pool.run(pretrain_in_pool, timeout=300, argv=MODEL + tp)[0]

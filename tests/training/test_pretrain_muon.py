@@ -11,8 +11,9 @@ import pytest
 
 from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
 from megatron.fsdp_training.testing.job import PRETRAIN_MODEL as MODEL
-from megatron.fsdp_training.testing.job import assert_exact_resume, fsdp
+from megatron.fsdp_training.testing.job import fsdp
 from megatron.fsdp_training.testing.pretrain import pretrain_in_pool
+from tests.cases.job_runs import assert_exact_resume
 
 
 MUON = ["--optimizer", "muon", "--muon-use-nesterov", "--muon-extra-scale-factor", "0.2"]

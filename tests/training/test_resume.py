@@ -21,11 +21,11 @@ import torch.distributed as dist
 from megatron.fsdp.commands import CONVERT
 from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
 from megatron.fsdp_training.checkpointing import files, ownership
-from megatron.fsdp_training.testing.job import B8, MODEL, fork_launch, fsdp, pretrain, tree_hashes
+from megatron.fsdp_training.testing.job import fsdp
 from megatron.fsdp_training.testing.megatron_case import megatron_case
 from megatron.fsdp_training.testing.pools import pool_of
 from megatron.fsdp_training.tools.checkpoint_tools import inspect as ckpt_inspect
-from tests.cases.job_checkpoint import load_error, start_error
+from tests.cases.job_runs import B8, MODEL, fork_launch, load_error, pretrain, start_error, tree_hashes
 
 
 def save_size_estimate(ctx, argv: List[str]) -> Dict[str, int]:

@@ -24,13 +24,14 @@ from megatron.fsdp_training.checkpointing.torch_dist import read_common
 from megatron.fsdp.mcore_releases import COMMON_PT, COMMON_STATE_IN_DCP
 from megatron.fsdp_training.arguments import ArgumentError, parse_args, validate_args
 from megatron.fsdp.testing.common import rel
-from megatron.fsdp_training.testing.job import B8, MODEL, assert_exact_resume, fsdp, pretrain, tree_hashes
+from megatron.fsdp_training.testing.job import fsdp
 from megatron.fsdp.testing.pool import RankError
 from megatron.fsdp.commands import CONVERT
 from megatron.fsdp_training.tools.checkpoint_tools import convert
 from megatron.fsdp_training.tools.checkpoint_tools import inspect as ckpt_inspect
 from megatron.fsdp_training.tools.checkpoint_tools import torch_dist_convert, torch_dist_dp_layout
 from megatron.fsdp_training.tools.checkpoint_tools.torch_dist_dp_layout import DpReshardable
+from tests.cases.job_runs import B8, MODEL, assert_exact_resume, pretrain, tree_hashes
 
 ORIGINAL = DpReshardable._dense_params
 

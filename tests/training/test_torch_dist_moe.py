@@ -5,8 +5,9 @@ within 1e-5 of the same baseline resumed from its own checkpoint (losses and gra
 The dense case: test_torch_dist.py."""
 
 from megatron.fsdp.testing.common import rel
-from megatron.fsdp_training.testing.job import B8, MODEL, assert_exact_resume, fsdp, pretrain
+from megatron.fsdp_training.testing.job import fsdp
 from megatron.fsdp_training.tools.checkpoint_tools import convert
+from tests.cases.job_runs import B8, MODEL, assert_exact_resume, pretrain
 
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
        "--disable-bias-linear"]
