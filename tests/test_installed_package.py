@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from megatron.fsdp import commands
-from tests.test_packaging import ROOT, _pip_env, _probe_site, _running_site_dirs, _sources
+from tests.cases.packaging import ROOT, pip_env, probe_site, running_site_dirs, sources
 
 SHAPE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--max-position-embeddings", "32", "--tokenizer-type", "NullTokenizer", "--vocab-size", "63"]
@@ -34,15 +34,15 @@ def venv(tmp_path_factory):
     """(the venv, the wheel): the wheel built from this clone, installed alone (``--no-deps``) into the venv."""
     root = tmp_path_factory.mktemp("installed")
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-                            "-w", str(root / "wheels"), str(_sources(root / "src"))],
-                           capture_output=True, text=True, env=_pip_env(), timeout=300)
+                            "-w", str(root / "wheels"), str(sources(root / "src"))],
+                           capture_output=True, text=True, env=pip_env(), timeout=300)
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     (wheel,) = (root / "wheels").glob("megatron_fsdp_backend-*.whl")
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root / "venv")], check=True, timeout=120)
     python = root / "venv" / "bin" / "python"
-    (Path(_probe_site(python)) / "running_interpreter.pth").write_text("\n".join(_running_site_dirs()) + "\n")
+    (Path(probe_site(python)) / "running_interpreter.pth").write_text("\n".join(running_site_dirs()) + "\n")
     done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
-                           "--no-compile", str(wheel)], capture_output=True, text=True, env=_pip_env(), timeout=300)
+                           "--no-compile", str(wheel)], capture_output=True, text=True, env=pip_env(), timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return root / "venv", wheel
 
