@@ -3,7 +3,8 @@
 A case's model can outlive it through an autograd graph that leads back to it (C++ the
 collector cannot see into: Megatron-Core's MoE dispatchers keep their last forward's
 tensors, whose graphs hold the model and its process groups), and a worker that still
-holds leaked groups past a thread limit is replaced before the next case.
+holds leaked groups past a thread limit is replaced before the next case. The groups a case destroyed are
+freed before the next case, even where only a reference cycle still held them.
 """
 
 import gc
@@ -15,7 +16,7 @@ import weakref
 
 import torch
 
-from megatron.fsdp.testing.pool import _release_leftovers
+from megatron.fsdp.testing.pool import _release_leftovers, releasing_new_groups
 from megatron.fsdp_training.testing.pools import pool_of
 
 
@@ -104,3 +105,28 @@ def test_a_closed_pool_leaves_the_temp_folder_as_it_found_it(tmp_path):
     subprocess.run([sys.executable, "-c", script], check=True, timeout=300, cwd=root,
                    env={**os.environ, "TMPDIR": str(temp), "PYTHONPATH": root})
     assert sorted(os.listdir(temp)) == []
+
+
+def groups_held_by_a_cycle(ctx, count: int) -> int:
+    """``count`` gloo groups made and used inside ``releasing_new_groups``, then held only by a reference cycle
+    (as a case's model holds its parallel state's groups); this process's threads before they were made."""
+    import torch.distributed as dist
+
+    before = len(os.listdir("/proc/self/task"))
+    with releasing_new_groups():
+        cycle = [dist.new_group(list(range(ctx.size)), backend="gloo") for _ in range(count)]
+        for group in cycle:
+            dist.barrier(group=group)  # connected: each group's threads run
+        cycle.append(cycle)
+    return before
+
+
+def threads_now(ctx) -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_the_groups_a_case_destroyed_are_freed_before_the_next_case():
+    pool = pool_of(2)
+    pool.run(groups_held_by_a_cycle, count=1)  # the worker's group-freeing threads start with the first
+    before = pool.run(groups_held_by_a_cycle, count=12)
+    assert pool.run(threads_now) == before, before
