@@ -48,12 +48,15 @@ def releasing_new_groups():
         new = [pg for pg in list(c10d._world.pg_map) if id(pg) not in before]
         for pg in new:
             dist.destroy_process_group(pg)
-        _destroyed_groups.extend(new)  # freed together once the case's garbage is collected
+        if _in_worker:  # freed together once the case's garbage is collected (``_worker_main``)
+            _destroyed_groups.extend(new)
 
 
 # The groups cases destroyed, held until the worker has collected what the cases left (which still refers to
-# them), then let go of all at once by ``_GroupReleaser``.
+# them), then let go of all at once by ``_GroupReleaser``. Only a pool worker, which releases them after every
+# case, holds them; elsewhere they are left to the collector.
 _destroyed_groups: List[Any] = []
+_in_worker = False
 
 
 class _GroupReleaser:
@@ -128,12 +131,14 @@ class RankContext:
 
 
 def _worker_main(rank: int, world: int, init_file: str, conn) -> None:
+    global _in_worker
     from megatron.fsdp.testing import worker_setup  # noqa: F401  (first: settings before torch)
 
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    _in_worker = True
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     groups = {k: dist.new_group(list(range(k))) for k in range(1, world + 1)}
     from megatron.fsdp import build_mesh
