@@ -158,6 +158,54 @@ def test_forgotten_no_sync_is_reduced_at_step(pool, strategy):
     assert_parity(result, reference(cfg), 1e-5, 1e-5)
 
 
+def every_micro_batch_synced(ctx, strategy: str, reduce_in_backward: bool, mesh=None, outer_strategy=None):
+    """Every micro-batch outside no_sync, as Megatron's schedule runs them without --overlap-grad-reduce (it sets no
+    no_sync_func), then ``finish_grad_sync``: losses, grad norms and weights, or ``{"error": message}``."""
+    cfg = RunConfig(strategy=strategy, micro_batches=2, steps=3, mesh=mesh, outer_strategy=outer_strategy)
+    fsdp, opt = wrap(ctx, cfg, overlap=mfsdp.Overlap(reduce_in_backward=reduce_in_backward))
+    losses, norms = [], []
+    try:
+        for step in make_batches(cfg.steps, cfg.micro_batches, GLOBAL_MICRO_BATCH):
+            total = torch.zeros(1, dtype=torch.float64)
+            for tokens, targets in step:
+                loss = fsdp(local_slice(ctx, tokens), local_slice(ctx, targets)) / cfg.micro_batches
+                loss.backward()
+                total += loss.item()
+            fsdp.finish_grad_sync()
+            torch.distributed.all_reduce(total, group=ctx.group)
+            losses.append(total.item() / ctx.size)
+            norms.append(opt.step())
+            opt.zero_grad()
+    except RuntimeError as error:
+        return {"error": str(error)}
+    params = fsdp.full_state_dict()  # a collective: every rank calls it
+    return {"losses": losses, "grad_norms": norms, "params": params if ctx.rank == 0 else None}
+
+
+@pytest.mark.parametrize("strategy, mesh, outer", [("no_shard", None, None), ("optim", None, None),
+                                                   ("optim_grads", None, None),
+                                                   ("optim_grads_params", (2, 2), "no_shard")])
+def test_every_micro_batch_synced_reduces_once_per_step_or_is_refused(pool, strategy, mesh, outer):
+    """Why: a once-per-step reduction (full-gradient levels, an unsharded outer axis) run in the first micro-batch's
+    backward, with the second added after it, counted the first twice (Megatron-LM's trainer without
+    --overlap-grad-reduce, level optim: grad norm 1.071 for DDP's 1.039). ``Overlap(reduce_in_backward=False)``
+    defers it to ``finish_grad_sync``; with the default the second micro-batch is refused with one line.
+    Reduce-scatters of sharded gradients accumulate per micro-batch and need neither."""
+    cfg = RunConfig(strategy=strategy, micro_batches=2, steps=3, mesh=mesh, outer_strategy=outer)
+    size = 4 if mesh else 2
+    deferred = pool.run(every_micro_batch_synced, size=size, strategy=strategy, reduce_in_backward=False, mesh=mesh,
+                        outer_strategy=outer)[0]
+    assert "error" not in deferred, deferred
+    assert_parity(deferred, reference(cfg), 1e-5, 1e-5)
+    eager = pool.run(every_micro_batch_synced, size=size, strategy=strategy, reduce_in_backward=True, mesh=mesh,
+                     outer_strategy=outer)
+    if strategy == "optim_grads":  # its reduce-scatters accumulate: nothing is once per step
+        assert_parity(eager[0], reference(cfg), 1e-5, 1e-5)
+    else:
+        assert all("received another micro-batch's gradients after this step's reduction" in result["error"]
+                   and "no_sync" in result["error"] for result in eager), eager
+
+
 @pytest.mark.parametrize("strategy", LEVELS)
 def test_no_grad_forward_between_steps(pool, strategy):
     for result in pool.run(eval_forward, size=2, strategy=strategy):

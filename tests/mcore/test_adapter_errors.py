@@ -86,3 +86,27 @@ def test_every_megatron_fsdp_field_is_honoured_said_or_refused():
                              ("megatron_fsdp_grad_comm_dtype", torch.float16)):
             with pytest.raises(ValueError, match=field):
                 check_configs(_config(), _ddp(**{field: dtype}))
+
+
+def test_megatron_core_finalize_as_the_hook_is_refused_and_the_dispatchers_pass():
+    """Why: Megatron-Core's ``finalize_model_grads`` reads ``main_grad``, which sharded parameters lack, and skipped
+    the tied-embedding sum across pipeline stages without a word (PP2 grad norm 0.815 for DDP's 1.021)."""
+    import functools
+    import types
+
+    from megatron.core.distributed import finalize_model_grads as core_finalize
+
+    from megatron.fsdp.mcore import finalize_model_grads
+    from megatron.fsdp.mcore.finalize import refuse_megatron_core_finalize
+    from megatron.fsdp.mcore.trainer_backend import finalize_factory
+
+    def config(hook):
+        return types.SimpleNamespace(finalize_model_grads_func=hook)
+
+    wrapped = functools.wraps(core_finalize)(lambda *args, **kwargs: core_finalize(*args, **kwargs))
+    for hook in (core_finalize, functools.partial(core_finalize, pg_collection=None), wrapped):
+        with pytest.raises(ValueError, match="set it to megatron.fsdp.mcore.finalize_model_grads"):
+            refuse_megatron_core_finalize(config(hook))
+    for hook in (None, finalize_model_grads, finalize_factory(core_finalize),
+                 functools.partial(finalize_factory(core_finalize), pg_collection=None)):
+        refuse_megatron_core_finalize(config(hook))

@@ -4,9 +4,9 @@ Bridge is installed ``--no-deps`` with the light packages its import needs (the 
 machine cannot install (Transformer Engine, nvidia-resiliency-ext) the harness stands in for
 (``trainer_scripts/bridge_standins.py``, never the installed package). The runs are real 2-rank CPU runs (gloo)
 launched by ``tests/training/fork_launch.py``, made once per session: Bridge's ``pretrain()`` gives Megatron-Core
-DDP's losses at ZeRO-3, dense, SwiGLU, TP2 x DP2 and MoE EP2; a save at 3 resumes to 6 bitwise (and on one rank at
-another level within 1e-6); AutoBridge imports a HuggingFace Llama
-into a model wrapped at every level with HF's logits, exports HF's tensors back (full, never empty) and loads HF
+DDP's losses at ZeRO-3, dense, SwiGLU, TP2 x DP2, PP2 x DP2 with the tied embedding, level optim and MoE EP2; a
+save at 3 resumes to 6 bitwise (and on one rank at another level within 1e-6); AutoBridge imports a HuggingFace
+Llama into a model wrapped at every level with HF's logits, exports HF's tensors back (full, never empty) and loads HF
 weights into an already wrapped model.
 """
 
@@ -27,8 +27,10 @@ def _run(name: str, script: str, *argv: str, nproc: int = 2) -> dict:
 
 
 def records(spec: dict, out: Path, log: str) -> dict:
-    """Rank 0's per-iteration loss and grad norm (Bridge's data-parallel-reduced ``lm loss``), by iteration."""
-    rows = json.loads((out / "rank0.json").read_text()) if (out / "rank0.json").exists() else []
+    """The lowest rank's with the loss (rank 0, or the last pipeline stage's first): per-iteration loss and grad norm
+    (Bridge's data-parallel-reduced ``lm loss``), by iteration."""
+    files = sorted(out.glob("rank*.json"), key=lambda path: int(path.stem[4:]))
+    rows = json.loads(files[0].read_text()) if files else []
     return {"losses": {step + 1: loss for step, loss, _ in rows}, "grad_norms": {step + 1: norm for step, _, norm in rows}}
 
 
@@ -48,6 +50,11 @@ def _runs(work: str) -> dict:
         _run("zero3_dense", "bridge_pretrain.py", "--gelu", "--fsdp", "optim_grads_params"),
         _run("ddp_tp2", "bridge_pretrain.py", "--tp", "2", nproc=4),
         _run("zero3_tp2", "bridge_pretrain.py", "--tp", "2", "--fsdp", "optim_grads_params", nproc=4),
+        # pipeline stages sharing the tied embedding; the once-per-step reduction of level optim without overlap
+        _run("ddp_pp2_tied", "bridge_pretrain.py", "--pp", "2", "--tied", nproc=4),
+        _run("zero3_pp2_tied", "bridge_pretrain.py", "--pp", "2", "--tied", "--overlap", "--fsdp", "optim_grads_params",
+             nproc=4),
+        _run("optim", "bridge_pretrain.py", "--fsdp", "optim"),
         _run("ddp_moe", "bridge_pretrain.py", "--moe"),
         _run("zero3_moe", "bridge_pretrain.py", "--moe", "--fsdp", "optim_grads_params"),
     ]
@@ -81,6 +88,16 @@ def test_pretrain_at_zero3_gives_ddp_losses_tp2_dp2_and_moe_ep2(runs):
     for case in ("tp2", "moe"):
         assert sorted(runs[f"zero3_{case}"]["losses"]) == [1, 2, 3, 4, 5, 6]
         assert_close(runs[f"zero3_{case}"]["losses"], runs[f"ddp_{case}"]["losses"], 1e-6, range(1, 7))
+
+
+@pytest.mark.mcore_only("HAS_MEGATRON_TRAINING", why="Megatron-Bridge 0.6.2 runs on megatron-core 0.19 (Python 3.12), which ships megatron.training")
+def test_pretrain_pp2_tied_embedding_and_level_optim_without_overlap_give_ddp_training(runs):
+    """The tied embedding's gradients summed across the stages, and level optim's all-reduce once per step, though
+    Bridge's schedule (like Megatron-LM's) runs no micro-batch under no_sync without overlap_grad_reduce."""
+    for ours, base in (("zero3_pp2_tied", "ddp_pp2_tied"), ("optim", "ddp")):
+        assert sorted(runs[ours]["losses"]) == [1, 2, 3, 4, 5, 6], runs[ours]["log"][-3000:]
+        assert_close(runs[ours]["losses"], runs[base]["losses"], 1e-6, range(1, 7))
+        assert_close(runs[ours]["grad_norms"], runs[base]["grad_norms"], 1e-5, range(1, 7))
 
 
 @pytest.mark.mcore_only("HAS_MEGATRON_TRAINING", why="Megatron-Bridge 0.6.2 runs on megatron-core 0.19 (Python 3.12), which ships megatron.training")

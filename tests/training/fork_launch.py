@@ -40,7 +40,6 @@ import gc
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from typing import Dict, List, Optional
@@ -53,6 +52,7 @@ import torch._dynamo  # noqa: E402,F401  (torch.optim.Optimizer imports it lazil
 import megatron.core.models.gpt  # noqa: E402,F401
 import megatron.fsdp_training.arguments  # noqa: E402,F401
 from megatron.fsdp_training.training import main as pretrain_main  # noqa: E402
+from megatron.fsdp_training.testing.ports import free_port  # noqa: E402
 
 STOP_GRACE_S = 5.0
 
@@ -68,12 +68,6 @@ class Run:
     pids: List[int] = dataclasses.field(default_factory=list)
     running: List[int] = dataclasses.field(default_factory=list)
     status: Optional[int] = None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(run: Run, rank: int, port: int) -> None:
@@ -100,7 +94,7 @@ def _rank(run: Run, rank: int, port: int) -> None:
 
 
 def _start(run: Run) -> None:
-    port = _free_port()
+    port = free_port()
     sys.stdout.flush()
     sys.stderr.flush()
     for rank in range(run.nproc):

@@ -6,7 +6,6 @@ replica axis across nodes."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 
 import torch
@@ -15,6 +14,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from megatron.fsdp_training.testing.job import LINE, ROOT
 from megatron.fsdp_training.testing.pools import pool_of
+from megatron.fsdp_training.testing.ports import free_port
 from tests.cases.job_runs import pretrain
 
 
@@ -49,12 +49,6 @@ TINY = dict(SLURM_NNODES="2", GPUS_PER_NODE="2", MASTER_ADDR="127.0.0.1", DP_OUT
             LR_WARMUP_ITERS="1", LOG_INTERVAL="1", EVAL_INTERVAL="3", EVAL_ITERS="1", SAVE_INTERVAL="3")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _sbatch_on_two_nodes(tmp_path, output):
     """``examples/sbatch_pretrain.sh`` as SLURM would run it on 2 nodes; returns the output and the
     argument list the script gave ``pretrain_gpt.py``."""
@@ -63,7 +57,7 @@ def _sbatch_on_two_nodes(tmp_path, output):
     srun.write_text(FAKE_SRUN)
     srun.chmod(0o755)
     record = tmp_path / "srun_command"
-    env = dict(os.environ, **TINY, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", MASTER_PORT=str(_free_port()),
+    env = dict(os.environ, **TINY, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", MASTER_PORT=str(free_port()),
                OUTPUT_PATH=str(output), SRUN_RECORD=str(record), PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     env.pop("SLURM_JOB_ID", None)
     out = subprocess.run(["bash", SCRIPT], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)

@@ -89,17 +89,27 @@ def test_pretrain_gpt_tp2_dp2_all_levels(mcore_pool):
     _same_history(meta, runs["optim_grads_params"], "tp2 meta")
 
 
+PP2 = ["--pipeline-model-parallel-size", "2"]  # MODEL ties the embedding to the output layer (the default)
+
+
 @pytest.mark.parametrize("what, parallel", [
     ("dp4-zero3", fsdp("optim_grads_params")),
-    ("pp2-dp2-optim_grads", fsdp("optim_grads") + ["--pipeline-model-parallel-size", "2"]),
+    ("pp2-dp2-optim_grads", fsdp("optim_grads") + PP2),
 ])
 def test_pretrain_gpt_meta_device_init_equals_eager(mcore_pool, what, parallel):
     """--init-model-with-meta-device: the same losses, bitwise, as the eager build (PP 2: tied embedding
-    synchronised over the embedding group after materialisation, as Megatron-Core does at construction)."""
+    synchronised over the embedding group after materialisation, as Megatron-Core does at construction).
+    PP 2's eager build trains as Megatron-Core's DDP does: the tied embedding's gradients summed across the stages."""
     eager = mcore_pool.run(pretrain_in_pool, timeout=300, argv=MODEL + parallel)[0]
     meta = mcore_pool.run(pretrain_in_pool, timeout=300,
                           argv=MODEL + parallel + META)[0]
     _same_history(meta, eager, what)
+    if what.startswith("pp2"):
+        base = mcore_pool.run(pretrain_in_pool, timeout=300, argv=MODEL + PP2)[0]
+        for key in ("losses", "grad_norms", "valid"):
+            assert len(eager[key]) == len(base[key]) > 0, (key, eager[key], base[key])
+            for a, b in zip(eager[key], base[key]):
+                assert abs(a - b) <= 1e-5 * abs(b), (key, eager[key], base[key])
 
 
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01",

@@ -7,7 +7,8 @@
 Bridge builds Megatron-FSDP through module-global names, as Megatron-LM's trainer does (the same wheel's
 ``megatron/training/models/dist_utils.py`` picks the class); ``install()`` rebinds them (``patches.PATCHES`` keeps the
 record, ``uninstall()`` undoes it): the data-parallel class (and ``setup.py``'s ``isinstance`` that wires
-``no_sync`` / ``start_grad_sync`` / ``start_param_sync``), the default optimizer (``get_megatron_optimizer`` in
+``no_sync`` / ``start_grad_sync`` / ``start_param_sync``), ``finalize_model_grads`` (``setup.py``'s copy), the
+default optimizer (``get_megatron_optimizer`` in
 ``training/optim.py``; an ``OptimizerConfig`` with its own ``provide()`` keeps it), the params norm, the
 ``fsdp_dtensor`` preprocessing (``trainer_backend.py``), and AutoBridge's ``unwrap_model``, export and import:
 export reads full weights (``FullyShardedDataParallel.full_parameters``) at every level, import into a wrapped model
@@ -92,6 +93,8 @@ def use_this_backend() -> None:
     from megatron.bridge.training import checkpointing, optim, train
 
     rebind("megatron_FSDP", FullyShardedDataParallel, "megatron.bridge.training.setup")
+    import megatron.core.distributed as core_distributed  # rebound by use_this_backend_in_megatron_training above
+    rebind("finalize_model_grads", core_distributed.finalize_model_grads, "megatron.bridge.training.setup")
     rebind("get_megatron_optimizer", optimizer_factory(PATCHES.original(optim, "get_megatron_optimizer")),
            "megatron.bridge.training.optim")
     rebind("calc_params_l2_norm", params_norm_factory(PATCHES.original(train, "calc_params_l2_norm")),

@@ -35,6 +35,7 @@ from megatron.fsdp import mcore_releases as compat
 from . import ddp_fields
 from .checkpoint_keys import CheckpointKeys, ParallelRanks, chunk_keys, split_rules, tp_placements
 from .distributed_index import FSDPDistributedIndex
+from .finalize import refuse_megatron_core_finalize
 from .fp8_gather import fp8_param_gather
 from .meta_build import recipe_of
 from .overlap import overlap_arguments
@@ -214,7 +215,10 @@ class FullyShardedDataParallel(_BaseDataParallel):
                 **overlap_arguments(ddp_config, module, unit_classes),
                 # Persistent gather buffers (Megatron-Core's field; gather_buffers.py in the engine).
                 double_buffer=bool(getattr(ddp_config, "fsdp_double_buffer", False)
-                                   or getattr(ddp_config, "megatron_fsdp_max_pool_double_buffer", False))),
+                                   or getattr(ddp_config, "megatron_fsdp_max_pool_double_buffer", False)),
+                # Megatron-Core's DDP reduces in finish_grad_sync unless --overlap-grad-reduce, and its trainers
+                # then call no no_sync: every micro-batch's backward would otherwise reduce again.
+                reduce_in_backward=bool(ddp_config.overlap_grad_reduce)),
             **meta_init_arguments(module),
         ))
 
@@ -264,6 +268,7 @@ class FullyShardedDataParallel(_BaseDataParallel):
         self._fsdp.start_grad_sync()
 
     def finish_grad_sync(self, force_all_reduce: Optional[bool] = False) -> None:
+        refuse_megatron_core_finalize(self.config)  # every rank alike, before the reductions
         self._fsdp.finish_grad_sync()
         if self.ddp_config.check_for_nan_in_grad:
             for unit in self._fsdp.units:

@@ -9,6 +9,7 @@ role                   Megatron-Core group                                      
 ``tp``                 tensor model parallel                                        SP norm grads
 ``mp``                 model parallel (tensor x pipeline)                           global grad norm
 ``embd``               first and last pipeline stage (tied embedding/output)       tied weight grads
+``pos_embd``           the stages holding learned position embeddings (first)      position emb. grads
 ``expt_dp_shard``      expert data parallel (partial group with several            expert inner axis
                        expert optimizer instances)
 ``expt_dp_outer``      across expert optimizer instances (None with one)           expert outer axis
@@ -59,6 +60,7 @@ class FSDPDistributedIndex:
     mp: Optional[Any]
     embd: Optional[Any]
     pp: Optional[Any] = None
+    pos_embd: Optional[Any] = None
     dp_cp_size: int = 1
     expt_dp_shard: Optional[Any] = None
     expt_dp_outer: Optional[Any] = None
@@ -106,6 +108,7 @@ class FSDPDistributedIndex:
             mp=ps.get_model_parallel_group(),
             embd=ps.get_embedding_group(check_initialized=False),
             pp=ps.get_pipeline_model_parallel_group(),
+            pos_embd=ps.get_position_embedding_group(check_initialized=False),
             dp_cp_size=_size(ps.get_data_parallel_group(with_context_parallel=True)),
             expt_dp_shard=expt_dp_shard,
             expt_dp_outer=expt_dp_outer,
@@ -133,6 +136,7 @@ class FSDPDistributedIndex:
             mp=getattr(pg_collection, "mp", None),
             embd=getattr(pg_collection, "embd", None),
             pp=getattr(pg_collection, "pp", None),
+            pos_embd=getattr(pg_collection, "pos_embd", None),
             dp_cp_size=_size(getattr(pg_collection, "dp_cp", None) or dp_shard),
             expt_dp_shard=expt_dp_shard,
             expt_dp_outer=expt_dp_outer,

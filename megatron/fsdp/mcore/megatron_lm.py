@@ -7,8 +7,8 @@ runs the user's unchanged script as ``__main__`` after ``install()``; a user who
 ``from megatron.fsdp.mcore import megatron_lm; megatron_lm.install()`` before ``pretrain``. Megatron-LM
 picks Megatron-FSDP's classes by module-global name and has no hook for it, so ``install()`` rebinds those
 names (``patches.PATCHES`` keeps the record): the data-parallel class, the optimizer factory, the
-params norm and the ``fsdp_dtensor`` preprocessing (``trainer_backend.py``). Everything else (flags,
-schedule, logging, checkpoint files) stays Megatron-LM's. Without CUDA it also makes the trainer run
+gradient finalisation (``finalize_model_grads``), the params norm and the ``fsdp_dtensor`` preprocessing
+(``trainer_backend.py``). Everything else (flags, schedule, logging, checkpoint files) stays Megatron-LM's. Without CUDA it also makes the trainer run
 on CPU processes with gloo (``mcore_cpu/trainer_bridges.py``). megatron-core ships ``megatron.training`` from 0.17
 (Python 3.12); on an older release ``install()`` refuses with one line. docs/trainers.md has the flags.
 """
@@ -28,7 +28,8 @@ from megatron.fsdp.commands import PRETRAIN
 from megatron.fsdp import mcore_releases as compat
 from .data_parallel import FullyShardedDataParallel
 from megatron.fsdp.mcore_cpu.patch_record import PATCHES, once, rebind, use_shipped_dataset_helpers
-from .trainer_backend import fsdp_dtensor_preprocess_factory, optimizer_factory, params_norm_factory
+from .trainer_backend import (finalize_factory, fsdp_dtensor_preprocess_factory, optimizer_factory,
+                              params_norm_factory)
 from .trainer_checkpoints import job_checkpoint_in_megatron_lm
 
 
@@ -58,6 +59,10 @@ def use_this_backend() -> None:
 
     factory = optimizer_factory(PATCHES.original(core_optimizer, "get_megatron_optimizer"))
     rebind("get_megatron_optimizer", factory, "megatron.core.optimizer", "megatron.training.training")
+    import megatron.core.distributed as core_distributed
+
+    rebind("finalize_model_grads", finalize_factory(PATCHES.original(core_distributed, "finalize_model_grads")),
+           "megatron.core.distributed", "megatron.core.distributed.finalize_model_grads", "megatron.training.training")
     rebind("calc_params_l2_norm", params_norm_factory(PATCHES.original(training, "calc_params_l2_norm")),
            "megatron.training.training", "megatron.training.utils", "megatron.training.utils.common_utils")
     rebind("preprocess_fsdp_dtensor_state_dict",

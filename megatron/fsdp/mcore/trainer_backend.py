@@ -7,6 +7,10 @@ for a model that is not ``FullyShardedDataParallel``:
 - ``optimizer_factory``: ``get_megatron_optimizer`` -> ``get_fsdp_optimizer``, Megatron's standard
   parameter groups (no weight decay for biases and 1-D parameters, ``--decoupled-lr``) taken from the
   trainer's ``config_overrides``; any other override is refused with one line;
+- ``finalize_factory``: ``finalize_model_grads`` (both trainers install Megatron-Core's) reads the gradients of
+  tied embeddings, sequence-parallel norms and TP-averaged parameters where Megatron-Core's DDP keeps them,
+  and skips each one it does not find there, so a pipeline-split tied embedding would go unsummed without
+  a word; ours (``finalize.py``) runs the same reductions over this backend's sharded gradients;
 - ``params_norm_factory``: ``calc_params_l2_norm`` expects NVIDIA's DTensor parameters; ours is the
   norm of the fp32 main shards (``FullyShardedOptimizer.params_norm``);
 - ``fsdp_dtensor_preprocess_factory``: the trainers' ``fsdp_dtensor`` preprocessing (SwiGLU split,
@@ -24,6 +28,7 @@ from typing import Callable
 import torch
 
 from .data_parallel import FullyShardedDataParallel
+from .finalize import DISPATCHES_TO_THIS_BACKEND, finalize_model_grads as finalize_sharded_grads
 from megatron.fsdp.mcore_cpu.trainer_bridges import print_once  # noqa: F401  (the runners' one-line notices)
 
 from .megatron_optimizer import FullyShardedMegatronOptimizer, get_fsdp_optimizer
@@ -93,6 +98,16 @@ def optimizer_factory(original: Callable) -> Callable:
             return original(config, model_chunks, config_overrides, *args, **kwargs)
         return build_optimizer(config, model_chunks, config_overrides)
     return get_megatron_optimizer
+
+
+def finalize_factory(original: Callable) -> Callable:
+    """``finalize_model_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False)`` for either
+    backend (the trainers call it as ``config.finalize_model_grads_func``, Bridge through a ``partial``)."""
+    @functools.wraps(original)
+    def finalize_model_grads(model, *args, **kwargs):
+        return (finalize_sharded_grads if ours(model) else original)(model, *args, **kwargs)
+    setattr(finalize_model_grads, DISPATCHES_TO_THIS_BACKEND, True)
+    return finalize_model_grads
 
 
 def params_norm(model) -> float:

@@ -39,19 +39,26 @@ class Overlap:
     ``double_buffer=True``: ZeRO-3 units gather into persistent buffers allocated once (two per
     section and nesting depth, or the prefetch depth + 1) instead of allocating at every gather
     (``gather_buffers.py``; Megatron-LM's ``--fsdp-double-buffer``).
+    ``reduce_in_backward=False``: the once-per-step reductions (the full-gradient levels' and the outer
+    axis's) wait for ``start_grad_sync`` / ``finish_grad_sync`` instead of running in the backward of the
+    first micro-batch outside ``no_sync``: Megatron-Core's DDP without ``--overlap-grad-reduce``, whose
+    schedule then calls no ``no_sync``. Grad-sharded levels still reduce-scatter every micro-batch.
     """
 
     forward_prefetch: int = 1
     backward_prefetch: int = 1
     reductions_in_flight: Optional[int] = None
     double_buffer: bool = False
+    reduce_in_backward: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.double_buffer, bool):
-            raise ValueError(f"double_buffer must be True or False, got {self.double_buffer!r}")
+        for flag in ("double_buffer", "reduce_in_backward"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name == "double_buffer" or value is None and field.name == "reductions_in_flight":
+            if field.name in ("double_buffer", "reduce_in_backward") or (
+                    value is None and field.name == "reductions_in_flight"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{field.name} must be an integer >= 0, got {value!r}")
@@ -383,13 +390,22 @@ class Schedule:
         unit.grads_pending = False
         self._advance_staged()
         storage = unit.storage
+        if unit.num_trainable and unit.reduced_this_step and storage.step_stage_crosses_ranks:
+            # Its once-per-step reduction ran already: adding this micro-batch to reduced gradients would count the
+            # earlier micro-batches again (Megatron-Core's DDP refuses the same: "Cannot set grad twice").
+            raise RuntimeError(
+                f"FSDP unit {unit.name} received another micro-batch's gradients after this step's reduction of its "
+                "gradients ran: run every micro-batch but the last under model.no_sync() (Megatron's schedule: "
+                "config.no_sync_func), or defer the reductions to finish_grad_sync "
+                "(Overlap(reduce_in_backward=False))")
+        sync = self.sync_grads and self.overlap.reduce_in_backward
         if unit.num_trainable:
             if storage.levels.inner.keeps_full_grads:
                 storage.accumulate_local()
-                if self.sync_grads:
+                if sync:
                     self._reduce_step(unit)
             else:
-                with_step = self.sync_grads and storage.has_step_stage
+                with_step = sync and storage.has_step_stage
                 with profiling.span("reduce", unit.name):
                     handle = storage.reduce_microbatch(tag=unit.name, then_step=with_step)
                 self._enqueue(unit, handle)
@@ -427,7 +443,7 @@ class Schedule:
             if unit.state is UnitState.BACKWARD:
                 self._post_backward(unit)
         self._release_all()
-        if self.sync_grads:
+        if self.sync_grads and self.overlap.reduce_in_backward:
             self._reduce_unreduced()
         self._issue_every_stage()
         self._drain()
@@ -484,6 +500,7 @@ class Schedule:
     def zero_grads(self, set_to_none: bool = False) -> None:
         self._scaled_this_step = False
         for unit in self.units:
+            unit.reduced_this_step = False  # nothing reduced is left to count twice
             unit.storage.zero_grads(set_to_none)
 
     def wait_weights(self) -> None:

@@ -277,6 +277,13 @@ class UnitStorage:
         """Some reduction runs once per step (not every micro-batch)."""
         return self.levels.inner.keeps_full_grads or not self.levels.outer.shard_grads
 
+    @property
+    def step_stage_crosses_ranks(self) -> bool:
+        """The once-per-step stage moves data between ranks: a micro-batch added after it ran would be
+        averaged with the others' already-reduced sum, counting them twice (on one-rank axes it is a no-op)."""
+        return (self.levels.inner.keeps_full_grads and self.inner.size > 1
+                or not self.levels.outer.shard_grads and self.outer.size > 1)
+
     def _kept_range(self) -> tuple:
         """ZeRO-3: the buffer range whose compute weights persist between uses.
 

@@ -3,9 +3,10 @@
 Megatron-LM's own script lives only in its repository, so the tests drive ``megatron.training.pretrain`` (from the
 megatron-core wheel) the way that script does: ``parse_and_validate_args``, the config container, a model provider
 building ``GPTModel`` with the local layer spec, mock data, ``get_batch_on_this_tp_rank``, the same loss function.
-One addition: every micro-batch's loss sum and token count are written to ``$LOSSES_DIR/rank<r>.json`` (tensor-parallel
-rank 0 of each data-parallel rank), so a test compares the losses of each iteration exactly, not the log line's
-rounded average. Run it as ``torchrun ... -m megatron.fsdp.mcore.megatron_lm pretrain_gpt.py <flags>``.
+Two additions: every micro-batch's loss sum and token count are written to ``$LOSSES_DIR/rank<r>.json``
+(tensor-parallel rank 0 of each data-parallel rank), and the grad norm and params norm ``training_log`` is handed
+each iteration to ``$LOSSES_DIR/norms.json`` (rank 0; both are global), so a test compares them exactly, not the log
+line's rounding. Run it as ``torchrun ... -m megatron.fsdp.mcore.megatron_lm pretrain_gpt.py <flags>``.
 """
 
 import json
@@ -22,11 +23,24 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 from megatron.core.utils import get_batch_on_this_tp_rank
+from megatron.fsdp.mcore_cpu.layer_spec import cpu_layer_spec
 from megatron.training import get_args, pretrain
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
 from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args
 
 LOSSES = []
+NORMS = []
+
+
+def recording_norms(training_log):
+    """``training_log`` that first keeps the iteration's exact grad norm and params norm."""
+    def log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag, skipped_iter,
+            grad_norm, params_norm, *args, **kwargs):
+        NORMS.append([iteration, None if grad_norm is None else float(grad_norm),
+                      None if params_norm is None else float(params_norm)])
+        return training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
+                            skipped_iter, grad_norm, params_norm, *args, **kwargs)
+    return log
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
@@ -37,6 +51,11 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
                     max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
                     post_process=post_process, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                     position_embedding_type=args.position_embedding_type, vp_stage=vp_stage, pg_collection=pg_collection)
+
+
+def cpu_spec(model_config, vp_stage=None):
+    """The layers on CPU for ``--sequence-parallel``: the local spec with norms that take it (``cpu_layer_spec``)."""
+    return cpu_layer_spec(model_config.transformer, vp_stage=vp_stage)
 
 
 def get_batch(data_iterator):
@@ -78,10 +97,18 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
 
 if __name__ == "__main__":
     datasets_provider.is_distributed = True
+    from megatron.training import training
+
+    training.training_log = recording_norms(training.training_log)
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
     container = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+    if args.sequence_parallel:  # the local spec's torch norms refuse it (on a GPU Megatron-LM builds TE's layers)
+        container.model.transformer_layer_spec = cpu_spec
     pretrain(container, datasets_provider, ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
     if os.environ.get("LOSSES_DIR") and mpu.get_tensor_model_parallel_rank() == 0:
         path = os.path.join(os.environ["LOSSES_DIR"], f"rank{torch.distributed.get_rank()}.json")
         with open(path, "w") as f:
             json.dump(LOSSES, f)
+    if os.environ.get("LOSSES_DIR") and torch.distributed.get_rank() == 0:
+        with open(os.path.join(os.environ["LOSSES_DIR"], "norms.json"), "w") as f:
+            json.dump(NORMS, f)
