@@ -1,7 +1,0 @@
-"""Moved to megatron.fsdp.mcore_cpu.layer_spec; this name stays for one release."""
-
-import sys
-
-from megatron.fsdp.mcore_cpu import layer_spec as _moved
-
-sys.modules[__name__] = _moved  # the same module object: names read or set through the old path are its names
