@@ -98,9 +98,3 @@ def test_outer_level_without_outer_axis_is_rejected():
     import torch
     with pytest.raises(ValueError, match="needs an outer data-parallel axis"):
         mfsdp.fully_shard(torch.nn.Linear(2, 2), strategy="optim_grads_params", outer_strategy="optim")
-
-
-def test_mesh_and_process_group_together_are_rejected():
-    import torch
-    with pytest.raises(ValueError, match="either process_group"):
-        mfsdp.fully_shard(torch.nn.Linear(2, 2), mesh=mfsdp.DataParallelMesh(), process_group=object())

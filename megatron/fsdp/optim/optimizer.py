@@ -24,9 +24,9 @@ from ..collectives.comm import CommAxis, collective
 from ..sharding.experts import EXPERT
 from .matrix_checkpoint import check_matrix_state_dict, matrix_state_dict, split_state_dict, write_matrix_state
 from .matrix_whole import make_matrix_optimizer
+from ..wrap.build import checked_option
 from ..wrap.module import FullyShardedModule
 from ..precision.optimizer_state import OptimizerPrecision, attach_grad, detach_grad
-from .old_optimizer_keywords import take_old_keywords
 from .optimizer_options import GradNorm, LabelledGroups, PerMatrixOptimizer
 
 Models = Union[FullyShardedModule, Sequence[FullyShardedModule]]
@@ -35,12 +35,6 @@ MATRIX = "matrix"  # the decay-class flag of matrix parameters: kept out of the 
 
 def _real_groups(groups: Sequence) -> list:
     return [g for g in groups if g is not None and dist.get_world_size(g) > 1]
-
-
-def _checked(value, kind: type, keyword: str):
-    if value is not None and not isinstance(value, kind):
-        raise TypeError(f"{keyword} must be a megatron.fsdp.{kind.__name__}, got {type(value).__name__}")
-    return value
 
 
 def _mesh_key(model: FullyShardedModule):
@@ -69,22 +63,16 @@ class FullyShardedOptimizer:
     decay) then each label's in ``options`` order, the same on every rank (empty ones kept);
     ``group_labels[g]`` says the ``(label, no_weight_decay)`` of group ``g``. Their hyperparameters are
     checkpointed per group like the default ones.
-
-    The keywords of the previous release (``counts_in_norm``, ``norm_groups``, ``expert_norm_groups``,
-    ``matrix_*``, ``state_dtype``, ``main_grads_dtype``, ``param_group``, ``group_options``) still work
-    for one release, with a ``DeprecationWarning`` (``old_optimizer_keywords.py``).
     """
 
     def __init__(self, models: Models, optimizer_cls: Callable = torch.optim.AdamW, clip_grad: float = 0.0,
                  no_weight_decay: Optional[Callable] = None, grad_norm: Optional[GradNorm] = None,
                  matrix: Optional[PerMatrixOptimizer] = None, precision: Optional[OptimizerPrecision] = None,
                  labelled_groups: Optional[LabelledGroups] = None, **optimizer_kwargs):
-        options = take_old_keywords(dict(grad_norm=grad_norm, matrix=matrix, precision=precision,
-                                         labelled_groups=labelled_groups), optimizer_kwargs)
-        grad_norm = _checked(options["grad_norm"], GradNorm, "grad_norm") or GradNorm()
-        matrix = _checked(options["matrix"], PerMatrixOptimizer, "matrix")
-        precision = _checked(options["precision"], OptimizerPrecision, "precision") or OptimizerPrecision()
-        labelled_groups = _checked(options["labelled_groups"], LabelledGroups, "labelled_groups") or LabelledGroups()
+        grad_norm = checked_option(grad_norm, GradNorm, "grad_norm") or GradNorm()
+        matrix = checked_option(matrix, PerMatrixOptimizer, "matrix")
+        precision = checked_option(precision, OptimizerPrecision, "precision") or OptimizerPrecision()
+        labelled_groups = checked_option(labelled_groups, LabelledGroups, "labelled_groups") or LabelledGroups()
         self.models: List[FullyShardedModule] = [models] if isinstance(models, FullyShardedModule) else list(models)
         if not self.models or not all(isinstance(m, FullyShardedModule) for m in self.models):
             raise TypeError("FullyShardedOptimizer needs the model(s) returned by megatron.fsdp.fully_shard")

@@ -28,7 +28,6 @@ from ..init.meta_init import MetaInit, MetaMaterialiser, check_meta_module, is_o
 from ..precision.mixed_precision import MixedPrecision
 from ..precision.param_gather import QuantizedParamGather
 from .module import FullyShardedModule
-from .old_shard_keywords import new_form
 from ..init.replicas import broadcast_from_rank0
 from ..schedule.runtime import Overlap, Schedule
 from ..sharding.strategy import MeshStrategy, parse_mesh_strategy
@@ -91,6 +90,14 @@ def _assign_params(module: torch.nn.Module, unit_names: List[str]):
 
 
 @collective("fully_shard")
+def checked_option(value, kind: type, keyword: str):
+    """``value`` of an option that is one value (``overlap=Overlap(...)``), or None; anything else is refused with
+    the type it must be (the engine's public calls take their options this way)."""
+    if value is not None and not isinstance(value, kind):
+        raise TypeError(f"{keyword} must be a megatron.fsdp.{kind.__name__}, got {type(value).__name__}")
+    return value
+
+
 def fully_shard(
     module: torch.nn.Module,
     strategy="optim_grads_params",
@@ -103,7 +110,6 @@ def fully_shard(
     experts: Optional[ExpertSharding] = None,
     overlap: Optional[Overlap] = None,
     meta_init: Optional[MetaInit] = None,
-    **deprecated,
 ) -> FullyShardedModule:
     """Shard ``module``'s parameters, gradients and optimizer state over the data-parallel ranks.
 
@@ -118,9 +124,6 @@ def fully_shard(
     gather buffers) sets how far communication runs ahead of compute (default ``Overlap()``).
     ``mixed_precision=MixedPrecision(..., param_gather=QuantizedParamGather(recipe, ...))`` gathers
     the GEMM weights it selects in FP8 (``megatron.fsdp.quantized_weight(param)`` gives that form).
-    The keywords of the previous release (``process_group``, ``forward_prefetch``,
-    ``backward_prefetch``, ``reductions_in_flight``, ``double_buffer``, ``param_gather``, ``device``,
-    ``init_weights``) still work for one release, with a ``DeprecationWarning`` (``old_shard_keywords.py``).
     A module on the ``meta`` device is materialised as ``meta_init=MetaInit(device, init_weights)``
     says: on ``device`` (default: the current CUDA device, else CPU) one submodule at a time, each
     initialised by ``init_weights(submodule)`` or its own ``reset_parameters()`` in
@@ -132,7 +135,9 @@ def fully_shard(
     parameter is overwritten with rank 0's values along each data-parallel axis
     (``replicas.py``), so replicas that were built differently cannot diverge.
     """
-    mesh, mp, overlap, meta_init = new_form(mesh, mixed_precision, overlap, meta_init, deprecated)
+    overlap = checked_option(overlap, Overlap, "overlap")
+    mp = checked_option(mixed_precision, MixedPrecision, "mixed_precision")
+    meta_init = checked_option(meta_init, MetaInit, "meta_init")
     meta_init = meta_init if meta_init is not None else MetaInit()
     device, init_weights = meta_init.device, meta_init.init_weights
     mesh = _mesh_of(mesh)
