@@ -38,6 +38,9 @@ TAKES_NAMESPACE: Dict[str, str] = {
     "megatron/fsdp_training/job_setup.py::setup": (
         "validates the arguments, writes the tokenizer's vocabulary sizes into them, then maps them (below)"),
     "megatron/fsdp_training/tools/generate.py::run": "the generation command's entry point (the job's own flags)",
+    "megatron/fsdp_training/tools/estimate/cli.py::run": "the estimate command's entry point (the job's own flags)",
+    "megatron/fsdp_training/tools/estimate/one_step.py::measure_one_step": (
+        "builds the job from its arguments as the entry point does (hands them to the Trainer), then measures it"),
     # the mappers: flags into Megatron-Core's own typed configs (Megatron-LM's core_transformer_config_from_args)
     "megatron/fsdp_training/model.py::transformer_config": "the flags into Megatron-Core's (MLA)TransformerConfig",
     "megatron/fsdp_training/model_shape.py::transformer_config_fields": (

@@ -6,7 +6,8 @@ that sees the running interpreter's torch and megatron-core through a ``.pth`` o
 directories (``.pth`` files inside those are not processed, so an editable install's finder,
 which would map ``megatron.fsdp`` back to a clone, stays out), and every command runs from a
 temporary directory: the job trains 2 iterations and saves, the inspector and the converter read
-that checkpoint, generation continues a prompt from it, preprocessing writes a dataset, and
+that checkpoint, generation continues a prompt from it, the estimate simulates rank 7 of 512, preprocessing
+writes a dataset, and
 ``python -m`` of the job's package and of its training module reach the job's parser.
 """
 
@@ -80,7 +81,8 @@ def test_the_wheel_is_what_runs_and_its_commands_are_the_ones_named(venv, tmp_pa
     location = Path(found.stdout.strip()).resolve()
     assert location.is_relative_to(where.resolve()) and not location.is_relative_to(ROOT), location
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    named = {commands.PRETRAIN, commands.CONVERT, commands.INSPECT, commands.PREPROCESS, commands.GENERATE}
+    named = {commands.PRETRAIN, commands.CONVERT, commands.INSPECT, commands.PREPROCESS, commands.GENERATE,
+             commands.ESTIMATE}
     with zipfile.ZipFile(wheel) as archive:
         entry_points = next(archive.read(n).decode() for n in archive.namelist() if n.endswith("entry_points.txt"))
     assert set(scripts) == named and all(f"{name} = {scripts[name]}" in entry_points for name in named), entry_points
@@ -111,7 +113,9 @@ def test_the_tools_read_the_checkpoint_and_preprocess(venv, trained):
     runs = {"inspect": _start(venv[0], where, commands.INSPECT, "ckpt"),
             "convert": _start(venv[0], where, commands.CONVERT, "to-torch", "ckpt", "full.pt"),
             "generate": _start(venv[0], where, commands.GENERATE, "--load", "ckpt", "--prompt", "1 2 3",
-                               "--max-new-tokens", "4", "--greedy", "--no-stop-at-eod")}
+                               "--max-new-tokens", "4", "--greedy", "--no-stop-at-eod"),
+            "estimate": _start(venv[0], where, commands.ESTIMATE, "--world-size", "512", "--rank", "7", *TRAIN,
+                               "--global-batch-size", "1024")}
     out.update({name: _finish(process) for name, process in runs.items()})
     assert "format fsdp_dtensor" in out["inspect"] and "iteration 2," in out["inspect"], out["inspect"]
     assert "wrote full.pt from" in out["convert"], out["convert"]
@@ -120,5 +124,7 @@ def test_the_tools_read_the_checkpoint_and_preprocess(venv, trained):
     assert "generated 4 tokens" in out["generate"], out["generate"][-3000:]
     continued = next(line for line in out["generate"].splitlines() if line.startswith("1 2 3 ")).split()
     assert len(continued) == 7 and all(token.isdigit() for token in continued), continued
+    assert "estimate of rank 7 of 512 (a simulation" in out["estimate"], out["estimate"][-3000:]
+    assert "--save replaced" in out["estimate"], out["estimate"][-3000:]  # it writes nothing
     assert f"Done: {len(DOCUMENTS)} input documents" in out["preprocess"], out["preprocess"]
     assert all((where / "data" / f"tiny_text_document{ext}").stat().st_size > 0 for ext in (".bin", ".idx"))

@@ -129,7 +129,7 @@ def tools_listing() -> str:
 LAYOUT = (
     ("megatron/fsdp/", "the engine: `fully_shard`, `FullyShardedOptimizer`, `MixedPrecision` (torch only)"),
     ("megatron/fsdp/commands.py", "the installed commands' names (`megatron-fsdp-pretrain`, `-convert`, `-inspect`, "
-                                  "`-preprocess`, `-generate`) that every message tells a user to run"),
+                                  "`-preprocess`, `-generate`, `-estimate`) that every message tells a user to run"),
     ("megatron/fsdp/mcore/", "the Megatron-Core adapter: `FullyShardedDataParallel`, its optimizer "
                              "([docs/adapter.md](docs/adapter.md))"),
     ("megatron/fsdp/mcore_cpu/", "the CPU emulation of Megatron-Core and Transformer Engine (gloo, CPU FP8 layers), "
@@ -137,7 +137,7 @@ LAYOUT = (
     ("megatron/fsdp_training/", "the training job behind `pretrain_gpt.py` ([docs/training.md](docs/training.md), "
                                 "[docs/arguments.md](docs/arguments.md))"),
     ("megatron/fsdp_training/tools/", "the installed tools: checkpoint conversion and inspection, preprocessing, "
-                                      "generation ([tools/README.md](tools/README.md))"),
+                                      "generation, the estimate ([tools/README.md](tools/README.md))"),
     ("pretrain_gpt.py", "Megatron-LM's entry point: `torchrun ... pretrain_gpt.py --use-megatron-fsdp ...`"),
     ("tests/", "pytest suite: single-process and multi-process (gloo) tests, `slow` parity matrix "
                "([docs/testing.md](docs/testing.md))"),
@@ -202,6 +202,34 @@ def adapter_table() -> str:
     return "```\n" + out.stdout.rstrip() + "\n```"
 
 
+def _estimate_tables(*flags: str) -> str:
+    """``python tools/estimate_at_scale.py``'s table (the simulations of docs/estimate.md), verbatim."""
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "estimate_at_scale.py"), *flags],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=6000)
+    if out.returncode:
+        raise RuntimeError(f"tools/estimate_at_scale.py failed:\n{out.stderr[-2000:]}")
+    return out.stdout.rstrip()
+
+
+def estimate_at_scale() -> str:
+    return _estimate_tables()
+
+
+def estimate_published() -> str:
+    return _estimate_tables("--published")
+
+
+def estimate_vs_measured() -> str:
+    """``python tools/estimate_vs_measured.py``'s table (this machine's measured steps beside the time model)."""
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "estimate_vs_measured.py")],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=6000)
+    if out.returncode:
+        raise RuntimeError(f"tools/estimate_vs_measured.py failed:\n{out.stderr[-2000:]}")
+    return out.stdout.rstrip()
+
+
 def not_built_table() -> str:
     """The Megatron-LM flags the job does not build and why (``arguments/not_built.py``)."""
     from megatron.fsdp_training.arguments.not_built import not_built_table as table
@@ -219,6 +247,11 @@ BLOCKS = (
     Block("training-log", "docs/training.md", training_log, runs_a_job=True, mask=TIMING),
     Block("adapter-parity", "docs/adapter.md", adapter_table, runs_a_job=True,
           mask=(r"(?m) [0-9.]+$", r"[0-9]\.[0-9]{2}e[-+][0-9]{2}")),  # seconds; errors below 1e-5 vary by run
+    Block("estimate-at-scale", "docs/estimate.md", estimate_at_scale, runs_a_job=True,
+          mask=(r"(?m)\| [0-9]+, [0-9.]+ \|$",)),  # the estimate's own seconds and host memory
+    Block("estimate-published", "docs/estimate.md", estimate_published, runs_a_job=True),
+    Block("estimate-vs-measured", "docs/estimate.md", estimate_vs_measured, runs_a_job=True,
+          mask=(r"[0-9]+\.[0-9]+",)),  # every timing and ratio depends on the machine
 )
 
 

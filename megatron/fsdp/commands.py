@@ -15,6 +15,7 @@ CONVERT = "megatron-fsdp-convert"  # checkpoint <-> torch file, HuggingFace, tor
 INSPECT = "megatron-fsdp-inspect"  # what a checkpoint holds; --verify checks its files
 PREPROCESS = "megatron-fsdp-preprocess"  # a corpus -> Megatron-Core indexed datasets (--data-path)
 GENERATE = "megatron-fsdp-generate"  # what a checkpoint's model says
+ESTIMATE = "megatron-fsdp-estimate"  # a configuration's memory, collectives and checkpoint per rank at any world size
 
 
 def set_command_defaults() -> None:

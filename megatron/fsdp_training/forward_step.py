@@ -4,10 +4,13 @@ validation over it: what ``get_forward_backward_func`` calls, and how a global b
 from __future__ import annotations
 
 import functools
+import math
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron.fsdp.collectives.simulation import is_fake
 
 from .data import datasets as data
 
@@ -45,6 +48,8 @@ def mean_loss(losses_reduced: List[dict]) -> float:
         value[1] = len(losses_reduced)
         dist.all_reduce(value, group=ps.get_data_parallel_group())
     dist.broadcast(value, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+    if is_fake(value):
+        return math.nan  # a simulated step (fake tensors) has no loss value
     return float(value[0] / max(value[1], 1))
 
 

@@ -106,12 +106,14 @@ class Trainer:
         self.model = self.optimizer = self.scheduler = None
 
     # ------------------------------------------------------------------ parts
-    def setup(self) -> None:
-        """Process groups, model, optimizer, schedule (``job_setup.setup``), datasets, logs, saver, controls."""
+    def setup(self, hold_save: bool = True) -> None:
+        """Process groups, model, optimizer, schedule (``job_setup.setup``), datasets, logs, saver, controls.
+
+        ``hold_save``: take ``--save``'s locks (the training job); the estimate, which writes nothing, does not."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         args = self.args
-        self.device, self.tokenizer, self.model, self.optimizer, self.scheduler = setup(args, hold_save=True)
+        self.device, self.tokenizer, self.model, self.optimizer, self.scheduler = setup(args, hold_save=hold_save)
         self.checkpoint_config = CheckpointConfig.from_args(args)
         self.config = LoopConfig.from_args(args)
         # the components' views, read after set-up (it sets the padded vocabulary that ModelSize and wandb read)

@@ -261,8 +261,9 @@ class Run:
 def optimizer_runs(optimizer) -> List[Run]:
     """Locate every tensor of the inner optimizer in the main weights it is a view of.
 
-    Found by address rather than rebuilt from the decay rule, so whatever rule
-    made the runs, the mapping from run elements to parameters is exact.
+    Found by storage and offset rather than rebuilt from the decay rule, so whatever rule
+    made the runs, the mapping from run elements to parameters is exact. (Not by address: a
+    fake tensor, in a simulation, has none.)
     """
     homes = [(k, unit) for k, model in enumerate(optimizer.models) for unit in model.units
              if unit.storage.main.numel()]
@@ -272,8 +273,8 @@ def optimizer_runs(optimizer) -> List[Run]:
             run = Run(g, t, -1, None, 0, 0)
             for k, unit in homes:
                 m = unit.storage.main
-                off = (t.data_ptr() - m.data_ptr()) // m.element_size()
-                if t.numel() and t.untyped_storage().data_ptr() == m.untyped_storage().data_ptr() \
+                off = t.storage_offset() - m.storage_offset()
+                if t.numel() and t.untyped_storage()._cdata == m.untyped_storage()._cdata \
                         and 0 <= off and off + t.numel() <= m.numel():
                     a = unit.storage.regions.main[0] + off
                     run = Run(g, t, k, unit, a, a + t.numel())

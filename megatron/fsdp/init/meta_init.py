@@ -19,6 +19,8 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
+from ..collectives.simulation import is_fake, outside_simulation, simulating
+
 InitFn = Callable[[torch.nn.Module], None]
 
 
@@ -80,9 +82,24 @@ def check_meta_module(module: torch.nn.Module, init_weights: Optional[InitFn]) -
 
 
 def _materialise_param(p: torch.nn.Parameter, storage: torch.Tensor) -> None:
-    """Give a meta parameter ``storage`` in place: same Python object (identity, attributes, hooks kept)."""
-    real = torch.nn.Parameter(storage, requires_grad=p.requires_grad)
-    real.__dict__.update(p.__dict__)
+    """Give a meta parameter ``storage`` in place: same Python object (identity, attributes, hooks kept).
+
+    A fake ``storage`` (a simulation, ``FakeTensorMode``) is swapped in as it is, marked a parameter: fake mode
+    keeps a weak reference to every tensor it derives (a ``Parameter`` made of it too), and ``swap_tensors``
+    refuses any tensor that has one."""
+    if is_fake(p):
+        raise ValueError("the module was built on the meta device inside FakeTensorMode: its parameters are fake "
+                         "tensors that cannot be materialised in place; build it under `with torch.device('meta'):` "
+                         "outside FakeTensorMode (a meta build allocates nothing) and call fully_shard inside it")
+    attributes, requires_grad = dict(p.__dict__), p.requires_grad
+    if is_fake(storage):
+        torch.utils.swap_tensors(p, storage)
+        p.__dict__.update(attributes)
+        p._is_param = True  # what isinstance(p, Parameter) reads for a tensor subclass
+        p.requires_grad_(requires_grad)
+        return  # no data to mark unset
+    real = torch.nn.Parameter(storage, requires_grad=requires_grad)
+    real.__dict__.update(attributes)
     torch.utils.swap_tensors(p, real)
     if p.is_floating_point():
         p.data.fill_(float("nan"))  # anything left unset is caught below
@@ -91,12 +108,13 @@ def _materialise_param(p: torch.nn.Parameter, storage: torch.Tensor) -> None:
 def _unset(t: torch.Tensor) -> bool:
     """Any NaN left in ``t``. A max propagates NaN: it allocates no mask of ``t``'s size (``isnan``'s
     transient masks, freed into glibc's heap, fragmented it and grew a build's resident set)."""
-    if not t.is_floating_point() or t.numel() == 0:
-        return False
-    try:
-        return bool(torch.isnan(t.detach().amax()))
-    except RuntimeError:  # a dtype without a max kernel here (float8)
-        return bool(torch.isnan(t.detach().float()).any())
+    if not t.is_floating_point() or t.numel() == 0 or is_fake(t):
+        return False  # a fake tensor (a simulation) has no values to check
+    with outside_simulation():  # a real tensor (a buffer a constructor made on the device) is read as it is
+        try:
+            return bool(torch.isnan(t.detach().amax()))
+        except RuntimeError:  # a dtype without a max kernel here (float8)
+            return bool(torch.isnan(t.detach().float()).any())
 
 
 _ALIGN = 64  # bytes: where each parameter starts in the scratch (torch's CPU allocator aligns as much)
@@ -116,7 +134,8 @@ class _Scratch:
 
     def __init__(self, nbytes: int, device: torch.device):
         self.device, self.used = device, 0
-        self.mapping = mmap.mmap(-1, nbytes) if device.type == "cpu" and nbytes > 0 else None
+        real = device.type == "cpu" and nbytes > 0 and not simulating()  # simulated, torch.empty allocates nothing
+        self.mapping = mmap.mmap(-1, nbytes) if real else None
 
     @staticmethod
     def size_of(shapes: Sequence[Tuple[torch.Size, torch.dtype]]) -> int:

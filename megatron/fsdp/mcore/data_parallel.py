@@ -27,6 +27,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 import megatron.fsdp as mfsdp
 from megatron.fsdp.checkpoint.state_dict import expected_model_keys
+from megatron.fsdp.collectives.simulation import is_fake
 from megatron.fsdp.init.meta_init import is_on_meta
 from megatron.fsdp.sharding.strategy import parse_mesh_strategy, parse_strategy
 from megatron.fsdp.warn_once import warn_once
@@ -273,7 +274,7 @@ class FullyShardedDataParallel(_BaseDataParallel):
         if self.ddp_config.check_for_nan_in_grad:
             for unit in self._fsdp.units:
                 grad = unit.storage.main_grad
-                if grad.numel() and not torch.isfinite(grad).all():
+                if grad.numel() and not is_fake(grad) and not torch.isfinite(grad).all():  # simulated: no values
                     raise RuntimeError(f"NaN or Inf in the gradients of FSDP unit {unit.name} on rank "
                                        f"{torch.distributed.get_rank()} (check_for_nan_in_grad)")
 

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from megatron.fsdp import mcore_releases as compat
+from megatron.fsdp.collectives.simulation import outside_simulation
 
 _AFFINE_INITS = ("_initialize_affine_weight_cpu", "_initialize_affine_weight_gpu")
 _RANDOM = {"normal_", "uniform_", "bernoulli_", "random_", "exponential_", "geometric_", "cauchy_",
@@ -343,7 +344,8 @@ def build_on_meta_device(build: Callable[[], Any]) -> Any:
     """``build()`` (returning a module or a list of modules) with every tensor on meta and its
     initialisation recorded; :func:`recipe_of` gives each module's recipe."""
     tape = _Tape()
-    with _patched_affine_inits(tape), _deferred_all_reduce(tape), torch.device("meta"), _Recorder(tape):
+    with outside_simulation(), _patched_affine_inits(tape), _deferred_all_reduce(tape), torch.device("meta"), \
+            _Recorder(tape):
         built = build()
     chunks = built if isinstance(built, (list, tuple)) else [built]
     if not compat.TIED_EMBEDDING_SYNC_RUNS_ON_META:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..checkpoint.state_dict import load_optimizer_state_dict, optimizer_state_dict
 from ..collectives.comm import CommAxis, collective
+from ..collectives.simulation import is_fake
 from ..sharding.experts import EXPERT
 from .matrix_checkpoint import check_matrix_state_dict, matrix_state_dict, split_state_dict, write_matrix_state
 from .matrix_whole import make_matrix_optimizer
@@ -256,20 +257,24 @@ class FullyShardedOptimizer:
         return self._global_norm(self._norm_weights)
 
     def _global_norm(self, pieces: Dict[str, List[torch.Tensor]]) -> float:
-        """sqrt of the squares of ``pieces`` (per section) summed over every rank holding a distinct part."""
-        total = 0.0
+        """sqrt of the squares of ``pieces`` (per section) summed over every rank holding a distinct part.
+
+        Simulated (fake tensors) the same collectives run and the norm is NaN: there are no values to sum."""
+        sums = []
         for section, tensors in pieces.items():
             device = self._grads[0].device if self._grads else torch.device("cpu")
             sq = torch.zeros(1, dtype=torch.float32, device=device)
             if tensors:
                 sq += torch.stack([t.float().pow(2).sum() for t in tensors]).sum()
-            total += float(self.reduce_over_section(sq, section).item())
+            sums.append(self.reduce_over_section(sq, section))
         if self._absent_expert_axes:
             sq = torch.zeros(1, dtype=torch.float32, device=self._grads[0].device if self._grads else "cpu")
             for axis in self._absent_expert_axes:
                 axis.all_reduce(sq, tag="grad_norm").wait()
-            total += float(sq.item())
-        return math.sqrt(total)
+            sums.append(sq)
+        if any(is_fake(t) for t in sums):
+            return math.nan
+        return math.sqrt(sum(float(t.item()) for t in sums))
 
     def finish_grad_sync(self) -> None:
         """Complete every gradient reduction of this step; raise if no backward ran."""

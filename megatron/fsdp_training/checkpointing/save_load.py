@@ -88,10 +88,19 @@ def model_args(record: Mapping[str, Any]) -> Dict[str, Any]:
 
 # ------------------------------------------------------------------------- RNG
 def rng_state() -> bytes:
-    """This rank's RNG states: Python, NumPy, torch CPU, CUDA (if any) and Megatron's tracker streams."""
+    """This rank's RNG states: Python, NumPy, torch CPU, CUDA (if any) and Megatron's tracker streams.
+
+    The generators are real in a simulation too (fake tensors draw nothing): their states are read as they are."""
     from megatron.core import tensor_parallel
 
+    from megatron.fsdp.collectives.simulation import outside_simulation
+
     tracker = tensor_parallel.get_cuda_rng_tracker()
+    with outside_simulation():
+        return _pickled_rng_states(tracker)
+
+
+def _pickled_rng_states(tracker) -> bytes:
     return pickle.dumps(portable({  # no pickled tensor: they would name a module of this Megatron-Core release
         "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
