@@ -35,7 +35,8 @@ _PATTERNS = (
 _MODULE_PATTERNS = (
     # Megatron-Core's DistributedOptimizer under CPU mode: its .grad reads go through the
     # compatibility layer's TorchFunctionMode, whose tensors are views (the reads are correct).
-    (r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed", r"megatron\.fsdp\.mcore_cpu\.cuda_standins"),
+    (r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+     r"megatron\.fsdp\.mcore_cpu\.cuda_standins"),
 )
 
 # Notices a person running one job should see once, but that a pool of CPU workers running

@@ -11,11 +11,8 @@ instead; nothing else in the engine knows it is simulated.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import is_fake as _is_fake, unset_fake_temporarily
-
-FAKE_BACKEND = "fake"  # torch.testing._internal.distributed.fake_pg's backend name
 
 
 def is_fake(tensor: torch.Tensor) -> bool:
@@ -26,11 +23,6 @@ def is_fake(tensor: torch.Tensor) -> bool:
 def simulating() -> bool:
     """A ``FakeTensorMode`` is active: a tensor made now is fake (``torch.empty`` allocates nothing)."""
     return detect_fake_mode() is not None
-
-
-def is_fake_group(group) -> bool:
-    """``group`` moves no bytes: torch's fake backend (a collective returns at once, its output unchanged)."""
-    return group is not None and dist.get_backend(group) == FAKE_BACKEND
 
 
 def outside_simulation():

@@ -8,9 +8,10 @@ runs the user's unchanged script as ``__main__`` after ``install()``; a user who
 picks Megatron-FSDP's classes by module-global name and has no hook for it, so ``install()`` rebinds those
 names (``patches.PATCHES`` keeps the record): the data-parallel class, the optimizer factory, the
 gradient finalisation (``finalize_model_grads``), the params norm and the ``fsdp_dtensor`` preprocessing
-(``trainer_backend.py``). Everything else (flags, schedule, logging, checkpoint files) stays Megatron-LM's. Without CUDA it also makes the trainer run
-on CPU processes with gloo (``mcore_cpu/trainer_bridges.py``). megatron-core ships ``megatron.training`` from 0.17
-(Python 3.12); on an older release ``install()`` refuses with one line. docs/trainers.md has the flags.
+(``trainer_backend.py``). Everything else (flags, schedule, logging, checkpoint files) stays Megatron-LM's. Without
+CUDA it also makes the trainer run on CPU processes with gloo (``mcore_cpu/trainer_bridges.py``). megatron-core
+ships ``megatron.training`` from 0.17 (Python 3.12); on an older release ``install()`` refuses with one line.
+docs/trainers.md has the flags.
 """
 
 from __future__ import annotations

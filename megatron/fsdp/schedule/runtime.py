@@ -52,13 +52,13 @@ class Overlap:
     reduce_in_backward: bool = True
 
     def __post_init__(self):
-        for flag in ("double_buffer", "reduce_in_backward"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name in ("double_buffer", "reduce_in_backward") or (
-                    value is None and field.name == "reductions_in_flight"):
+            if field.type in ("bool", bool):
+                if not isinstance(value, bool):
+                    raise ValueError(f"{field.name} must be True or False, got {value!r}")
+                continue
+            if value is None and field.name == "reductions_in_flight":
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{field.name} must be an integer >= 0, got {value!r}")

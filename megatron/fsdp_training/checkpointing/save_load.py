@@ -25,11 +25,12 @@ atomic rename, tracker) is in ``checkpointing/files.py``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import pickle
 import random
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -156,13 +157,27 @@ ITEM_OVERHEAD = 1600
 FIXED_OVERHEAD, METADATA_PER_ITEM = 64 << 10, 400
 
 
+def write_items(state: Mapping[str, Any]) -> Iterator[Tuple[str, Any, Any]]:
+    """``(key, value, item)`` for each piece DCP writes for this rank in a save of ``state`` (``_create_write_items``:
+    this rank's shard of each DTensor, its plain tensors and pickled objects; no collective)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.planner_helpers import _create_write_items
+
+    flat, _ = flatten_state_dict(dict(state))
+    for key, value in flat.items():
+        for item in _create_write_items(key, value):
+            yield key, value, item
+
+
+def tensor_item_bytes(item) -> int:
+    """The bytes of a tensor piece (``item.tensor_data`` set): its chunk's elements at its dtype."""
+    return math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+
+
 def _item_bytes(item, value) -> int:
     if item.tensor_data is None:  # a pickled object
         return (len(value) if isinstance(value, (bytes, bytearray)) else 256) + ITEM_OVERHEAD
-    size = 1
-    for n in item.tensor_data.chunk.sizes:
-        size *= n
-    return size * item.tensor_data.properties.dtype.itemsize + ITEM_OVERHEAD
+    return tensor_item_bytes(item) + ITEM_OVERHEAD
 
 
 def estimate_bytes(state: Mapping[str, Any], group=None) -> int:
@@ -175,14 +190,9 @@ def estimate_bytes(state: Mapping[str, Any], group=None) -> int:
     estimate grow with the rank count and refuse saves that fit.) Every rank writes into the one ``--save``
     directory: the pieces add up on its file system.
     """
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-    from torch.distributed.checkpoint.planner_helpers import _create_write_items
-
-    flat, _ = flatten_state_dict(dict(state))
     mine: Dict[Tuple[str, Tuple[int, ...]], int] = {}
-    for key, value in flat.items():
-        for item in _create_write_items(key, value):
-            mine[(item.index.fqn, tuple(item.index.offset or ()))] = _item_bytes(item, value)
+    for _key, value, item in write_items(state):
+        mine[(item.index.fqn, tuple(item.index.offset or ()))] = _item_bytes(item, value)
     gathered: List[Optional[Dict]] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
     union: Dict = {}

@@ -4,10 +4,10 @@ simulated one.
 Why not the allocator's own counters: on CPU torch keeps none, and under ``FakeTensorMode`` nothing is allocated at
 all. What both runs share is the storages torch's operators create: every storage an operator returns is counted
 from that call until it is freed (a weak reference's callback), at its current size (the engine releases and
-re-allocates its gather buffers with ``UntypedStorage.resize_``, which is followed while this counts). An output
-on an input's storage (a view, an in-place result) allocates nothing: a view of memory torch did not allocate (a
-NumPy array's, an ``mmap``'s) is not counted; a tensor on the meta device (a model built there) holds no memory and is not counted. What
-existed before counting began is not counted: start it before the build.
+re-allocates its gather buffers with ``UntypedStorage.resize_``, which is followed while this counts). An output on
+an input's storage (a view, an in-place result) allocates nothing: a view of memory torch did not allocate (a NumPy
+array's, an ``mmap``'s) is not counted; a tensor on the meta device (a model built there) holds no memory and is not
+counted. What existed before counting began is not counted: start it before the build.
 """
 
 from __future__ import annotations
@@ -23,15 +23,14 @@ from torch.utils._pytree import tree_leaves
 
 class AllocationCounter(TorchDispatchMode):
     """``with AllocationCounter() as counter:``; ``counter.phase(name)`` (or ``begin``/``end``) marks a phase;
-    ``peaks[name]`` is the highest live count while it was the innermost phase, ``peak`` the highest overall,
-    ``created[name]`` the bytes of every storage created meanwhile (what its operators wrote)."""
+    ``peaks[name]`` is the highest live count while it was the innermost phase, ``created[name]`` the bytes of
+    every storage created meanwhile (what its operators wrote)."""
 
     def __init__(self):
         super().__init__()
         self._sizes: Dict[int, int] = {}  # storage key -> bytes counted for it now
         self._refs: Dict[int, weakref.ref] = {}
         self.live = 0
-        self.peak = 0
         self.peaks: Dict[str, int] = {}  # phase -> highest live bytes while it ran
         self.created: Dict[str, int] = {}  # phase -> bytes of the storages created while it ran (the writes)
         self._phases: List[str] = []
@@ -56,8 +55,6 @@ class AllocationCounter(TorchDispatchMode):
 
     def _grew(self, delta: int) -> None:
         self.live += delta
-        if self.live > self.peak:
-            self.peak = self.live
         if self._phases and self.live > self.peaks[self._phases[-1]]:
             self.peaks[self._phases[-1]] = self.live
 

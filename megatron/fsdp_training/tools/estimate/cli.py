@@ -20,9 +20,9 @@ from typing import List, Optional
 
 from megatron.fsdp.commands import ESTIMATE, set_command_defaults
 
-# What the estimate replaces, and with what: it reads, writes and logs nothing of the run it estimates.
-_REPLACED = {"data_path": None, "train_data_path": None, "valid_data_path": None, "test_data_path": None,
-             "save": None, "load": None, "tensorboard_dir": None, "wandb_project": None}
+# What the estimate leaves unset (with mock data instead): it reads, writes and logs nothing of the run it estimates.
+_UNSET = ("data_path", "train_data_path", "valid_data_path", "test_data_path", "save", "load", "tensorboard_dir",
+          "wandb_project")
 
 
 def add_estimate_args(parser: argparse.ArgumentParser) -> None:
@@ -60,9 +60,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         parser.error(f"--num-experts {args.num_experts}: the estimate cannot simulate a mixture of experts yet (the "
                      "token dispatcher sizes its all-to-all from the routing's values, which fake tensors do not "
                      "have); estimate the model without --num-experts for its dense part")
-    replaced = [name for name, value in _REPLACED.items() if getattr(args, name, None) not in (None, [], value)]
-    for name in _REPLACED:
-        setattr(args, name, _REPLACED[name])
+    replaced = [name for name in _UNSET if getattr(args, name, None) not in (None, [])]
+    for name in _UNSET:
+        setattr(args, name, None)
     if replaced or not args.mock_data:
         args.mock_data = True
         flags = ", ".join("--" + name.replace("_", "-") for name in replaced) or "the data flags"

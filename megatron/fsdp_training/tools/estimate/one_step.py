@@ -11,7 +11,6 @@ torch's fake process group), which differ only in what the tensors hold.
 from __future__ import annotations
 
 import dataclasses
-import math
 import pickle
 import time
 from typing import Dict, List, Tuple
@@ -116,20 +115,18 @@ def _collectives(model) -> Tuple[CollectiveRow, ...]:
 
 def _checkpoint(model, optimizer) -> CheckpointPlan:
     """The pieces DCP would write for this rank in a save of the job's state (``save_load.save_state_dict``)."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-    from torch.distributed.checkpoint.planner_helpers import _create_write_items
-    from ...checkpointing.save_load import save_state_dict
+    from ...checkpointing.save_load import save_state_dict, tensor_item_bytes, write_items
 
-    flat, _ = flatten_state_dict(dict(save_state_dict(model, optimizer)))
     tensors = objects = items = total = 0
-    for key, value in flat.items():
-        for item in _create_write_items(key, value):
-            items += 1
-            if item.tensor_data is None:
-                objects += len(value) if isinstance(value, (bytes, bytearray)) else len(pickle.dumps(value))
-            else:
-                tensors += math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
-        if isinstance(value, torch.Tensor):  # a DTensor's numel is its global one
+    counted = set()
+    for key, value, item in write_items(save_state_dict(model, optimizer)):
+        items += 1
+        if item.tensor_data is None:
+            objects += len(value) if isinstance(value, (bytes, bytearray)) else len(pickle.dumps(value))
+        else:
+            tensors += tensor_item_bytes(item)
+        if isinstance(value, torch.Tensor) and key not in counted:  # a DTensor's numel is its global one
+            counted.add(key)
             total += value.numel() * value.element_size()
     return CheckpointPlan(tensors, objects, items, total)
 
